@@ -1,0 +1,130 @@
+"""Frozen configuration, one dataclass per concern, composed into EngineConfig."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class TreadleError(Exception):
+    """A user-facing error: one clear line, never a traceback."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    kind: str  # "linear" | "llama3"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra_stop_token_ids: tuple[int, ...] = ()  # e.g. stories260K stops on BOS too
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any], eos_override: tuple[int, ...] | None = None) -> "ModelConfig":
+        archs = cfg.get("architectures") or [_ARCH_BY_MODEL_TYPE.get(cfg.get("model_type", ""), "LlamaForCausalLM")]
+        # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        rope_scaling = parse_rope_scaling(rope)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        sliding = cfg.get("sliding_window")
+        if archs[0] == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+            sliding = None
+        return ModelConfig(
+            architecture=archs[0],
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", archs[0] == "Qwen2ForCausalLM")),
+            rope_scaling=rope_scaling,
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_override if eos_override is not None else eos_ids,
+            extra_stop_token_ids=tuple(cfg.get("treadle_extra_stop_token_ids", ())),
+        )
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(self.eos_token_ids + self.extra_stop_token_ids))
+
+
+def parse_rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
+    if not raw:
+        return None
+    kind = raw.get("rope_type") or raw.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind not in ("linear", "llama3"):
+        raise TreadleError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+    return RopeScaling(
+        kind=kind,
+        factor=float(raw["factor"]),
+        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None -> fraction of free memory
+    memory_fraction: float = 0.5
+    num_blocks: int | None = None  # explicit override (tests)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    attention_backend: str = "auto"
+    quantization: str | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

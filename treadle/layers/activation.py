@@ -1,0 +1,11 @@
+"""SwiGLU: silu(gate) * up over the fused gate_up projection."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] -> [..., d]"""
+    d = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :d]) * gate_up[..., d:]

@@ -1,0 +1,68 @@
+"""The attention-backend interface every implementation (reference, CPU, Triton) follows."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from treadle.layers.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Per-layer constants an attention backend needs."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None  # attend to keys with q_pos - k_pos < window
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write the new K/V into the cache at ``meta.slot_mapping`` (slots < 0 are
+        skipped), then return causal attention of every new query over its
+        sequence's whole context (cached tokens plus the new ones)."""
+
+
+def write_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens]
+) -> None:
+    """Scatter new keys/values into their physical slots."""
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+    flat_k.index_copy_(0, slot_mapping, k.to(flat_k.dtype))
+    flat_v.index_copy_(0, slot_mapping, v.to(flat_v.dtype))
+
+
+def gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_blocks]
+    seq_len: int,
+) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+    """Read one sequence's first ``seq_len`` cached tokens through its block table."""
+    block_size = cache.shape[1]
+    n_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:n_blocks].long()]  # [n_blocks, block_size, H, D]
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]

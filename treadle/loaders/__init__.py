@@ -1,0 +1,80 @@
+"""Weight loaders: a checkpoint becomes a ModelSource (config, streamed
+Hugging Face-named tensors, tokenizer); ``load_model`` builds the model from it."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from treadle.config import ModelConfig, TreadleError
+from treadle.layers.attention import AttentionBackend
+from treadle.models.registry import model_class
+
+if TYPE_CHECKING:
+    from treadle.tokenizer import Tokenizer
+
+
+@dataclass
+class ModelSource:
+    path: Path
+    config: ModelConfig
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # HF-named tensors, streamed
+    tokenizer: "Tokenizer"
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: ModelConfig
+    tokenizer: "Tokenizer"
+    path: Path
+
+
+def open_model_source(name_or_path: str) -> ModelSource:
+    """Resolve a short name or a path and open it (HF directory or GGUF file)."""
+    from treadle.loaders.resolve import resolve_model
+
+    path = resolve_model(name_or_path)
+    if path.is_dir():
+        from treadle.loaders.hf import open_hf_dir
+
+        return open_hf_dir(path)
+    if path.suffix == ".gguf":
+        from treadle.loaders.gguf import open_gguf
+
+        return open_gguf(path)
+    raise TreadleError(f"{path}: not a Hugging Face model directory or a .gguf file")
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise TreadleError(f"dtype {dtype!r} is not supported; use one of {', '.join(_DTYPES)}") from None
+
+
+def load_model(
+    name_or_path: str,
+    backend: AttentionBackend,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> LoadedModel:
+    source = open_model_source(name_or_path)
+    cls = model_class(source.config.architecture)
+    torch_dtype = parse_dtype(dtype)
+    with torch.device(device):
+        model = cls(source.config, backend, torch_dtype)
+    model.load_weights(source.weights())
+    model.process_weights_after_loading()
+    model.eval()
+    return LoadedModel(model=model, config=source.config, tokenizer=source.tokenizer, path=source.path)
