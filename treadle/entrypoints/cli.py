@@ -1,0 +1,34 @@
+"""The `treadle` command: each subcommand lives in its own module exposing
+``register(subparsers)``, which adds its parser and sets ``func``."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from treadle.config import TreadleError
+
+_SUBCOMMANDS: list[str] = []  # modules under treadle.entrypoints, e.g. "convert"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="treadle", description="Treadle LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in _SUBCOMMANDS:
+        importlib.import_module(f"treadle.entrypoints.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except TreadleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
