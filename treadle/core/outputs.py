@@ -1,0 +1,65 @@
+"""Plain data crossing the scheduler <-> model runner boundary (no tensors).
+
+These are exactly what a multi-process executor or a prefill/decode split
+would send over the wire.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from treadle.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Sent the first time the runner sees a request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    seed_offset: int = 0  # n > 1: child i samples with seed + i
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of this step: compute tokens
+    [num_computed_tokens, num_computed_tokens + num_scheduled_tokens)."""
+
+    request_id: str
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData]
+    scheduled: list[ScheduledRequest]  # batch order
+    finished_request_ids: list[str]  # the runner may drop their state
+    num_preemptions: int = 0
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position: the chosen token and the top-n."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int]  # request id -> new token (only requests that reached their end)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # this step's chunk

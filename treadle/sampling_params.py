@@ -1,0 +1,83 @@
+"""Per-request sampling parameters (names follow vLLM's SamplingParams)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from treadle.config import TreadleError
+
+MAX_LOGPROBS = 20
+
+
+class SamplingParamsError(TreadleError):
+    """An out-of-range sampling parameter; ``param`` names it (for HTTP 400 bodies)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0 disables
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        checks: list[tuple[bool, str, str]] = [
+            (self.n >= 1, "n", "n must be at least 1"),
+            (self.temperature >= 0.0, "temperature", "temperature must be non-negative"),
+            (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "repetition_penalty must be positive"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens", "min_tokens must be non-negative"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                "min_tokens must not exceed max_tokens",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"logprobs must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]",
+            ),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise SamplingParamsError(param, message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
