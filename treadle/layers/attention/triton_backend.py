@@ -1,0 +1,156 @@
+"""Triton attention backend: paged KV cache, FlashAttention prefill, FlashDecoding decode.
+
+Same contract as ``ReferenceBackend`` (write K/V at ``slot_mapping``, slots < 0 skipped;
+causal attention over cached + new tokens; sliding window honoured). The kernels live in
+``triton_kernels``, which is imported when the backend is built, so the rest of the engine
+imports without triton. Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors.
+
+The decode path (``meta.max_query_len == 1``) reads only the metadata *tensors* and tensor
+shapes, never host lists or values: no host synchronisation and a grid that depends only
+on the batch size, so it can be captured in a CUDA graph (see ``treadle.worker.cuda_graph``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from treadle.config import TreadleError
+from treadle.layers.attention.backend import AttentionBackend, AttentionSpec
+from treadle.layers.attention.metadata import AttentionMetadata
+
+_NO_WINDOW = 1 << 30  # larger than any context: "every earlier key is in the window"
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class TritonTiles:
+    """Tile sizes and the decode split count; each is a compile-time constant."""
+
+    prefill_block_m: int = 64  # new tokens per prefill program
+    prefill_block_n: int = 64  # keys per inner-loop tile
+    decode_block_n: int = 64
+    num_kv_splits: int = 16  # FlashDecoding splits of each context (fixed: graph-safe)
+
+
+def load_kernels() -> ModuleType:
+    """Import the kernel module (and so triton); a clear error if triton is missing."""
+    try:
+        from treadle.layers.attention import triton_kernels
+    except ImportError as exc:
+        raise TreadleError(f"the triton attention backend needs triton ({exc}); pip install triton") from None
+    return triton_kernels
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, tiles: TritonTiles | None = None) -> None:
+        self.tiles = tiles or TritonTiles()
+        if self.tiles.num_kv_splits < 1:
+            raise TreadleError("num_kv_splits must be at least 1")
+        self._k = load_kernels()
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+            raise TreadleError("triton backend: k/v caches must share strides with unit stride on head_dim")
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out.shape[0] == 0:
+            return out
+        if meta.max_query_len == 1:
+            self._decode(q, k_cache, v_cache, out, meta, spec)
+        else:
+            self._prefill(q, k, v, k_cache, v_cache, out, meta, spec)
+        return out
+
+    def write_kv(
+        self,
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens]; < 0 = skip
+    ) -> None:
+        num_tokens, num_kv_heads, head_dim = k.shape
+        if num_tokens == 0:
+            return
+        self._k.store_kv_kernel[(num_tokens,)](
+            k, v, k_cache, v_cache, slot_mapping,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            k_cache.shape[1], num_kv_heads, head_dim,
+            BLOCK_H=_pow2(num_kv_heads), BLOCK_D=_pow2(head_dim),
+        )
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+    ) -> None:
+        block_m = self.tiles.prefill_block_m
+        num_seqs = meta.seq_lens_tensor.shape[0]
+        grid = (num_seqs, spec.num_heads, (meta.max_query_len + block_m - 1) // block_m)
+        self._k.prefill_kernel[grid](
+            q, k, v, k_cache, v_cache, out,
+            meta.block_tables, meta.seq_lens_tensor, meta.query_start_loc,
+            spec.scale, spec.sliding_window or _NO_WINDOW,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+            k_cache.shape[1], spec.head_dim, spec.num_heads // spec.num_kv_heads,
+            BLOCK_M=block_m, BLOCK_N=self.tiles.prefill_block_n, BLOCK_D=_pow2(spec.head_dim, 16),
+            IEEE=q.dtype == torch.float32,
+        )
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+    ) -> None:
+        splits = self.tiles.num_kv_splits
+        num_seqs = meta.seq_lens_tensor.shape[0]
+        group = spec.num_heads // spec.num_kv_heads
+        block_d = _pow2(spec.head_dim, 16)
+        # partial numerators [S, H, splits, D] and (max, denominator) pairs [S, H, splits, 2]
+        part_acc = torch.empty((num_seqs, spec.num_heads, splits, spec.head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((num_seqs, spec.num_heads, splits, 2), dtype=torch.float32, device=q.device)
+        self._k.decode_split_kernel[(num_seqs, spec.num_kv_heads, splits)](
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, meta.query_start_loc,
+            part_acc, part_ml,
+            spec.scale, spec.sliding_window or _NO_WINDOW,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            meta.block_tables.stride(0),
+            k_cache.shape[1], spec.head_dim, group, spec.num_heads,
+            NUM_SPLITS=splits, BLOCK_G=_pow2(group, 16), BLOCK_N=self.tiles.decode_block_n, BLOCK_D=block_d,
+            IEEE=q.dtype == torch.float32,
+        )
+        self._k.decode_reduce_kernel[(num_seqs, spec.num_heads)](
+            part_acc, part_ml, out, meta.query_start_loc,
+            out.stride(0), out.stride(1), spec.head_dim, spec.num_heads,
+            NUM_SPLITS=splits, BLOCK_S=_pow2(splits), BLOCK_D=block_d,
+        )
