@@ -1,0 +1,160 @@
+"""Engine invariants: greedy output equals transformers and does not depend on
+batch composition, arrival order, chunk size, preemption or cache hits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle import LLM, SamplingParams
+from treadle.config import TreadleError
+
+MAX_TOKENS = 16
+
+
+def random_prompts(n: int, vocab: int, seed: int = 1, lo: int = 3, hi: int = 60) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(2, vocab, (n_tok,), generator=g).tolist() for n_tok in lengths]
+
+
+def run(model_dir, prompts, params, **engine_kw) -> tuple[list[list[int]], LLM]:
+    kw = dict(num_kv_blocks=256, max_num_batched_tokens=64, block_size=16)
+    kw.update(engine_kw)
+    llm = LLM(str(model_dir), **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    kv = llm.engine.kv_manager
+    assert kv.num_free_blocks == kv.pool.num_blocks
+    assert not llm.engine.scheduler.requests and not llm.engine.has_unfinished_requests()
+
+
+def hf_greedy(model_dir, prompts, max_tokens) -> list[list[int]]:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    outs = []
+    for p in prompts:
+        ids = hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+        outs.append(ids[0, len(p):].tolist())
+    return outs
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama) -> list[list[int]]:
+    return random_prompts(7, 258)
+
+
+@pytest.fixture(scope="module")
+def batched(tiny_llama, prompts):
+    greedy, llm = run(tiny_llama, prompts, GREEDY)
+    assert_no_leaks(llm)
+    seeded, _ = run(tiny_llama, prompts, SEEDED)
+    return greedy, seeded
+
+
+def test_batched_greedy_equals_transformers(tiny_llama, prompts, batched):
+    assert batched[0] == hf_greedy(tiny_llama, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("variant", ["one_by_one", "reversed", "chunk1", "chunk7", "chunk64", "preempt", "nochunk",
+                                     "reference"])
+def test_output_independent_of_schedule(tiny_llama, prompts, batched, variant):
+    for params, expected in zip((GREEDY, SEEDED), batched):
+        kw: dict = {}
+        if variant == "one_by_one":
+            got = [run(tiny_llama, [p], params)[0][0] for p in prompts]
+        elif variant == "reversed":
+            got = run(tiny_llama, prompts[::-1], params)[0][::-1]
+        else:
+            kw = {"chunk1": dict(max_num_batched_tokens=1), "chunk7": dict(max_num_batched_tokens=7),
+                  "chunk64": dict(max_num_batched_tokens=64), "preempt": dict(num_kv_blocks=9, block_size=8),
+                  "nochunk": dict(enable_chunked_prefill=False, max_num_batched_tokens=64),
+                  "reference": dict(attention_backend="reference")}[variant]
+            got, llm = run(tiny_llama, prompts, params, **kw)
+            if variant == "preempt":
+                assert llm.engine.stats.num_preemptions > 0
+            assert_no_leaks(llm)
+        assert got == expected
+
+
+def test_prefix_cache_hits_do_not_change_output(tiny_llama):
+    shared = random_prompts(1, 258, seed=5, lo=40, hi=41)[0]
+    prompts = [shared + [7, 8, 9], shared + [10], shared + [11, 12]]
+    llm = LLM(str(tiny_llama), num_kv_blocks=128, block_size=16)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)[0]
+    assert first.metrics.num_cached_tokens == 0
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert again[0].metrics.num_cached_tokens == 32 and again[1].metrics.num_cached_tokens == 32
+    assert again[0].outputs[0].token_ids == first.outputs[0].token_ids
+    fresh = run(tiny_llama, prompts[1:], GREEDY)[0]
+    assert [o.outputs[0].token_ids for o in again[1:]] == fresh
+    assert_no_leaks(llm)
+
+
+def test_abort_frees_everything(tiny_llama, prompts):
+    llm = LLM(str(tiny_llama), num_kv_blocks=64)
+    for i, p in enumerate(prompts):
+        llm.engine.add_request(str(i), {"prompt_token_ids": p}, GREEDY)
+    llm.engine.step()
+    llm.engine.step()
+    llm.engine.abort_request([str(i) for i in range(0, len(prompts), 2)])
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    llm.engine.abort_request([str(i) for i in range(len(prompts))])  # already gone: a no-op
+    assert_no_leaks(llm)
+
+
+def test_refuses_impossible_request_and_keeps_serving(tiny_llama):
+    llm = LLM(str(tiny_llama), num_kv_blocks=8, block_size=16, max_model_len=256)
+    with pytest.raises(TreadleError, match="max_model_len"):
+        llm.generate([{"prompt_token_ids": [5] * 250}], SamplingParams(max_tokens=10), use_tqdm=False)
+    with pytest.raises(TreadleError, match="KV blocks"):
+        llm.generate([{"prompt_token_ids": [5] * 120}], SamplingParams(max_tokens=20), use_tqdm=False)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == MAX_TOKENS
+    assert_no_leaks(llm)
+
+
+def test_n_completions_share_prompt_blocks(tiny_llama):
+    prompt = random_prompts(1, 258, seed=9, lo=50, hi=51)[0]
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, block_size=16)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different samples
+    assert out.metrics.num_cached_tokens == 0
+    # siblings reuse the first one's 3 full prompt blocks: only 2 prompt tokens each are
+    # computed; then 7 decode steps each
+    assert llm.engine.stats.num_tokens_computed == 50 + 2 * (50 - 48) + 3 * 7
+    assert_no_leaks(llm)
+
+
+def test_logprobs_close_to_transformers(tiny_llama):
+    import transformers
+
+    prompt = random_prompts(1, 258, seed=3, lo=20, hi=21)[0]
+    llm = LLM(str(tiny_llama), num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    full = prompt + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([full])).logits[0].float().log_softmax(-1)
+    for i, (tok, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(lp[tok].logprob - float(row[tok])) < 1e-4
+        assert lp[tok].rank == 1
+        top = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:3]
+        assert [t for t, _ in top] == row.topk(3).indices.tolist()
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for j in range(1, len(prompt)):
+        assert abs(out.prompt_logprobs[j][prompt[j]].logprob - float(ref[j - 1, prompt[j]])) < 1e-4

@@ -1,0 +1,94 @@
+"""Sizing the KV cache: a pure function of the model, the device's memory and the config."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from treadle.config import CacheConfig, ModelConfig, TreadleError
+
+GiB = 1 << 30
+CPU_DEFAULT_CAP = 4 * GiB  # default KV budget on the CPU when none is given
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise TreadleError("cannot read available memory; pass kv_cache_memory explicitly")
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size + 2 * h
+    embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    return (cfg.num_layers * per_layer + embed + h) * torch.tensor([], dtype=dtype).element_size()
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def plan_kv_cache(
+    cfg: ModelConfig,
+    cache: CacheConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+    max_num_seqs: int,
+    available: int,
+    weights: int,
+) -> KVPlan:
+    """How many blocks to allocate. Without an explicit size: a fraction of the
+    memory left after the weights, capped (on the CPU) and never more than
+    ``max_num_seqs`` full-length sequences can use."""
+    per_block = bytes_per_block(cfg, cache.block_size, dtype)
+    min_blocks = -(-max_model_len // cache.block_size)
+    if cache.num_blocks is not None:
+        return KVPlan(cache.num_blocks, cache.block_size, per_block)
+    if cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+        if weights + budget > available:
+            raise TreadleError(
+                f"the model needs {fmt_bytes(weights)} for weights plus {fmt_bytes(budget)} of KV cache "
+                f"= {fmt_bytes(weights + budget)}, but only {fmt_bytes(available)} is available"
+            )
+    else:
+        budget = min(int((available - weights) * cache.memory_fraction), CPU_DEFAULT_CAP)
+        budget = min(budget, max_num_seqs * min_blocks * per_block)
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        need = weights + min_blocks * per_block
+        raise TreadleError(
+            f"the model needs {fmt_bytes(weights)} for weights and {fmt_bytes(min_blocks * per_block)} of KV "
+            f"cache for one {max_model_len}-token sequence ({fmt_bytes(need)} in all); "
+            f"{fmt_bytes(available)} is available"
+        )
+    return KVPlan(num_blocks, cache.block_size, per_block)

@@ -1,0 +1,133 @@
+"""Turns scheduler progress into RequestOutputs: detokenization, stop strings,
+logprobs, and gathering the n completions of one request."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from treadle.core.outputs import ModelRunnerOutput, TokenLogprobs
+from treadle.core.request import Request, RequestStatus
+from treadle.engine.detokenizer import IncrementalDetokenizer
+from treadle.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from treadle.sampling_params import SamplingParams
+from treadle.tokenizer import Tokenizer
+
+
+@dataclass
+class ChildState:
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: dict[str, ChildState]
+    metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.parent_of: dict[str, str] = {}  # child request id -> parent request id
+
+    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+            child_ids: list[str], arrival: float) -> None:
+        children = {}
+        for i, cid in enumerate(child_ids):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+            children[cid] = ChildState(i, detok, logprobs=[] if params.logprobs is not None else None,
+                                       cumulative_logprob=0.0 if params.logprobs is not None else None)
+            self.parent_of[cid] = request_id
+        first = None if params.prompt_logprobs is None else [None]
+        self.parents[request_id] = ParentState(request_id, prompt, prompt_ids, params, children,
+                                               RequestMetrics(arrival), first)
+
+    def _decoded(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        entries = {tid: Logprob(v, r + 1, self.tokenizer.decode([tid], skip_special_tokens=False))
+                   for r, (tid, v) in enumerate(lp.top)}
+        if lp.token_id not in entries:
+            entries[lp.token_id] = Logprob(lp.logprob, lp.rank,
+                                           self.tokenizer.decode([lp.token_id], skip_special_tokens=False))
+        return entries
+
+    def process(self, touched: list[Request], result: ModelRunnerOutput, stop_cb) -> list[str]:
+        """Consume one step. ``stop_cb(request)`` finishes a request whose text hit a
+        stop string. Returns the parent ids that have something new."""
+        now = time.monotonic()
+        updated: list[str] = []
+        for rid, lps in result.prompt_logprobs.items():
+            parent = self.parents.get(self.parent_of.get(rid, ""))
+            if parent is not None and parent.prompt_logprobs is not None and len(parent.children) and \
+                    next(iter(parent.children)) == rid:
+                parent.prompt_logprobs.extend(self._decoded(lp) for lp in lps)
+        for req in touched:
+            pid = self.parent_of.get(req.request_id)
+            if pid is None:
+                continue
+            parent, child = self.parents[pid], self.parents[pid].children[req.request_id]
+            token = req.output_token_ids[-1]
+            child.token_ids.append(token)
+            child.new_token_ids.append(token)
+            if parent.metrics.first_token_time is None:
+                parent.metrics.first_token_time = now
+                parent.metrics.num_cached_tokens = req.num_cached_prompt_tokens
+            lp = result.logprobs.get(req.request_id)
+            if lp is not None and child.logprobs is not None:
+                child.logprobs.append(self._decoded(lp))
+                child.cumulative_logprob = (child.cumulative_logprob or 0.0) + lp.logprob
+            stop = child.detok.add_token(token)
+            if stop is not None and not req.status.finished:
+                stop_cb(req)
+                req.stop_reason = stop
+            if req.status.finished:
+                self.finish_child(req)
+            if pid not in updated:
+                updated.append(pid)
+        return updated
+
+    def finish_child(self, req: Request) -> None:
+        pid = self.parent_of.get(req.request_id)
+        if pid is None:
+            return
+        child = self.parents[pid].children[req.request_id]
+        if child.finish_reason is None:
+            child.finish_reason = req.status.value if req.status.finished else RequestStatus.FINISHED_ABORTED.value
+            child.stop_reason = req.stop_reason
+            self.parents[pid].metrics.num_preemptions += req.num_preemptions
+
+    def make_output(self, pid: str) -> RequestOutput:
+        parent = self.parents[pid]
+        finished = parent.finished
+        outputs = []
+        for c in parent.children.values():
+            delta = c.detok.take_delta(c.finish_reason is not None)
+            outputs.append(CompletionOutput(
+                index=c.index, text=c.detok.text, token_ids=list(c.token_ids),
+                cumulative_logprob=c.cumulative_logprob, logprobs=c.logprobs,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                new_text=delta, new_token_ids=c.new_token_ids,
+            ))
+            c.new_token_ids = []
+        if finished:
+            parent.metrics.finished_time = time.monotonic()
+            for cid in parent.children:
+                self.parent_of.pop(cid, None)
+            del self.parents[pid]
+        return RequestOutput(pid, parent.prompt, parent.prompt_token_ids, outputs, finished,
+                             parent.prompt_logprobs, parent.metrics)

@@ -1,0 +1,173 @@
+"""The Text Generator's model runner: a SchedulerOutput becomes one flat batch
+(token ids, positions, block tables, slot mapping), the model runs once, and
+the rows that reached their end are sampled.
+
+The runner keeps a copy of each live request's tokens (sent once, when new)
+and appends what it samples, so the scheduler sends only progress and blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from treadle.config import ModelConfig
+from treadle.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
+from treadle.layers.attention import AttentionMetadata
+from treadle.layers.attention.metadata import compute_slot_mapping
+from treadle.worker.sampler import Sampler, SamplingRow, logprobs_at
+
+
+@dataclass
+class CachedRequestState:
+    data: NewRequestData
+    output_token_ids: list[int] = field(default_factory=list)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        prompt = self.data.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        return (prompt + self.output_token_ids)[start:end]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.data.prompt_token_ids) + len(self.output_token_ids)
+
+    def sampling_row(self) -> SamplingRow:
+        p = self.data.sampling_params
+        stops = tuple(dict.fromkeys((*self.data.eos_token_ids, *p.stop_token_ids)))
+        return SamplingRow(p, self.data.prompt_token_ids, self.output_token_ids, stops, self.data.seed_offset)
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_rows: list[tuple[str, int]]  # (request id, flat index of its last token)
+    prompt_rows: list[tuple[str, int, int, int]]  # (request id, flat start, first position, count)
+
+
+def allocate_kv_cache(
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(cfg.num_layers)
+    ]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.sampler = Sampler(seed)
+        self.requests: dict[str, CachedRequestState] = {}
+        # persistent host buffers, reused every step
+        self._max_blocks = -(-max_model_len // block_size)
+        self._ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
+        self._pos = np.zeros(max_num_batched_tokens, dtype=np.int64)
+
+    def _prepare(self, sched: SchedulerOutput) -> BatchInputs:
+        n_tok = sched.total_num_scheduled_tokens
+        if n_tok > self._ids.shape[0]:
+            self._ids = np.zeros(n_tok, dtype=np.int64)
+            self._pos = np.zeros(n_tok, dtype=np.int64)
+        query_lens, seq_lens = [], []
+        tables = np.zeros((len(sched.scheduled), max(len(s.block_ids) for s in sched.scheduled)), dtype=np.int64)
+        sample_rows: list[tuple[str, int]] = []
+        prompt_rows: list[tuple[str, int, int, int]] = []
+        cursor = 0
+        for i, s in enumerate(sched.scheduled):
+            state = self.requests[s.request_id]
+            start, n = s.num_computed_tokens, s.num_scheduled_tokens
+            self._ids[cursor : cursor + n] = state.token_slice(start, start + n)
+            self._pos[cursor : cursor + n] = np.arange(start, start + n)
+            tables[i, : len(s.block_ids)] = s.block_ids
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            if start + n == state.num_tokens:
+                sample_rows.append((s.request_id, cursor + n - 1))
+            n_prompt = len(state.data.prompt_token_ids)
+            if state.data.sampling_params.prompt_logprobs is not None and start < n_prompt:
+                prompt_rows.append((s.request_id, cursor, start, min(n, n_prompt - start)))
+            cursor += n
+        ql = torch.tensor(query_lens, dtype=torch.int64)
+        sl = torch.tensor(seq_lens, dtype=torch.int64)
+        bt = torch.from_numpy(tables)
+        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(ql, 0)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            query_start_loc=qsl.to(dev),
+            seq_lens_tensor=sl.to(torch.int32).to(dev),
+            block_tables=bt.to(torch.int32).to(dev),
+            slot_mapping=compute_slot_mapping(ql, sl, bt, self.block_size).to(dev),
+            block_size=self.block_size,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        input_ids = torch.from_numpy(self._ids[:cursor]).to(dev)
+        positions = torch.from_numpy(self._pos[:cursor]).to(dev)
+        return BatchInputs(input_ids, positions, meta, sample_rows, prompt_rows)
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for rid in sched.finished_request_ids:
+            self.requests.pop(rid, None)
+        for new in sched.new_requests:
+            self.requests[new.request_id] = CachedRequestState(new)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput(sampled={})
+        batch = self._prepare(sched)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        result = ModelRunnerOutput(sampled={})
+        if batch.prompt_rows:
+            result.prompt_logprobs = self._prompt_logprobs(hidden, batch)
+        if not batch.sample_rows:
+            return result
+        index = torch.tensor([i for _, i in batch.sample_rows], device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        states = [self.requests[rid] for rid, _ in batch.sample_rows]
+        tokens, logprobs = self.sampler(logits, [s.sampling_row() for s in states])
+        for state, token, lp in zip(states, tokens, logprobs):
+            rid = state.data.request_id
+            state.output_token_ids.append(token)
+            result.sampled[rid] = token
+            if lp is not None:
+                result.logprobs[rid] = lp
+        return result
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: BatchInputs) -> dict[str, list[TokenLogprobs]]:
+        """Logprob of each prompt token given the ones before it, for this chunk.
+        The chunk's row at position p scores prompt token p + 1."""
+        out: dict[str, list[TokenLogprobs]] = {}
+        for rid, flat_start, first_pos, count in batch.prompt_rows:
+            state = self.requests[rid]
+            prompt = state.data.prompt_token_ids
+            top_n = state.data.sampling_params.prompt_logprobs or 0
+            count = min(count, len(prompt) - 1 - first_pos)  # the last prompt row predicts output
+            if count <= 0:
+                out[rid] = []
+                continue
+            lps = self.model.compute_logits(hidden[flat_start : flat_start + count]).log_softmax(-1)
+            out[rid] = [logprobs_at(lps[j], prompt[first_pos + j + 1], top_n) for j in range(count)]
+        return out

@@ -1,0 +1,115 @@
+"""The sampler: logits of the rows that sample this step -> one token each.
+
+Each row is processed on its own (penalties, temperature, top-k/top-p/min-p),
+and a seeded row draws its noise from a generator derived from (seed, number
+of tokens generated so far), so its tokens do not depend on what else is in
+the batch, on chunking, or on preemption.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from treadle.core.outputs import TokenLogprobs
+from treadle.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_token_ids: tuple[int, ...]  # EOS + stop_token_ids, masked until min_tokens
+    seed_offset: int = 0
+
+
+def logprobs_at(logprobs: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
+    """logprobs [V] -> chosen token's logprob and rank, and the top-n."""
+    chosen = float(logprobs[token_id])
+    rank = int((logprobs > logprobs[token_id]).sum()) + 1
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        values, ids = logprobs.topk(top_n)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprobs(token_id, chosen, rank, top)
+
+
+def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """logits [V] -> penalised logits [V] (repetition over prompt+output,
+    presence/frequency over output, as in vLLM/OpenAI)."""
+    p = row.params
+    vocab = logits.shape[0]
+    out_ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
+    counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = counts > 0
+        if row.prompt_token_ids:
+            seen[torch.tensor(row.prompt_token_ids, dtype=torch.long, device=logits.device)] = True
+        penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
+    if p.frequency_penalty != 0.0:
+        logits = logits - p.frequency_penalty * counts
+    if p.presence_penalty != 0.0:
+        logits = logits - p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p on one row [V]; masked entries -inf."""
+    logits = logits / p.temperature
+    if 0 < p.top_k < logits.shape[0]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest set reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if p.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _noise(self, row: SamplingRow, vocab: int) -> torch.Tensor:
+        seed = row.params.seed
+        if seed is None:
+            return torch.empty(vocab).exponential_(generator=self.generator)
+        step_seed = hash((seed + row.seed_offset, len(row.output_token_ids))) & 0x7FFF_FFFF_FFFF_FFFF
+        return torch.empty(vocab).exponential_(generator=torch.Generator().manual_seed(step_seed))
+
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits [num_rows, V] float32 -> (token per row, logprobs per row or None)."""
+        plain_greedy = all(
+            r.params.greedy and not r.params.needs_penalties and r.params.logprobs is None
+            and len(r.output_token_ids) >= r.params.min_tokens
+            for r in rows
+        )
+        if plain_greedy:  # fast path: one argmax over the batch
+            return logits.argmax(-1).tolist(), [None] * len(rows)
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        for i, row in enumerate(rows):
+            tokens.append(self._sample_row(logits[i], row))
+            n = row.params.logprobs
+            logprobs.append(None if n is None else logprobs_at(logits[i].log_softmax(-1), tokens[-1], n))
+        return tokens, logprobs
+
+    def _sample_row(self, logits: torch.Tensor, row: SamplingRow) -> int:
+        p = row.params
+        if p.needs_penalties:
+            logits = apply_penalties(logits, row)
+        if len(row.output_token_ids) < p.min_tokens and row.stop_token_ids:
+            logits = logits.clone()
+            logits[list(row.stop_token_ids)] = float("-inf")
+        if p.greedy:
+            return int(logits.argmax())
+        probs = filter_logits(logits, p).softmax(-1)
+        return int((probs / self._noise(row, probs.shape[0]).to(probs.device)).argmax())
