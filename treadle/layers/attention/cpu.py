@@ -1,0 +1,259 @@
+"""CPU attention backend: FlashAttention prefill (torch SDPA's flash CPU kernel) and
+FlashDecoding split-KV decode over the paged cache, batched across sequences.
+
+A step's flat batch is split once into a *plan* (cached for the step, reused by every
+layer): decode sequences (one new token) and prefill sequences (a chunk of new tokens,
+possibly after cached context).
+
+Decode (FlashDecoding). Each decode sequence's block table is padded to
+``num_splits * blocks_per_split`` blocks and gathered; the context is cut into
+``num_splits`` chunks that are scored independently and merged by log-sum-exp::
+
+    block table  [7, 2, 9, 4, 0(pad), 0(pad)]   blocks_per_split = 2, block_size = 16
+    chunks       |  7  2  |  9  4  | pad pad |   -> 3 chunks of 32 keys
+    chunk s:     m_s = max(score), l_s = sum(exp(score - m_s)), o_s = exp(score - m_s) @ V
+    merge:       M = max_s m_s,  out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s
+
+All chunks of all sequences and KV heads are one batched matmul, so a single long
+sequence still spreads over every core. Keys past ``seq_len`` (and outside a sliding
+window) are masked with -inf; a fully masked chunk gets weight 0 in the merge.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from treadle.layers.attention.backend import AttentionBackend, AttentionSpec
+from treadle.layers.attention.metadata import AttentionMetadata
+
+_SPLIT_MIN_TOKENS = 256  # decode contexts up to this long are not split
+_WORK_PER_THREAD = 4  # split so that (seqs x KV heads x chunks) >= this many per thread
+
+
+@dataclass
+class _PrefillSeq:
+    seq: int  # index of the sequence in the batch
+    start: int  # first flat token of its query
+    query_len: int
+    seq_len: int
+
+
+@dataclass
+class _DecodePlan:
+    """Layer-independent part of a decode plan."""
+
+    token_index: torch.Tensor  # [B] int64, flat index of each decode token
+    seq_lens: list[int]  # [B]
+    block_tables: torch.Tensor  # [B, max_blocks] int64 (metadata's, padded with 0)
+    max_blocks: int
+    all_tokens: bool  # every token of the step is a decode token, in order
+    layouts: dict[tuple[int, int | None, torch.dtype], _SplitLayout] = field(default_factory=dict)
+
+
+@dataclass
+class _SplitLayout:
+    """How one attention shape splits the decode contexts into chunks."""
+
+    num_splits: int
+    split_len: int  # keys per chunk (a whole number of blocks)
+    flat_table: torch.Tensor  # [B * num_splits * blocks_per_split] int64, padded with block 0
+    mask: torch.Tensor  # [B * num_splits, 1, 1, split_len] additive: 0 or a huge negative
+
+
+def _split_layout(
+    plan: _DecodePlan, block_size: int, num_kv_heads: int, window: int | None, dtype: torch.dtype
+) -> _SplitLayout:
+    b, max_blocks = len(plan.seq_lens), plan.max_blocks
+    splits = 1
+    if max_blocks * block_size > _SPLIT_MIN_TOKENS:  # short contexts: one chunk, least overhead
+        splits = min(max_blocks, math.ceil(_WORK_PER_THREAD * torch.get_num_threads() / (b * num_kv_heads)))
+    per_split = -(-max_blocks // splits)
+    splits = -(-max_blocks // per_split)
+    padded = splits * per_split
+    table = plan.block_tables[:, :padded]
+    if table.shape[1] < padded:
+        table = F.pad(table, (0, padded - table.shape[1]))
+    split_len = per_split * block_size
+    key_pos = torch.arange(padded * block_size).view(1, splits, split_len)
+    lens = torch.tensor(plan.seq_lens).view(-1, 1, 1)
+    valid = key_pos < lens  # [B, S, split_len]
+    if window is not None:
+        valid &= key_pos > lens - 1 - window
+    # finite, not -inf: a chunk with no valid key then gets a logsumexp ~ -huge, weight 0
+    mask = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, torch.finfo(dtype).min / 2)
+    device = plan.block_tables.device
+    return _SplitLayout(
+        num_splits=splits,
+        split_len=split_len,
+        flat_table=table.reshape(-1).to(device),
+        mask=mask.view(b * splits, 1, 1, split_len).to(device),
+    )
+
+
+@dataclass
+class _StepPlan:
+    decode: _DecodePlan | None
+    prefill: list[_PrefillSeq]
+    write_slots: torch.Tensor  # [num_written] int64 slots (skipped ones removed)
+    write_rows: torch.Tensor | None  # [num_written] int64 rows of k/v, None = all rows
+
+
+def build_plan(meta: AttentionMetadata) -> _StepPlan:
+    decode_seqs: list[int] = []
+    prefill: list[_PrefillSeq] = []
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens, meta.seq_lens, strict=True)):
+        if q_len == 1:
+            decode_seqs.append(i)
+        elif q_len > 1:
+            prefill.append(_PrefillSeq(seq=i, start=start, query_len=q_len, seq_len=s_len))
+        start += q_len
+    decode = None
+    if decode_seqs:
+        idx = torch.tensor(decode_seqs, dtype=torch.int64, device=meta.block_tables.device)
+        lens = [meta.seq_lens[i] for i in decode_seqs]
+        decode = _DecodePlan(
+            token_index=meta.query_start_loc[idx].long(),
+            seq_lens=lens,
+            block_tables=meta.block_tables[idx].long().cpu(),
+            max_blocks=-(-max(lens) // meta.block_size),
+            all_tokens=len(decode_seqs) == meta.num_tokens,
+        )
+    slots, rows = meta.slot_mapping, None
+    if bool((slots < 0).any()):
+        rows = torch.nonzero(slots >= 0).flatten()
+        slots = slots[rows]
+    return _StepPlan(decode=decode, prefill=prefill, write_slots=slots, write_rows=rows)
+
+
+def flash_decode(
+    q: torch.Tensor,  # [B, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    plan: _DecodePlan,
+    spec: AttentionSpec,
+) -> torch.Tensor:  # [B, num_heads, head_dim]
+    b, h_kv, d = q.shape[0], spec.num_kv_heads, spec.head_dim
+    group = spec.num_heads // h_kv
+    key = (h_kv, spec.sliding_window, q.dtype)
+    lay = plan.layouts.get(key)
+    if lay is None:
+        lay = plan.layouts[key] = _split_layout(plan, k_cache.shape[1], h_kv, spec.sliding_window, q.dtype)
+    s, n = lay.num_splits, lay.split_len
+    # gathered chunks [B*S, L, Hkv, D], seen as [B*S, Hkv, L, D] (strided, no copy)
+    keys = k_cache.index_select(0, lay.flat_table).view(b * s, n, h_kv, d).transpose(1, 2).to(q.dtype)
+    values = v_cache.index_select(0, lay.flat_table).view(b * s, n, h_kv, d).transpose(1, 2).to(q.dtype)
+    # GQA: the G query heads of a KV head become G "query rows" against the same keys
+    qg = q.view(b, 1, h_kv, group, d)
+    if s > 1:
+        qg = qg.expand(b, s, h_kv, group, d)
+    qg = qg.reshape(b * s, h_kv, group, d)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qg, keys, values, attn_mask=lay.mask, scale=spec.scale
+    )  # out [B*S, Hkv, G, D], lse [B*S, Hkv, G]
+    if s == 1:
+        return out.view(b, spec.num_heads, d)
+    weight = torch.softmax(lse.view(b, s, h_kv, group, 1).float(), dim=1)  # log-sum-exp merge
+    merged = (out.view(b, s, h_kv, group, d).float() * weight).sum(1)  # [B, Hkv, G, D]
+    return merged.view(b, spec.num_heads, d).to(q.dtype)
+
+
+def flash_prefill(
+    q: torch.Tensor,  # [q_len, num_heads, head_dim]
+    k: torch.Tensor,  # [q_len, num_kv_heads, head_dim], the new keys
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks]
+    seq_len: int,
+    spec: AttentionSpec,
+) -> torch.Tensor:  # [q_len, num_heads, head_dim]
+    q_len = q.shape[0]
+    context = seq_len - q_len
+    if context > 0:  # earlier chunks live only in the cache
+        k = _gather(k_cache, block_table, seq_len).to(q.dtype)
+        v = _gather(v_cache, block_table, seq_len).to(q.dtype)
+    elif k_cache.dtype != q.dtype:  # read back what the cache holds, as the reference does
+        k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
+    # [1, H, len, D]: the flash CPU kernel needs 4-D inputs (3-D falls back to the math path)
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    gqa = spec.num_heads != spec.num_kv_heads
+    if context == 0 and spec.sliding_window is None:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=spec.scale, enable_gqa=gqa)
+    else:
+        q_pos = torch.arange(context, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        mask = k_pos <= q_pos  # [q_len, seq_len]
+        if spec.sliding_window is not None:
+            mask &= (q_pos - k_pos) < spec.sliding_window
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=spec.scale, enable_gqa=gqa)
+    return o[0].transpose(0, 1)
+
+
+def _write_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    plan: _StepPlan,
+) -> None:
+    if plan.write_rows is not None:
+        k, v = k.index_select(0, plan.write_rows), v.index_select(0, plan.write_rows)
+    # 2-D views: index_copy_ on 3-D rows is ~100x slower on CPU
+    width = k_cache.shape[2] * k_cache.shape[3]
+    k_cache.view(-1, width).index_copy_(0, plan.write_slots, k.reshape(-1, width).to(k_cache.dtype))
+    v_cache.view(-1, width).index_copy_(0, plan.write_slots, v.reshape(-1, width).to(v_cache.dtype))
+
+
+def _gather(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_blocks]
+    seq_len: int,
+) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+    n_blocks = -(-seq_len // cache.shape[1])
+    blocks = cache.index_select(0, block_table[:n_blocks].long())
+    return blocks.view(-1, *cache.shape[2:])[:seq_len]
+
+
+class CPUBackend(AttentionBackend):
+    """Same contract as ReferenceBackend; fast on CPU. The step plan is cached on the
+    identity of the metadata object, so it is built once per step, not once per layer."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: _StepPlan | None = None
+
+    def _step_plan(self, meta: AttentionMetadata) -> _StepPlan:
+        if self._plan is None or self._plan_meta is not meta:
+            self._plan, self._plan_meta = build_plan(meta), meta
+        return self._plan
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+    ) -> torch.Tensor:
+        plan = self._step_plan(meta)
+        _write_kv(k, v, k_cache, v_cache, plan)
+        dec = plan.decode
+        if dec is not None and dec.all_tokens:
+            return flash_decode(q, k_cache, v_cache, dec, spec).to(q.dtype)
+        out = torch.empty_like(q)
+        if dec is not None:
+            out[dec.token_index] = flash_decode(q[dec.token_index], k_cache, v_cache, dec, spec).to(q.dtype)
+        for p in plan.prefill:
+            rows = slice(p.start, p.start + p.query_len)
+            out[rows] = flash_prefill(
+                q[rows], k[rows], v[rows], k_cache, v_cache, meta.block_tables[p.seq], p.seq_len, spec
+            )
+        return out
