@@ -1,0 +1,112 @@
+"""Unit tests: incremental detokenization, stop strings, and the sampler."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle.engine.detokenizer import IncrementalDetokenizer
+from treadle.sampling_params import SamplingParams, SamplingParamsError
+from treadle.tokenizer import Tokenizer
+from treadle.worker.sampler import Sampler, SamplingRow, apply_penalties, filter_logits
+
+TEXT = "héllo wörld — 日本語 🌍🎉 done"
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(tiny_llama) -> Tokenizer:
+    return Tokenizer.from_hf_dir(tiny_llama)
+
+
+def stream(tok: Tokenizer, ids: list[int], params: SamplingParams) -> tuple[list[str], str | None, str]:
+    detok = IncrementalDetokenizer(tok, [0], params)
+    deltas, stop = [], None
+    for t in ids:
+        stop = detok.add_token(t)
+        deltas.append(detok.take_delta(stop is not None))
+        if stop is not None:
+            break
+    else:
+        deltas.append(detok.take_delta(True))
+    return deltas, stop, detok.text
+
+
+def test_utf8_split_across_byte_tokens(byte_tokenizer):
+    ids = byte_tokenizer.encode(TEXT, add_special_tokens=False)
+    assert len(ids) == len(TEXT.encode())  # one token per byte: characters are split
+    deltas, stop, text = stream(byte_tokenizer, ids, SamplingParams())
+    assert stop is None and text == TEXT and "".join(deltas) == TEXT
+    assert all("\ufffd" not in d for d in deltas)
+
+
+@pytest.mark.parametrize("stop", ["wörld", "本語 🌍", "o w", "done"])
+def test_stop_string_across_tokens_not_in_text(byte_tokenizer, stop):
+    ids = byte_tokenizer.encode(TEXT, add_special_tokens=False)
+    deltas, hit, text = stream(byte_tokenizer, ids, SamplingParams(stop=[stop, "never"]))
+    assert hit == stop
+    assert text == TEXT[: TEXT.index(stop)]
+    assert "".join(deltas) == text  # nothing past the stop was ever streamed
+
+
+def test_earliest_stop_wins(byte_tokenizer):
+    ids = byte_tokenizer.encode("abcdef", add_special_tokens=False)
+    _, hit, text = stream(byte_tokenizer, ids, SamplingParams(stop=["def", "cd"]))
+    assert hit == "cd" and text == "ab"
+
+
+def row(params: SamplingParams, out=(), prompt=(1, 2)) -> SamplingRow:
+    return SamplingRow(params, list(prompt), list(out), (0,))
+
+
+def test_seeded_sampling_independent_of_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    alone = Sampler(seed=1)([logits[2:3]][0], [row(seeded)])[0]
+    batch_rows = [row(SamplingParams(temperature=0.8)), row(SamplingParams(temperature=0)), row(seeded),
+                  row(SamplingParams(temperature=1.5, top_k=5)), row(SamplingParams(temperature=1.0, seed=7))]
+    batched = Sampler(seed=99)(logits, batch_rows)[0]
+    assert batched[2] == alone[0]
+    assert batched[1] == int(logits[1].argmax())
+
+
+def test_seeded_sampling_follows_distribution():
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0])
+    counts = torch.zeros(4)
+    sampler = Sampler()
+    for i in range(3000):
+        tok = sampler(logits[None], [row(SamplingParams(temperature=1.0, seed=i))])[0][0]
+        counts[tok] += 1
+    assert torch.allclose(counts / 3000, logits.softmax(-1), atol=0.03)
+
+
+def test_top_k_top_p_min_p_filters():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.isinf(filter_logits(logits, SamplingParams(top_k=2))[2:]).all()
+    kept = ~torch.isinf(filter_logits(logits, SamplingParams(top_p=0.7)))
+    assert kept.tolist() == [True, True, False, False]
+    kept = ~torch.isinf(filter_logits(logits, SamplingParams(min_p=0.25)))
+    assert kept.tolist() == [True, True, True, False]
+
+
+def test_penalties():
+    logits = torch.tensor([2.0, -2.0, 1.0, 1.0])
+    r = row(SamplingParams(repetition_penalty=2.0), out=[2], prompt=[1])
+    assert apply_penalties(logits, r).tolist() == [2.0, -4.0, 0.5, 1.0]
+    r = row(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), out=[2, 2, 3], prompt=[0])
+    assert apply_penalties(logits, r).tolist() == [2.0, -2.0, 1.0 - 1.0 - 0.25, 1.0 - 0.5 - 0.25]
+
+
+def test_min_tokens_masks_stop_tokens():
+    logits = torch.tensor([[5.0, 1.0, 0.0]])
+    p = SamplingParams(temperature=0.0, min_tokens=2)
+    assert Sampler()(logits, [row(p, out=[1])])[0] == [1]
+    assert Sampler()(logits, [row(p, out=[1, 1])])[0] == [0]
+
+
+@pytest.mark.parametrize("kw,param", [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+                                      (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
+                                      (dict(logprobs=21), "logprobs"), (dict(top_p=1.5), "top_p")])
+def test_sampling_params_validation(kw, param):
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(**kw)
+    assert e.value.param == param
