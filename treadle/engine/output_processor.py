@@ -54,7 +54,7 @@ class OutputProcessor:
             children[cid] = ChildState(i, detok, logprobs=[] if params.logprobs is not None else None,
                                        cumulative_logprob=0.0 if params.logprobs is not None else None)
             self.parent_of[cid] = request_id
-        first = None if params.prompt_logprobs is None else [None]
+        first: list[dict[int, Logprob] | None] | None = None if params.prompt_logprobs is None else [None]
         self.parents[request_id] = ParentState(request_id, prompt, prompt_ids, params, children,
                                                RequestMetrics(arrival), first)
 
