@@ -44,10 +44,9 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    extra_stop_token_ids: tuple[int, ...] = ()  # e.g. stories260K stops on BOS too
 
     @staticmethod
-    def from_hf(cfg: dict[str, Any], eos_override: tuple[int, ...] | None = None) -> "ModelConfig":
+    def from_hf(cfg: dict[str, Any], eos_override: tuple[int, ...] | None = None) -> ModelConfig:
         archs = cfg.get("architectures") or [_ARCH_BY_MODEL_TYPE.get(cfg.get("model_type", ""), "LlamaForCausalLM")]
         # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -77,12 +76,13 @@ class ModelConfig:
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_override if eos_override is not None else eos_ids,
-            extra_stop_token_ids=tuple(cfg.get("treadle_extra_stop_token_ids", ())),
         )
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        return tuple(dict.fromkeys(self.eos_token_ids + self.extra_stop_token_ids))
+        """Ids that end generation: the checkpoint's EOS ids (generation_config.json's
+        list when there is one, e.g. stories260K stops on BOS too)."""
+        return tuple(dict.fromkeys(self.eos_token_ids))
 
 
 def parse_rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:

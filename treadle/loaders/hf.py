@@ -1,0 +1,132 @@
+"""Hugging Face model directories: config.json, *.safetensors (single or sharded),
+generation_config.json, tokenizer files.
+
+Weights are streamed: each shard is memory-mapped with ``safe_open`` and its
+tensors are handed out one at a time, each read exactly once.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from treadle.config import ModelConfig, TreadleError
+from treadle.loaders import ModelSource
+from treadle.models.registry import supported_architectures
+from treadle.tokenizer import Tokenizer
+
+_INDEX = "model.safetensors.index.json"
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise TreadleError(f"{path}: no such file (not a Hugging Face model directory?)")
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TreadleError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise TreadleError(f"{path}: expected a JSON object")
+    return data
+
+
+def _eos_ids(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+def read_hf_config(path: Path) -> ModelConfig:
+    """config.json, with generation_config.json's EOS ids taking precedence."""
+    raw = _read_json(path / "config.json", required=True)
+    assert raw is not None
+    gen = _read_json(path / "generation_config.json", required=False) or {}
+    try:
+        config = ModelConfig.from_hf(raw, eos_override=_eos_ids(gen.get("eos_token_id")))
+    except (KeyError, TypeError, ValueError) as e:
+        raise TreadleError(f"{path / 'config.json'}: missing or invalid field {e}") from None
+    except TreadleError as e:
+        raise TreadleError(f"{path / 'config.json'}: {e}") from None
+    if config.architecture not in supported_architectures():
+        raise TreadleError(
+            f"{path / 'config.json'}: architecture {config.architecture!r} is not supported; "
+            f"supported: {', '.join(supported_architectures())}"
+        )
+    return config
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files holding the weights: from the shard index when there is one."""
+    index_file = path / _INDEX
+    index = _read_json(index_file, required=False)
+    if index is not None:
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise TreadleError(f"{index_file}: no weight_map")
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise TreadleError(f"{f}: shard listed in {_INDEX} is missing")
+        return files
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise TreadleError(f"{path}: no *.safetensors weights found (other formats are not supported)")
+    return files
+
+
+def _shard_keys(file: Path) -> list[str]:
+    """Open a shard's header (validates it against the file size); reads no tensor data."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError, ValueError) as e:
+        raise TreadleError(f"{file}: not a valid safetensors file ({e})") from None
+
+
+def _skipped(name: str, config: ModelConfig) -> bool:
+    """Tensors the model never uses: not even read."""
+    return "rotary_emb.inv_freq" in name or (config.tie_word_embeddings and name == "lm_head.weight")
+
+
+def stream_safetensors(shards: list[tuple[Path, list[str]]], config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, tensor) one at a time; a tensor is dropped before the next is read."""
+    for file, keys in shards:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in keys:
+                    if _skipped(key, config):
+                        continue
+                    tensor = f.get_tensor(key)
+                    yield key, tensor
+                    del tensor
+        except (SafetensorError, OSError) as e:
+            raise TreadleError(f"{file}: cannot read weights ({e})") from None
+
+
+def open_hf_dir(path: str | Path) -> ModelSource:
+    path = Path(path)
+    if not path.is_dir():
+        raise TreadleError(f"{path}: no such directory")
+    config = read_hf_config(path)
+    shards = [(file, _shard_keys(file)) for file in weight_files(path)]
+    seen: set[str] = set()
+    for file, keys in shards:
+        dup = seen.intersection(keys)
+        if dup:
+            raise TreadleError(f"{file}: tensor {sorted(dup)[0]!r} also appears in another shard")
+        seen.update(keys)
+    tokenizer = Tokenizer.from_hf_dir(path, extra_eos_token_ids=config.eos_token_ids)
+    return ModelSource(
+        path=path,
+        config=config,
+        weights=lambda: stream_safetensors(shards, config),
+        tokenizer=tokenizer,
+    )
