@@ -1,0 +1,91 @@
+"""Helpers for the server tests: a real uvicorn server on a free loopback port in a
+background thread, serving a real engine; Prometheus parsing; polling."""
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from treadle.engine.async_engine import AsyncLLM
+from treadle.server import build_app
+
+MODEL_NAME = "tiny"
+# the same engine settings for the server and the offline reference
+ENGINE_KW: dict[str, Any] = dict(num_kv_blocks=512, block_size=16, max_num_batched_tokens=256, max_num_seqs=64,
+                                 max_model_len=512)
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on 127.0.0.1 (a port picked by the OS) in a thread."""
+
+    def __init__(self, app: Any) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1, lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        wait_until(lambda: self.server.started, 30, "server start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+@contextlib.contextmanager
+def serve(model_dir: Path, heartbeat_timeout: float = 60.0, **app_kw: Any) -> Iterator[tuple[ServerThread, AsyncLLM]]:
+    llm = AsyncLLM.from_args(str(model_dir), heartbeat_timeout=heartbeat_timeout, **ENGINE_KW)
+    try:
+        with ServerThread(build_app(llm, MODEL_NAME, **app_kw)) as srv:
+            yield srv, llm
+    finally:
+        llm.shutdown()
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def metric_values(url: str) -> dict[str, float]:
+    """/metrics -> {sample name (with labels other than model_name): value}."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            values[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return values
+
+
+def engine_idle(url: str) -> bool:
+    """No request running, waiting or open, and every KV block free."""
+    m = metric_values(url)
+    return (m["treadle:num_requests_running"] == 0 and m["treadle:num_requests_waiting"] == 0
+            and m["treadle:num_requests_open"] == 0
+            and m["treadle:kv_cache_free_blocks"] == m["treadle:kv_cache_total_blocks"])
+
+
+def set_hooks(url: str, **hooks: Any) -> None:
+    r = httpx.post(f"{url}/internal/test/hooks", json=hooks, timeout=10)
+    assert r.status_code == 200, r.text

@@ -1,0 +1,50 @@
+"""`treadle serve [MODEL]`: the OpenAI-compatible HTTP server (FastAPI on uvicorn)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from treadle.entrypoints.engine_args import add_engine_args, engine_kwargs
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_engine_args(p, model_positional=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: the model argument)")
+    p.add_argument("--api-key", default=os.environ.get("TREADLE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $TREADLE_API_KEY; none: open)")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="refuse new requests with 503 + Retry-After while this many sequences wait")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before exiting")
+    p.add_argument("--heartbeat-timeout", type=float, default=60.0,
+                   help="/health reports the engine stuck after this many seconds without a finished step")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--enable-test-hooks", action="store_true",
+                   help="expose POST /internal/test/hooks (slow or failing steps); for tests only")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from treadle.engine.async_engine import AsyncLLM
+    from treadle.server import build_app
+    from treadle.server.lifecycle import DrainingServer
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    kw = engine_kwargs(args)
+    model = kw.pop("model")
+    llm = AsyncLLM.from_args(model, heartbeat_timeout=args.heartbeat_timeout, **kw)
+    try:
+        app = build_app(llm, served_model_name=args.served_model_name or model, api_key=args.api_key,
+                        max_waiting=args.max_waiting, enable_test_hooks=args.enable_test_hooks)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=2, access_log=args.log_level == "debug")
+        DrainingServer(config, app.state.treadle, args.shutdown_timeout).run()
+    finally:
+        llm.shutdown()
+    return 0

@@ -1,0 +1,62 @@
+"""Running the app under uvicorn with a graceful drain on SIGTERM / SIGINT.
+
+uvicorn's own handling closes the listening socket at once (new clients get
+"connection refused", not a 503) and re-raises the signal at exit (exit code
+-15). Here the first signal only starts a drain: the app answers 503 to new
+work while in-flight requests finish, for up to ``shutdown_timeout`` seconds;
+then uvicorn shuts down and ``serve`` returns normally (exit code 0). A second
+signal skips the wait.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from types import FrameType
+
+import uvicorn
+
+from treadle.server.state import ServerState
+
+logger = logging.getLogger("treadle")
+
+_POLL_S = 0.05
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs in the main thread between bytecodes; hop onto the loop to act.
+        if self.state.draining or self._loop is None:
+            self.should_exit = self.force_exit = True
+            return
+        self.state.draining = True
+        self._loop.call_soon_threadsafe(self.begin_drain)
+
+    def begin_drain(self) -> None:
+        """Stop admitting and exit once in-flight requests are done (or time is up)."""
+        self.state.draining = True
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        llm = self.state.llm
+        deadline = time.monotonic() + self.shutdown_timeout
+        logger.info("draining: %d request(s) in flight, waiting up to %.0f s", llm.num_open_requests,
+                    self.shutdown_timeout)
+        while llm.num_open_requests > 0 and time.monotonic() < deadline and not self.force_exit:
+            await asyncio.sleep(_POLL_S)
+        if llm.num_open_requests > 0:
+            logger.warning("shutdown timeout: aborting %d request(s)", llm.num_open_requests)
+        self.should_exit = True
