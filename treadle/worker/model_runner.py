@@ -15,7 +15,6 @@ import torch
 from treadle.config import ModelConfig
 from treadle.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from treadle.layers.attention import AttentionMetadata
-from treadle.layers.attention.metadata import compute_slot_mapping
 from treadle.worker.sampler import Sampler, SamplingRow, logprobs_at
 
 
@@ -80,12 +79,14 @@ class ModelRunner:
         self._max_blocks = -(-max_model_len // block_size)
         self._ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
         self._pos = np.zeros(max_num_batched_tokens, dtype=np.int64)
+        self._slots = np.zeros(max_num_batched_tokens, dtype=np.int64)
 
     def _prepare(self, sched: SchedulerOutput) -> BatchInputs:
         n_tok = sched.total_num_scheduled_tokens
         if n_tok > self._ids.shape[0]:
             self._ids = np.zeros(n_tok, dtype=np.int64)
             self._pos = np.zeros(n_tok, dtype=np.int64)
+            self._slots = np.zeros(n_tok, dtype=np.int64)
         query_lens, seq_lens = [], []
         tables = np.zeros((len(sched.scheduled), max(len(s.block_ids) for s in sched.scheduled)), dtype=np.int64)
         sample_rows: list[tuple[str, int]] = []
@@ -95,8 +96,11 @@ class ModelRunner:
             state = self.requests[s.request_id]
             start, n = s.num_computed_tokens, s.num_scheduled_tokens
             self._ids[cursor : cursor + n] = state.token_slice(start, start + n)
-            self._pos[cursor : cursor + n] = np.arange(start, start + n)
+            pos = np.arange(start, start + n)
+            self._pos[cursor : cursor + n] = pos
             tables[i, : len(s.block_ids)] = s.block_ids
+            bs = self.block_size
+            self._slots[cursor : cursor + n] = tables[i, pos // bs] * bs + pos % bs
             query_lens.append(n)
             seq_lens.append(start + n)
             if start + n == state.num_tokens:
@@ -117,7 +121,7 @@ class ModelRunner:
             query_start_loc=qsl.to(dev),
             seq_lens_tensor=sl.to(torch.int32).to(dev),
             block_tables=bt.to(torch.int32).to(dev),
-            slot_mapping=compute_slot_mapping(ql, sl, bt, self.block_size).to(dev),
+            slot_mapping=torch.from_numpy(self._slots[:cursor].copy()).to(dev),
             block_size=self.block_size,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
