@@ -5,7 +5,14 @@ import torch
 import torch.nn.functional as F
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[..., 2 * d] -> [..., d]"""
+def silu_and_mul_plain(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] -> [..., d] (oracle)"""
     d = gate_up.shape[-1] // 2
     return F.silu(gate_up[..., :d]) * gate_up[..., d:]
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] -> [..., d]; the product is taken in place in silu's output, so one
+    temporary instead of two (same arithmetic as the plain version, bit for bit)."""
+    d = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :d]).mul_(gate_up[..., d:])

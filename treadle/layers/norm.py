@@ -4,23 +4,54 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from treadle.layers.fused import fused_ops_enabled
+
+
+def rms_norm_plain(
+    x: torch.Tensor,  # [..., hidden]
+    residual: torch.Tensor | None,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Out-of-place oracle: (norm(x + residual), x + residual), Hugging Face arithmetic."""
+    if residual is not None:
+        x = x + residual
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype), x
+
+
+def rms_norm_fused(
+    x: torch.Tensor,  # [..., hidden]
+    residual: torch.Tensor | None,  # [..., hidden]; overwritten with x + residual
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same values as ``rms_norm_plain`` in fewer calls; the sum is written into
+    ``residual`` in place (the caller hands its residual stream over)."""
+    if residual is not None:
+        x = residual.add_(x)
+    if x.dtype == torch.float32:
+        inv = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+        return (x * inv).mul_(weight), x
+    x32 = x.float()
+    inv = x32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return weight * x32.mul_(inv).to(x.dtype), x
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, fused: bool | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        self.fused = fused_ops_enabled() if fused is None else fused
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (norm(x + residual), x + residual); residual None means x itself."""
-        if residual is not None:
-            x = x + residual
-        return self._norm(x), x
+        """Return (norm(x + residual), x + residual); residual None means x itself.
+        With fused ops on, ``residual`` is updated in place and returned."""
+        if self.fused:
+            return rms_norm_fused(x, residual, self.weight, self.eps)
+        return rms_norm_plain(x, residual, self.weight, self.eps)

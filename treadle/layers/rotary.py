@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from treadle.config import RopeScaling
+from treadle.layers.fused import fused_ops_enabled
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -36,9 +37,57 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rotary_plain(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Out-of-place oracle, exactly as Hugging Face Llama."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotate_in_place(
+    x: torch.Tensor,  # [num_tokens, heads, head_dim], any row stride
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+    sin: torch.Tensor,
+) -> None:
+    """x1, x2 = halves of each head:  x1 <- x1*cos - x2*sin,  x2 <- x2*cos + x1*sin
+    (the same products and sums as the plain version, so the same bits)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    x1_sin = x1 * sin
+    x1.mul_(cos).sub_(x2 * sin)
+    x2.mul_(cos).add_(x1_sin)
+
+
+def joint_view(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q and k as one [num_tokens, num_heads + num_kv_heads, head_dim] view when k's
+    heads directly follow q's in memory (as when both are split from one qkv row)::
+
+        qkv row:  | q heads ...... | k heads .. | v heads .. |
+                  '---- one view: rotated with one set of calls ----'
+    """
+    d = q.shape[-1]
+    if (
+        q.dtype != k.dtype
+        or q.shape[0] != k.shape[0]
+        or q.stride() != (q.stride(0), d, 1)
+        or k.stride() != (q.stride(0), d, 1)
+        or k.data_ptr() != q.data_ptr() + q.shape[1] * d * q.element_size()
+    ):
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], d), q.stride())
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: RopeScaling | None,
+        fused: bool | None = None,
     ) -> None:
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
@@ -46,6 +95,10 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        # [max_positions, head_dim]: cos of the first half, then sin of the first half
+        half = head_dim // 2
+        self.register_buffer("cos_sin", torch.cat((emb.cos()[:, :half], emb.sin()[:, :half]), -1), persistent=False)
+        self.fused = fused_ops_enabled() if fused is None else fused
 
     def forward(
         self,
@@ -53,6 +106,18 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        """Rotated (q, k). With fused ops on, q and k are rotated in place and returned."""
+        if not self.fused:
+            cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+            sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+            return apply_rotary_plain(q, k, cos, sin)
+        half = q.shape[-1] // 2
+        cs = self.cos_sin.index_select(0, positions).to(q.dtype).unsqueeze(1)  # [T, 1, head_dim]
+        cos, sin = cs[..., :half], cs[..., half:]
+        qk = joint_view(q, k)
+        if qk is not None:
+            rotate_in_place(qk, cos, sin)
+        else:
+            rotate_in_place(q, cos, sin)
+            rotate_in_place(k, cos, sin)
+        return q, k
