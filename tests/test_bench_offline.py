@@ -1,0 +1,40 @@
+"""A tiny end-to-end `treadle bench throughput` / `latency` run (never timed)."""
+from __future__ import annotations
+
+import json
+
+from treadle.entrypoints.cli import main
+
+WORKLOAD = ["--input-len", "8:24", "--output-len", "2:5", "--num-prompts", "5", "--workload-seed", "3"]
+
+
+def test_bench_throughput_side_by_side(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "result.json"
+    rc = main(["bench", "throughput", "--model", str(tiny_llama), "--backends", "treadle,static,hf",
+               "--concurrency", "1,3", "--repeats", "1", "--no-roofline", "--save-result", str(out), *WORKLOAD])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "| 3    | static" in table and "vs treadle" in table
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert {(r["backend"], r["concurrency"]) for r in runs} == {(b, c) for b in ("treadle", "static", "hf")
+                                                                 for c in (1, 3)}
+    expected_out = None
+    for r in runs:
+        m = r["metrics"]
+        assert m["completed"] == 5 and m["failed"] == 0
+        expected_out = expected_out or m["total_output_tokens"]
+        assert m["total_output_tokens"] == expected_out  # every backend yields exactly output_len tokens
+        if r["backend"] in ("treadle", "static"):
+            kv = r["kv"]
+            assert 0 < kv["used_slots_at_peak"] <= kv["peak_allocated_slots"] <= kv["total_slots"]
+    assert result["workload"]["kind"] == "random"
+
+
+def test_bench_latency_with_roofline(tiny_llama, tmp_path, capsys):
+    rc = main(["bench", "latency", "--model", str(tiny_llama), "--input-len", "16", "--output-len", "4",
+               "--iters", "2", "--save-result", str(tmp_path / "lat.json")])
+    assert rc == 0
+    assert "decode / BW bound" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "lat.json").read_text())["rows"]
+    assert rows[0]["backend"] == "treadle" and rows[0]["decode_fraction"] > 0

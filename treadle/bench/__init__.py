@@ -1,0 +1,1 @@
+"""Benchmarks: `treadle bench throughput|latency|serve` (see docs/benchmarks.md)."""

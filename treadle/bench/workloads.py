@@ -1,0 +1,120 @@
+"""Seeded synthetic workloads. Prompts are token ids, so any model can run them.
+
+- ``fixed``: every prompt has ``input_len`` tokens and asks for ``output_len``.
+- ``random``: lengths drawn uniformly from ranges (``--input-len 32:512``).
+- ``chat``: a ShareGPT-like shape: log-normal prompt lengths (median 180
+  tokens, sigma 0.9, clipped to [8, 1024]) and log-normal output lengths
+  (median 120, sigma 0.7, clipped to [8, 512]); both are clipped again so
+  prompt + output fits ``max_total_len``. Long-tailed on both sides, as real
+  chat traffic is: most turns are short, a few are long documents.
+- ``shared-prefix``: every prompt starts with the same ``prefix_len``-token
+  "system prompt" (one of ``num_prefixes`` of them), followed by a random
+  suffix of ``input_len`` tokens; exercises the prefix cache.
+
+Token ids are uniform over ``[low_token, vocab_size)``, skipping the low ids
+where most tokenizers keep their special tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+WORKLOADS = ("fixed", "random", "chat", "shared-prefix")
+
+CHAT_PROMPT = (180.0, 0.9, 8, 1024)  # median, sigma, min, max
+CHAT_OUTPUT = (120.0, 0.7, 8, 512)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class LengthRange:
+    lo: int
+    hi: int  # inclusive
+
+    @staticmethod
+    def parse(text: str | int) -> LengthRange:
+        """'128' -> 128..128, '32:512' -> 32..512."""
+        lo_s, _, hi_s = str(text).partition(":")
+        lo, hi = int(lo_s), int(hi_s or lo_s)
+        if lo < 1 or hi < lo:
+            raise ValueError(f"length {text!r}: need 1 <= LO <= HI (write N or LO:HI)")
+        return LengthRange(lo, hi)
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return rng.integers(self.lo, self.hi + 1, size=n)
+
+    def __str__(self) -> str:
+        return str(self.lo) if self.lo == self.hi else f"{self.lo}:{self.hi}"
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    kind: str = "random"
+    num_prompts: int = 64
+    input_len: LengthRange = LengthRange(32, 512)
+    output_len: LengthRange = LengthRange(16, 256)
+    prefix_len: int = 512  # shared-prefix only
+    num_prefixes: int = 1  # shared-prefix only
+    seed: int = 0
+
+    def describe(self) -> str:
+        if self.kind == "chat":
+            return f"chat x{self.num_prompts} (log-normal lengths, seed {self.seed})"
+        if self.kind == "shared-prefix":
+            return (f"shared-prefix x{self.num_prompts} (prefix {self.prefix_len} x{self.num_prefixes}, "
+                    f"suffix {self.input_len}, out {self.output_len}, seed {self.seed})")
+        return f"{self.kind} x{self.num_prompts} (in {self.input_len}, out {self.output_len}, seed {self.seed})"
+
+
+def _token_ids(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
+    low = min(100, vocab_size // 2)
+    return rng.integers(low, vocab_size, size=n).tolist()
+
+
+def _lognormal(rng: np.random.Generator, n: int, shape: tuple[float, float, int, int]) -> np.ndarray:
+    median, sigma, lo, hi = shape
+    return np.clip(np.round(rng.lognormal(np.log(median), sigma, size=n)), lo, hi).astype(int)
+
+
+def make_workload(
+    spec: WorkloadSpec, vocab_size: int, max_total_len: int | None = None, token_salt: int = 0
+) -> list[BenchRequest]:
+    """The requests of a workload; the same arguments give the same list. The
+    lengths depend on ``spec.seed`` only; ``token_salt`` redraws the token ids,
+    so repeated runs do not hit a prefix cache filled by the previous run."""
+    if spec.kind not in WORKLOADS:
+        raise ValueError(f"unknown workload {spec.kind!r}; choose one of {', '.join(WORKLOADS)}")
+    rng = np.random.default_rng(spec.seed)
+    tok_rng = np.random.default_rng([spec.seed, token_salt])
+    n = spec.num_prompts
+    if spec.kind == "fixed":
+        ins, outs = np.full(n, spec.input_len.hi), np.full(n, spec.output_len.hi)
+    elif spec.kind == "chat":
+        ins, outs = _lognormal(rng, n, CHAT_PROMPT), _lognormal(rng, n, CHAT_OUTPUT)
+    else:
+        ins, outs = spec.input_len.sample(rng, n), spec.output_len.sample(rng, n)
+    prefixes = [_token_ids(tok_rng, spec.prefix_len, vocab_size) for _ in range(spec.num_prefixes)]
+    reqs = []
+    for i, (n_in, n_out) in enumerate(zip(ins.tolist(), outs.tolist())):
+        head = prefixes[i % spec.num_prefixes] if spec.kind == "shared-prefix" else []
+        if max_total_len is not None:
+            n_out = min(n_out, max_total_len - len(head) - 1)
+            n_in = min(n_in, max_total_len - len(head) - n_out)
+            if n_out < 1 or n_in < 1:
+                raise ValueError(f"max_model_len {max_total_len} is too short for this workload")
+        reqs.append(BenchRequest(head + _token_ids(tok_rng, n_in, vocab_size), n_out))
+    return reqs
+
+
+def max_total_len(reqs: list[BenchRequest]) -> int:
+    return max(r.prompt_len + r.output_len for r in reqs)
