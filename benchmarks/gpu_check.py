@@ -84,6 +84,11 @@ def make_batch(
                  rnd(num_blocks, block_size, kv, d), meta, AttentionSpec(h, kv, d, d**-0.5))
 
 
+def max_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Max |got - want|; a NaN anywhere counts as infinitely wrong."""
+    return torch.nan_to_num((got.float() - want.float()).abs(), nan=float("inf")).max().item()
+
+
 def compare(b: Batch, backend: TritonBackend) -> tuple[float, bool]:
     """Max |triton - reference| (reference in fp32) and whether the written caches agree."""
     kc, vc = b.k_cache.clone(), b.v_cache.clone()
@@ -91,7 +96,7 @@ def compare(b: Batch, backend: TritonBackend) -> tuple[float, bool]:
     rk, rv = b.k_cache.float(), b.v_cache.float()
     want = ReferenceBackend().forward(b.q.float(), b.k.float(), b.v.float(), rk, rv, b.meta, b.spec)
     caches_ok = torch.equal(kc.float(), rk) and torch.equal(vc.float(), rv)
-    return (got - want).abs().max().item(), caches_ok
+    return max_err(got, want), caches_ok
 
 
 def kernel_checks(device: torch.device, dtype: torch.dtype, smoke: bool) -> list[Row]:
@@ -228,7 +233,7 @@ def decode_timing(device: torch.device, dtype: torch.dtype, batch: int, seq_len:
     def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(qd, dense[0], dense[1], scale=b.spec.scale, enable_gqa=True)
 
-    err = (sdpa().squeeze(2).float() - out.float()).abs().max().item()
+    err = max_err(out, sdpa().squeeze(2))
     iters = 1 if smoke else 50
     t_tri = bench(lambda: backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.spec), device, iters)
     t_sdpa = bench(sdpa, device, iters)

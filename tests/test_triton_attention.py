@@ -23,7 +23,7 @@ from treadle.layers.attention import (  # noqa: E402
 )
 from treadle.layers.attention.triton_backend import TritonBackend, TritonTiles  # noqa: E402
 
-HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}  # name -> (num_heads, num_kv_heads)
+HEADS = {"mha": (2, 2), "gqa": (6, 2), "mqa": (4, 1)}  # (num_heads, num_kv_heads); GQA group 3
 HEAD_DIM = 32
 NUM_BLOCKS = 24
 

@@ -29,7 +29,8 @@ def _pow2(n: int, floor: int = 1) -> int:
 
 @dataclass(frozen=True)
 class TritonTiles:
-    """Tile sizes and the decode split count; each is a compile-time constant."""
+    """Tile sizes and the decode split count; each is a compile-time constant. On a GPU
+    every tile must be at least 16 (tl.dot's minimum); the interpreter takes any power of 2."""
 
     prefill_block_m: int = 64  # new tokens per prefill program
     prefill_block_n: int = 64  # keys per inner-loop tile

@@ -22,6 +22,7 @@ all ``group`` query heads that share the KV head against its slice of the contex
 stores an unnormalised partial (m, l, acc); a second kernel merges the splits::
 
     split s covers [lo + s*per_split, lo + (s+1)*per_split),  per_split = ceil(span/S)
+    rounded up to whole BLOCK_N tiles (so a short context leaves trailing splits empty)
     M = max_s m_s,   out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
 
 The number of splits is a compile-time constant and the split bounds are computed on
@@ -176,7 +177,8 @@ def decode_split_kernel(
     token = tl.load(query_start_ptr + seq)
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = tl.maximum(seq_len - window, 0)
-    per_split = tl.cdiv(seq_len - lo, NUM_SPLITS)
+    # whole tiles per split: short contexts use fewer splits instead of ragged tiles
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     s_lo = lo + split * per_split
     s_hi = tl.minimum(seq_len, s_lo + per_split)
     offs_g = tl.arange(0, BLOCK_G)
