@@ -3,6 +3,8 @@ background thread, serving a real engine; Prometheus parsing; polling."""
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 import socket
 import threading
 import time
@@ -15,12 +17,29 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from treadle.engine.async_engine import AsyncLLM
+from treadle.loaders.resolve import resolve_model
 from treadle.server import build_app
 
 MODEL_NAME = "tiny"
 # the same engine settings for the server and the offline reference
 ENGINE_KW: dict[str, Any] = dict(num_kv_blocks=512, block_size=16, max_num_batched_tokens=256, max_num_seqs=64,
                                  max_model_len=512)
+
+
+# stories260k ships without a chat template; the tests give it a plain one
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def stories_with_chat_template(dest: Path) -> Path:
+    """A copy of the bundled stories260k model (real tiny TinyStories weights) whose
+    tokenizer config also declares a chat template."""
+    shutil.copytree(resolve_model("stories260k"), dest, dirs_exist_ok=True)
+    cfg_path = dest / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    return dest
 
 
 class ServerThread:

@@ -1,0 +1,108 @@
+"""Health when the step loop fails or stalls, and the SIGTERM drain (in a subprocess)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+from server_harness import serve, set_hooks, wait_until
+
+from treadle.loaders.resolve import resolve_model
+
+CMPL = "/v1/completions"
+LONG = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
+
+
+def sse_events(resp: httpx.Response):
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            yield line[6:]
+
+
+def test_failed_step_fails_requests_and_health(tmp_path):
+    with serve(resolve_model("stories260k"), enable_test_hooks=True) as (srv, llm):
+        url = srv.url
+        set_hooks(url, step_delay=0.05)
+        done: dict[str, httpx.Response] = {}
+        blocking = threading.Thread(target=lambda: done.setdefault("r", httpx.post(url + CMPL, json=LONG, timeout=30)))
+        with httpx.stream("POST", url + CMPL, json={**LONG, "stream": True}, timeout=30) as resp:
+            events = sse_events(resp)
+            assert json.loads(next(events))["choices"]
+            blocking.start()
+            wait_until(lambda: llm.num_open_requests == 2, 10, "both requests in flight")
+            set_hooks(url, fail_next_step=True)
+            rest = list(events)  # the stream ends instead of hanging
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["error"]["code"] == "engine_error"
+        blocking.join(30)
+        assert done["r"].status_code == 500 and done["r"].json()["error"]["code"] == "engine_error"
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and "dead" in health.json()["error"]["message"]
+        refused = httpx.post(url + CMPL, json={"prompt": "Once", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+        assert "retry-after" in refused.headers
+
+
+def test_stuck_step_loop_turns_health_503_until_it_moves(tmp_path):
+    with serve(resolve_model("stories260k"), heartbeat_timeout=0.5, enable_test_hooks=True) as (srv, _):
+        url = srv.url
+        assert httpx.get(url + "/health").status_code == 200
+        set_hooks(url, step_delay=1.5)
+        result: dict[str, httpx.Response] = {}
+        worker = threading.Thread(target=lambda: result.setdefault(
+            "r", httpx.post(url + CMPL, json={"prompt": "Once", "max_tokens": 3, "ignore_eos": True}, timeout=60)))
+        worker.start()
+        stuck = wait_until(lambda: httpx.get(url + "/health").status_code == 503, 10, "health to report stuck")
+        assert stuck and "stuck" in httpx.get(url + "/health").json()["error"]["message"]
+        set_hooks(url, step_delay=0)
+        worker.join(60)
+        assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 3
+        wait_until(lambda: httpx.get(url + "/health").status_code == 200, 10, "health to recover")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_then_exits_0():
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "treadle.entrypoints.cli", "serve", "stories260k", "--port", str(port),
+           "--kv-cache-memory", "8MiB", "--enable-test-hooks", "--shutdown-timeout", "30", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_until(lambda: proc.poll() is not None or _health(url) == 200, 120, "server start")
+        assert proc.poll() is None, "the server exited at start-up"
+        set_hooks(url, step_delay=0.03)
+        with httpx.stream("POST", url + CMPL, json={**LONG, "max_tokens": 40, "stream": True}, timeout=60) as resp:
+            events = sse_events(resp)
+            assert json.loads(next(events))["choices"][0]["finish_reason"] is None
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: _health(url) == 503, 10, "draining")
+            late = httpx.post(url + CMPL, json={"prompt": "Once", "max_tokens": 2}, timeout=10)
+            assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+            assert late.headers["retry-after"]
+            chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert len(chunks) == 40 - 1  # every token after the first chunk arrived
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _health(url: str) -> int | None:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code
+    except httpx.TransportError:
+        return None
