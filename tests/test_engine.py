@@ -2,11 +2,15 @@
 batch composition, arrival order, chunk size, preemption or cache hits."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from treadle import LLM, SamplingParams
 from treadle.config import TreadleError
+from treadle.loaders.resolve import resolve_model
 
 MAX_TOKENS = 16
 
@@ -47,38 +51,44 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def prompts(tiny_llama) -> list[list[int]]:
-    return random_prompts(7, 258)
+@pytest.fixture(scope="module", params=["tiny-random", "stories260k"])
+def model(request, tiny_llama) -> Path:
+    return tiny_llama if request.param == "tiny-random" else resolve_model("stories260k")
 
 
 @pytest.fixture(scope="module")
-def batched(tiny_llama, prompts):
-    greedy, llm = run(tiny_llama, prompts, GREEDY)
+def prompts(model) -> list[list[int]]:
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    return random_prompts(7, vocab)
+
+
+@pytest.fixture(scope="module")
+def batched(model, prompts):
+    greedy, llm = run(model, prompts, GREEDY)
     assert_no_leaks(llm)
-    seeded, _ = run(tiny_llama, prompts, SEEDED)
+    seeded, _ = run(model, prompts, SEEDED)
     return greedy, seeded
 
 
-def test_batched_greedy_equals_transformers(tiny_llama, prompts, batched):
-    assert batched[0] == hf_greedy(tiny_llama, prompts, MAX_TOKENS)
+def test_batched_greedy_equals_transformers(model, prompts, batched):
+    assert batched[0] == hf_greedy(model, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("variant", ["one_by_one", "reversed", "chunk1", "chunk7", "chunk64", "preempt", "nochunk",
                                      "reference"])
-def test_output_independent_of_schedule(tiny_llama, prompts, batched, variant):
+def test_output_independent_of_schedule(model, prompts, batched, variant):
     for params, expected in zip((GREEDY, SEEDED), batched):
         kw: dict = {}
         if variant == "one_by_one":
-            got = [run(tiny_llama, [p], params)[0][0] for p in prompts]
+            got = [run(model, [p], params)[0][0] for p in prompts]
         elif variant == "reversed":
-            got = run(tiny_llama, prompts[::-1], params)[0][::-1]
+            got = run(model, prompts[::-1], params)[0][::-1]
         else:
             kw = {"chunk1": dict(max_num_batched_tokens=1), "chunk7": dict(max_num_batched_tokens=7),
                   "chunk64": dict(max_num_batched_tokens=64), "preempt": dict(num_kv_blocks=9, block_size=8),
                   "nochunk": dict(enable_chunked_prefill=False, max_num_batched_tokens=64),
                   "reference": dict(attention_backend="reference")}[variant]
-            got, llm = run(tiny_llama, prompts, params, **kw)
+            got, llm = run(model, prompts, params, **kw)
             if variant == "preempt":
                 assert llm.engine.stats.num_preemptions > 0
             assert_no_leaks(llm)
@@ -99,7 +109,8 @@ def test_prefix_cache_hits_do_not_change_output(tiny_llama):
     assert_no_leaks(llm)
 
 
-def test_abort_frees_everything(tiny_llama, prompts):
+def test_abort_frees_everything(tiny_llama):
+    prompts = random_prompts(7, 258)
     llm = LLM(str(tiny_llama), num_kv_blocks=64)
     for i, p in enumerate(prompts):
         llm.engine.add_request(str(i), {"prompt_token_ids": p}, GREEDY)
@@ -158,3 +169,17 @@ def test_logprobs_close_to_transformers(tiny_llama):
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for j in range(1, len(prompt)):
         assert abs(out.prompt_logprobs[j][prompt[j]].logprob - float(ref[j - 1, prompt[j]])) < 1e-4
+
+
+def test_stories260k_text_stops_on_bos_and_stop_strings():
+    llm = LLM("stories260k", num_kv_blocks=128)
+    greedy = SamplingParams(temperature=0.0, max_tokens=400)
+    full = llm.generate(["Once upon a time"], greedy, use_tqdm=False)[0].outputs[0]
+    assert full.text.startswith(", there was a little girl named Lily. She loved to play outside in the park.")
+    assert full.finish_reason == "stop" and full.stop_reason in (1, 2)  # ends the story on BOS/EOS
+    cut = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=400, stop=["girl na"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.text == ", there was a little " and cut.finish_reason == "stop" and cut.stop_reason == "girl na"
+    streamed = "".join(o.outputs[0].new_text for o in llm.stream("Once upon a time", greedy))
+    assert streamed == full.text
+    assert_no_leaks(llm)
