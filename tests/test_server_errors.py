@@ -108,7 +108,8 @@ def test_bad_request_is_400_and_harmless(url, path, body, param):
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b'"text"', b'{"prompt": "x", "temperature": NaN}',
-                                 b'{"prompt": "x", "top_p": Infinity}', b"\xff\xfe"])
+                                 b'{"prompt": "x", "top_p": Infinity}', b"\xff\xfe", b'{"prompt": "a\\ud800b"}',
+                                 b'{"prompt": "x", "stop": ["\\udc00"]}'])
 def test_malformed_body_is_400(url, raw):
     r = httpx.post(url + CMPL, content=raw, headers={"content-type": "application/json"}, timeout=30)
     assert_error(r, 400)

@@ -216,6 +216,11 @@ class AsyncLLM:
         except TreadleError as e:
             cmd.done.set_exception(e)
             return
+        except Exception as e:  # noqa: BLE001 - a request the engine cannot take must not stop the loop
+            logger.exception("add_request failed for %s", cmd.request_id)
+            self._engine.abort_request(cmd.request_id)
+            cmd.done.set_exception(TreadleError(f"the engine could not admit the request: {e}"))
+            return
         self._sinks[cmd.request_id] = cmd.deliver
         cmd.done.set_result(None)
 

@@ -9,13 +9,35 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 MAX_N = 128  # OpenAI's own limit on choices per request
 
 
+def _check_unicode(value: Any) -> None:
+    """JSON can carry lone surrogates (U+D800) that no tokenizer or UTF-8 encoder takes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("text must be valid Unicode (it holds a lone surrogate)") from None
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _check_unicode(data)
+        return data
 
 
 class StreamOptions(_Body):
