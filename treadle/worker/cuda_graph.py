@@ -86,7 +86,9 @@ class CUDAGraphRunner:
             max_seq_len=max_seq_len,
         )
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def forward_staged(self, size: int) -> torch.Tensor:  # [size, hidden_size]
+        """Run the model eagerly on the first ``size`` static rows: what the graph of
+        bucket ``size`` records and replays (also how the padding is tested on CPU)."""
         meta = self._meta(size)
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
 
@@ -100,13 +102,13 @@ class CUDAGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for size in self.buckets:
-                self._forward(size)
+                self.forward_staged(size)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         pool = None
         for size in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
+                self.outputs[size] = self.forward_staged(size)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
@@ -132,6 +134,12 @@ class CUDAGraphRunner:
         positions: torch.Tensor,  # [num_seqs]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_seqs, hidden_size], a view into the static output
+        size = self.stage(input_ids, positions, meta)
+        self.graphs[size].replay()
+        return self.outputs[size][: meta.num_seqs]
+
+    def stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
+        """Copy a decode step into the static rows, pad it to its bucket; returns the bucket."""
         n = meta.num_seqs
         size = self.bucket_for(n)
         width = meta.block_tables.shape[1]
@@ -142,8 +150,7 @@ class CUDAGraphRunner:
         self.seq_lens[:n].copy_(meta.seq_lens_tensor, non_blocking=True)
         self.seq_lens[n:size].zero_()
         self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
-        self.graphs[size].replay()
-        return self.outputs[size][:n]
+        return size
 
 
 def maybe_graph_runner(
