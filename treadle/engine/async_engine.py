@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,14 @@ class EngineSnapshot:
 
 
 @dataclass
+class _Sink:
+    """Where a request's outputs go: an asyncio queue, fed on its own event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Any]
+
+
+@dataclass
 class _Add:
     request_id: str
     prompt: PromptType
@@ -71,7 +79,7 @@ class _Add:
     priority: int
     max_waiting: int | None
     arrival_time: float
-    deliver: Callable[[Any], None]
+    sink: _Sink
     done: concurrent.futures.Future[None]
 
 
@@ -99,7 +107,7 @@ class AsyncLLM:
         self.snapshot = EngineSnapshot()
         self._commands: queue.SimpleQueue[_Add | _Abort | _Hook | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "dead?" checks against the thread's final drain
-        self._sinks: dict[str, Callable[[Any], None]] = {}  # engine thread only
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._stop = threading.Event()
         self._step_delay = 0.0
         self._fail_next = False
@@ -170,7 +178,7 @@ class AsyncLLM:
 
     # -- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
-        error: BaseException = EngineDeadError("the engine was shut down")
+        error = EngineDeadError("the engine was shut down")
         try:
             while not self._stop.is_set():
                 self._apply_commands(block=not self._engine.has_unfinished_requests())
@@ -221,7 +229,7 @@ class AsyncLLM:
             self._engine.abort_request(cmd.request_id)
             cmd.done.set_exception(TreadleError(f"the engine could not admit the request: {e}"))
             return
-        self._sinks[cmd.request_id] = cmd.deliver
+        self._sinks[cmd.request_id] = cmd.sink
         cmd.done.set_result(None)
 
     def _step(self) -> None:
@@ -230,12 +238,15 @@ class AsyncLLM:
         if self._fail_next:
             self._fail_next = False
             raise InjectedStepFault("step failure injected by the fail_next_step test hook")
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
         for out in self._engine.step():
-            deliver = self._sinks.get(out.request_id)
-            if deliver is not None:
-                deliver(out)
+            sink = self._sinks.get(out.request_id)
+            if sink is not None:
+                batches.setdefault(sink.loop, []).append((sink.queue, out))
                 if out.finished:
                     del self._sinks[out.request_id]
+        for loop, items in batches.items():  # one wake-up of each event loop per step
+            _post(loop, items)
 
     def _snapshot_now(self) -> None:
         eng = self._engine
@@ -249,8 +260,8 @@ class AsyncLLM:
     def _fail_everything(self, error: EngineDeadError) -> None:
         with self._lock:
             self.dead_error = error
-        for deliver in self._sinks.values():
-            deliver(error)
+        for sink in self._sinks.values():
+            _post(sink.loop, [(sink.queue, error)])
         self._sinks.clear()
         while True:
             try:
@@ -261,14 +272,17 @@ class AsyncLLM:
                 command.done.set_exception(error)
 
 
-def _deliverer(loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Any]) -> Callable[[Any], None]:
-    def deliver(item: Any) -> None:
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
-        except RuntimeError:  # the event loop has closed: nobody is listening any more
-            pass
+def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
-    return deliver
+
+def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    """From the engine thread: put ``items`` on their queues, on the queues' event loop."""
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:  # the event loop has closed: nobody is listening any more
+        pass
 
 
 class OutputGroup:
@@ -285,8 +299,8 @@ class OutputGroup:
                   max_waiting: int | None = None) -> None:
         """Admit one request; raises the engine's TreadleError (too long, queue full, dead)."""
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        deliver = _deliverer(asyncio.get_running_loop(), self._queue)
-        cmd = _Add(request_id, prompt, params, priority, max_waiting, time.monotonic(), deliver, done)
+        sink = _Sink(asyncio.get_running_loop(), self._queue)
+        cmd = _Add(request_id, prompt, params, priority, max_waiting, time.monotonic(), sink, done)
         self._llm._submit(cmd)
         self._track(request_id)
         try:

@@ -101,11 +101,10 @@ class _View:
         prefix = self.prompt_text(out) if self.body.echo else ""
         logprobs = None
         if self.body.logprobs is not None:
-            ids, entries = list(c.token_ids), list((c.logprobs or [])[: len(c.token_ids)])
+            ids = list(c.token_ids)
+            entries: list[dict[int, Logprob] | None] = list((c.logprobs or [])[: len(c.token_ids)])
             if self.body.echo:
-                prompt_entries = list(out.prompt_logprobs or [])[: len(out.prompt_token_ids)]
-                prompt_entries += [None] * (len(out.prompt_token_ids) - len(prompt_entries))
-                ids, entries = list(out.prompt_token_ids) + ids, prompt_entries + entries
+                ids, entries = list(out.prompt_token_ids) + ids, self._prompt_entries(out) + entries
             logprobs = legacy_logprobs(self.tokenizer, ids, entries, 0)
         return {"index": self.index(out, c), "text": prefix + c.text, "logprobs": logprobs,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -117,13 +116,17 @@ class _View:
             data["usage"] = usage_
         return sse(data)
 
+    @staticmethod
+    def _prompt_entries(out: RequestOutput) -> list[dict[int, Logprob] | None]:
+        """One entry per prompt token (the first has none)."""
+        entries = list(out.prompt_logprobs or [])[: len(out.prompt_token_ids)]
+        return entries + [None] * (len(out.prompt_token_ids) - len(entries))
+
     def _echo_chunks(self, out: RequestOutput) -> list[str]:
         text = self.prompt_text(out)
         logprobs = None
         if self.body.logprobs is not None:
-            entries = list(out.prompt_logprobs or [])[: len(out.prompt_token_ids)]
-            entries += [None] * (len(out.prompt_token_ids) - len(entries))
-            logprobs = legacy_logprobs(self.tokenizer, list(out.prompt_token_ids), entries, 0)
+            logprobs = legacy_logprobs(self.tokenizer, list(out.prompt_token_ids), self._prompt_entries(out), 0)
         return [self.chunk([{"index": self.index(out, c), "text": text, "logprobs": logprobs,
                              "finish_reason": None}]) for c in out.outputs]
 
