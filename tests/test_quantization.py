@@ -1,0 +1,182 @@
+"""Weight-only int8/int4 and native GGUF linear methods against F.linear with the
+dequantized weight, plus exact packing round-trips."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from treadle.config import TreadleError
+from treadle.layers.linear import Linear, UnquantizedLinearMethod
+from treadle.quantization import weight_only_factory
+from treadle.quantization.gguf_native import (
+    GGUFBlocks,
+    GGUFNativePlan,
+    GGUFQ4Method,
+    GGUFQ8Method,
+    dequantize_blocks,
+)
+from treadle.quantization.int4pack import dequantize_int4, int4_mm, pack_int4, quantize_int4, quantize_int8, scale_zeros
+from treadle.quantization.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
+
+SHARDS = [64, 32, 32]  # a fused qkv-like layer, loaded shard by shard
+IN = 256
+
+
+def rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def bf16_input(x: torch.Tensor) -> torch.Tensor:
+    """The kernels take bfloat16 activations; the reference sees the same rounded x."""
+    return x.to(torch.bfloat16).float()
+
+
+def check_close_to_reference(y: torch.Tensor, x: torch.Tensor, w_deq: torch.Tensor) -> None:
+    expect = F.linear(bf16_input(x), w_deq)
+    # bfloat16 output rounding: relative 2^-8 of the largest output
+    torch.testing.assert_close(y, expect, rtol=0, atol=float(expect.abs().max()) * 2**-7)
+    loose = F.linear(x, w_deq)  # and against unrounded activations, a little looser
+    torch.testing.assert_close(y, loose, rtol=0, atol=float(loose.abs().max()) * 2**-5)
+
+
+def load_linear(method, shards: list[torch.Tensor | GGUFBlocks]) -> Linear:  # noqa: ANN001
+    layer = Linear(IN, SHARDS, bias=True, dtype=torch.float32, method=method)
+    for i, t in enumerate(shards):
+        layer.weight.weight_loader(layer.weight, t, i)
+    layer.bias.weight_loader(layer.bias, rand(sum(SHARDS), seed=99), None)
+    layer.method.process_weights_after_loading(layer)
+    return layer
+
+
+def test_int8_weight_only_matches_dequantized_linear() -> None:
+    shards = [rand(n, IN, seed=i) for i, n in enumerate(SHARDS)]
+    layer = load_linear(Int8WeightOnlyMethod(), shards)
+    assert layer.weight.dtype == torch.int8
+    w_deq = torch.cat([q.float() * s[:, None] for q, s in map(quantize_int8, shards)])
+    w = torch.cat(shards)
+    assert float((w - w_deq).abs().max()) <= float(w.abs().max()) / 127  # one step at most
+    x = rand(5, IN, seed=10)
+    check_close_to_reference(layer(x) - layer.bias, x, w_deq)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_weight_only_matches_dequantized_linear(group: int) -> None:
+    shards = [rand(n, IN, seed=20 + i) for i, n in enumerate(SHARDS)]
+    layer = load_linear(Int4WeightOnlyMethod(group), shards)
+    assert layer.weight.dtype == torch.uint8 and layer.weight.shape == (sum(SHARDS), IN // 2)
+    parts = [quantize_int4(s, group) for s in shards]
+    w_deq = torch.cat([dequantize_int4(*p) for p in parts])
+    scale = torch.cat([p[1] for p in parts]).repeat_interleave(group, 1)
+    w = torch.cat(shards)
+    assert bool(((w - w_deq).abs() <= scale * 0.51 + 1e-6).all())  # within half a step (+ rounding)
+    for x in (rand(1, IN, seed=30), rand(3, 4, IN, seed=31)):  # decode row and a batch
+        y = layer(x) - layer.bias
+        assert y.shape == (*x.shape[:-1], sum(SHARDS))
+        check_close_to_reference(y.reshape(-1, y.shape[-1]), x.reshape(-1, IN), w_deq)
+
+
+def test_int4_pack_round_trip_is_exact() -> None:
+    """With scale 1 and zero 0 the kernel returns q - 8 exactly: an identity input reads
+    every packed nibble back."""
+    q = torch.randint(0, 16, (48, 64), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    ones, zeros = torch.ones(48, 2), torch.zeros(48, 2)
+    back = int4_mm(torch.eye(64), pack_int4(q), 32, scale_zeros(ones, zeros))  # [64, 48]
+    assert torch.equal(back.t(), q.float() - 8)
+
+
+def gguf_blocks(w: torch.Tensor, qtype: str) -> GGUFBlocks:
+    data = gguf_quantize(w.numpy(), GGMLQuantizationType[qtype])
+    return GGUFBlocks(qtype, torch.from_numpy(np.ascontiguousarray(data)), tuple(w.shape))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_block_decoding_equals_gguf_package(qtype: str) -> None:
+    b = gguf_blocks(rand(16, 128, seed=40), qtype)
+    expect = gguf_dequantize(b.data.numpy(), GGMLQuantizationType[qtype])
+    assert torch.equal(dequantize_blocks(b), torch.from_numpy(expect))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_native_matches_dequantized_linear(qtype: str) -> None:
+    shards = [gguf_blocks(rand(n, IN, seed=50 + i), qtype) for i, n in enumerate(SHARDS)]
+    method = GGUFQ8Method() if qtype == "Q8_0" else GGUFQ4Method()
+    layer = load_linear(method, shards)
+    w_deq = torch.cat([dequantize_blocks(b) for b in shards])  # exact GGUF values
+    x = rand(4, IN, seed=60)
+    check_close_to_reference(layer(x) - layer.bias, x, w_deq)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_mapping_is_exact_for_bf16_representable_blocks(qtype: str) -> None:
+    """Blocks whose d and m are exact in bfloat16: the kernel reproduces every weight
+    bit for bit (identity input), so the integer mapping itself loses nothing."""
+    g = torch.Generator().manual_seed(70)
+    rows, blocks = 32, IN // 32
+    d = (2.0 ** torch.randint(-6, -2, (rows, blocks, 1), generator=g)).half()
+    if qtype == "Q8_0":
+        qs = torch.randint(-128, 128, (rows, blocks, 32), generator=g, dtype=torch.int8)
+        raw = torch.cat((d.view(torch.uint8), qs.view(torch.uint8)), -1)
+    else:
+        qs = torch.randint(0, 256, (rows, blocks, 16), generator=g, dtype=torch.uint8)
+        m = -(d * torch.randint(0, 9, (rows, blocks, 1), generator=g)).half()
+        head = (d, m) if qtype == "Q4_1" else (d,)
+        raw = torch.cat([h.view(torch.uint8) for h in head] + [qs], -1)
+    b = GGUFBlocks(qtype, raw.reshape(rows, -1), (rows, IN))
+    layer = Linear(IN, [rows], False, torch.float32, GGUFQ8Method() if qtype == "Q8_0" else GGUFQ4Method())
+    layer.weight.weight_loader(layer.weight, b, None)
+    layer.method.process_weights_after_loading(layer)
+    assert torch.equal(layer(torch.eye(IN)).t(), dequantize_blocks(b))
+
+
+def test_gguf_float_shard_is_quantized_on_arrival() -> None:
+    shards = [rand(n, IN, seed=80 + i) for i, n in enumerate(SHARDS)]
+    layer = load_linear(GGUFQ4Method(), shards)
+    w_deq = torch.cat([dequantize_int4(*quantize_int4(s, 32)) for s in shards])
+    x = rand(2, IN, seed=81)
+    check_close_to_reference(layer(x) - layer.bias, x, w_deq)
+
+
+def test_gguf_plan_picks_layers_by_type_and_shape() -> None:
+    t = {
+        "model.layers.0.self_attn.q_proj.weight": ("Q4_1", (64, 64)),
+        "model.layers.0.self_attn.k_proj.weight": ("Q4_0", (32, 64)),
+        "model.layers.0.self_attn.v_proj.weight": ("Q4_1", (32, 64)),
+        "model.layers.0.self_attn.o_proj.weight": ("Q8_0", (64, 64)),
+        "model.layers.0.mlp.gate_proj.weight": ("Q4_1", (96, 64)),
+        "model.layers.0.mlp.up_proj.weight": ("Q8_0", (96, 64)),  # mixed types: float
+        "model.layers.0.mlp.down_proj.weight": ("F32", (64, 96)),
+        "lm_head.weight": ("Q4_1", (256, 64)),
+    }
+    plan = GGUFNativePlan(t)
+    assert isinstance(plan.method("model.layers.0.self_attn.qkv_proj"), GGUFQ4Method)
+    assert isinstance(plan.method("model.layers.0.self_attn.o_proj"), GGUFQ8Method)
+    assert plan.method("model.layers.0.mlp.gate_up_proj") is None
+    assert plan.method("model.layers.0.mlp.down_proj") is None
+    assert plan.method("lm_head") is None
+    assert plan.keeps_raw("model.layers.0.self_attn.k_proj.weight")
+    assert not plan.keeps_raw("model.layers.0.mlp.up_proj.weight")
+
+
+def test_weight_only_factory_names() -> None:
+    assert isinstance(weight_only_factory("int8")("model.layers.0.mlp.down_proj"), Int8WeightOnlyMethod)
+    for name, group in (("int4", 32), ("int4-g64", 64), ("int4-g128", 128)):
+        method = weight_only_factory(name)("model.layers.1.self_attn.o_proj")
+        assert isinstance(method, Int4WeightOnlyMethod) and method.group_size == group
+    assert weight_only_factory("int4")("lm_head") is None
+    with pytest.raises(TreadleError):
+        weight_only_factory("int3")
+
+
+def test_int4_unsupported_shape_stays_float() -> None:
+    layer = Linear(172, [64], False, torch.float32, Int4WeightOnlyMethod(32))  # 172 % 32 != 0
+    w = rand(64, 172, seed=90)
+    layer.weight.weight_loader(layer.weight, w, None)
+    layer.method.process_weights_after_loading(layer)
+    assert isinstance(layer.method.fallback, UnquantizedLinearMethod)
+    x = rand(3, 172, seed=91)
+    assert torch.equal(layer(x), F.linear(x, w))
