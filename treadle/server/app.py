@@ -7,12 +7,12 @@ hooks under /internal/test/ when ``enable_test_hooks`` is set.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import treadle
 from treadle.engine.async_engine import AsyncLLM
@@ -39,25 +39,30 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     )
     install_error_handlers(app)
     if api_key:
-        app.middleware("http")(_require_key(api_key))
+        app.add_middleware(_RequireKey, api_key=api_key)
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(router)
     return app
 
 
-def _require_key(api_key: str) -> Callable[[Request, Callable[[Request], Awaitable[Response]]], Awaitable[Response]]:
-    expected = f"Bearer {api_key}".encode()
+class _RequireKey:
+    """Pure ASGI middleware (not BaseHTTPMiddleware, which would sit between streaming
+    responses and the client's disconnect): a missing or wrong Bearer key is a 401."""
 
-    async def check(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if request.url.path not in _OPEN_PATHS:
-            given = request.headers.get("authorization", "").encode()
-            if not secrets.compare_digest(given, expected):
-                return APIError(401, "invalid or missing API key (send it as 'Authorization: Bearer <key>')",
-                                None, "invalid_api_key").response()
-        return await call_next(request)
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
 
-    return check
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = APIError(401, "invalid or missing API key (send it as 'Authorization: Bearer <key>')",
+                                    None, "invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _state(request: Request) -> ServerState:

@@ -128,6 +128,9 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself was cancelled (e.g. shutdown): take the work down too
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
     if not task.done():
