@@ -40,12 +40,19 @@ def reference(offline: LLM, prompts, **params):
     return [c for o in outs for c in o.outputs]
 
 
+def token_texts(tok, ids: list[int]) -> list[str]:
+    """Per-token texts, as the logprobs ``tokens`` field spells the sampled tokens."""
+    return [tok.decode([t], skip_special_tokens=False) for t in ids]
+
+
 def test_greedy_completions_match_offline(client, offline):
     ref = reference(offline, PROMPTS, temperature=0.0, max_tokens=12, ignore_eos=True)
-    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=12, temperature=0,
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=12, temperature=0, logprobs=0,
                                      extra_body=GREEDY_EXTRA)
     assert [c.index for c in resp.choices] == [0, 1, 2]
     assert [c.text for c in resp.choices] == [r.text for r in ref]
+    tok = offline.get_tokenizer()
+    assert [c.logprobs.tokens for c in resp.choices] == [token_texts(tok, r.token_ids) for r in ref]
     assert all(c.finish_reason == "length" for c in resp.choices)
     assert resp.usage.completion_tokens == 36
     assert resp.usage.prompt_tokens == sum(len(offline.get_tokenizer().encode(p)) for p in PROMPTS)
@@ -62,7 +69,7 @@ def test_token_id_prompts_and_logprobs_match_offline(client, offline):
     for choice, out in zip(resp.choices, ref):
         c = out.outputs[0]
         lp = choice.logprobs
-        assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in c.token_ids]
+        assert lp.tokens == token_texts(tok, c.token_ids)
         assert lp.token_logprobs == pytest.approx([e[t].logprob for e, t in zip(c.logprobs, c.token_ids)], abs=1e-4)
         assert all(1 <= len(top) <= 4 for top in lp.top_logprobs)  # keys are token texts: byte tokens collide
         assert all(max(top.values()) >= lp_ for top, lp_ in zip(lp.top_logprobs, lp.token_logprobs))
@@ -72,8 +79,11 @@ def test_token_id_prompts_and_logprobs_match_offline(client, offline):
 def test_seeded_n2_matches_offline(client, offline):
     ref = reference(offline, ["Once"], temperature=1.0, seed=77, n=2, max_tokens=10, ignore_eos=True)
     resp = client.completions.create(model=MODEL_NAME, prompt="Once", n=2, seed=77, temperature=1.0, max_tokens=10,
-                                     extra_body=GREEDY_EXTRA)
-    assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == [r.text for r in ref]
+                                     logprobs=0, extra_body=GREEDY_EXTRA)
+    choices = sorted(resp.choices, key=lambda c: c.index)
+    assert [c.text for c in choices] == [r.text for r in ref]
+    tok = offline.get_tokenizer()
+    assert [c.logprobs.tokens for c in choices] == [token_texts(tok, r.token_ids) for r in ref]
     assert ref[0].token_ids != ref[1].token_ids  # the two choices really differ
     assert resp.usage.completion_tokens == 20
 
