@@ -11,9 +11,13 @@ import threading
 
 import httpx
 import pytest
-from server_harness import serve, set_hooks, wait_until
+import uvicorn
+from server_harness import ENGINE_KW, serve, set_hooks, wait_until
 
+from treadle.engine.async_engine import AsyncLLM
 from treadle.loaders.resolve import resolve_model
+from treadle.server import build_app
+from treadle.server.lifecycle import DrainingServer
 
 CMPL = "/v1/completions"
 LONG = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
@@ -106,3 +110,37 @@ def _health(url: str) -> int | None:
         return httpx.get(url + "/health", timeout=2).status_code
     except httpx.TransportError:
         return None
+
+
+def test_drain_timeout_cuts_unfinished_requests_and_frees_them():
+    """In-process drain (the SIGTERM handler's path without the signal): new work is refused
+    at once; a request still running at --shutdown-timeout is aborted and the server stops."""
+    llm = AsyncLLM.from_args(str(resolve_model("stories260k")), **ENGINE_KW)
+    app = build_app(llm, "tiny", enable_test_hooks=True)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = DrainingServer(uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1, lifespan="off"),
+                            app.state.treadle, shutdown_timeout=0.5)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, 30, "server start")
+        set_hooks(url, step_delay=0.05)
+        with pytest.raises(httpx.RemoteProtocolError):  # the stream is cut, not completed
+            with httpx.stream("POST", url + CMPL, json={**LONG, "stream": True}, timeout=30) as resp:
+                events = sse_events(resp)
+                assert json.loads(next(events))["choices"]
+                server.request_drain()
+                wait_until(lambda: _health(url) == 503, 5, "draining")
+                assert httpx.post(url + CMPL, json={"prompt": "Once"}).status_code == 503
+                list(events)
+        thread.join(20)
+        assert not thread.is_alive()
+        wait_until(lambda: llm.num_open_requests == 0 and llm.snapshot.num_running == 0, 5, "abort")
+        assert llm.snapshot.num_free_blocks == llm.snapshot.num_blocks
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        llm.shutdown()
+        sock.close()

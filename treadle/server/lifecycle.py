@@ -41,8 +41,13 @@ class DrainingServer(uvicorn.Server):
         if self.state.draining or self._loop is None:
             self.should_exit = self.force_exit = True
             return
+        self.request_drain()
+
+    def request_drain(self) -> None:
+        """Start draining, from any thread (or a signal handler)."""
         self.state.draining = True
-        self._loop.call_soon_threadsafe(self.begin_drain)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.begin_drain)
 
     def begin_drain(self) -> None:
         """Stop admitting and exit once in-flight requests are done (or time is up)."""
