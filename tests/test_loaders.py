@@ -318,3 +318,22 @@ def test_unsupported_gguf_tensor_type(hf_model, tmp_path: Path) -> None:
 def test_unknown_gguf_architecture(hf_model, tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "m.gguf", hf_model, Q.F32, arch="gpt2")
     assert _one_line_error(open_gguf, path) == f"{path}: GGUF architecture 'gpt2' is not supported (supported: llama)"
+
+
+def test_tensors_checked_against_config_before_loading(model_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = _copy(model_dir, tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | {"intermediate_size": 100}))
+    assert _one_line_error(open_hf_dir, path).endswith("has shape (64, 96), the config implies (64, 100)")
+    (path / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors")
+    assert _one_line_error(open_hf_dir, path) == f"{path}: tensor 'model.layers.1.mlp.up_proj.weight' is missing"
+    tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(96, 64)
+    tensors["model.layers.1.mlp.extra.weight"] = torch.zeros(3)
+    save_file(tensors, path / "model.safetensors")
+    msg = _one_line_error(open_hf_dir, path)
+    assert msg == f"{path}: unexpected tensor 'model.layers.1.mlp.extra.weight' for LlamaForCausalLM"

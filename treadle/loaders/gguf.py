@@ -12,7 +12,7 @@ applies equally to quantized rows.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -23,7 +23,9 @@ from gguf.quants import dequantize
 
 from treadle.config import ModelConfig, RopeScaling, TreadleError
 from treadle.loaders import ModelSource
+from treadle.loaders.expected import check_tensors
 from treadle.loaders.rotary_layout import interleaved_to_rotate_half
+from treadle.quantization.gguf_native import GGUFBlocks
 from treadle.tokenizer import Tokenizer
 
 SUPPORTED_TYPES = frozenset(
@@ -173,7 +175,16 @@ def dequantize_ref(ref: GGUFTensorRef) -> torch.Tensor:
     return tensor
 
 
-def _check_shapes(refs: list[GGUFTensorRef], path: Path) -> None:
+def raw_blocks(ref: GGUFTensorRef) -> GGUFBlocks:
+    """The ref's quantized rows, copied out of the memory map without dequantizing."""
+    t = ref.tensor
+    data = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(ref.shape[0], -1)
+    if ref.rope_heads is not None:
+        data = interleaved_to_rotate_half(data, ref.rope_heads)
+    return GGUFBlocks(t.tensor_type.name, data, (ref.shape[0], ref.shape[1]))
+
+
+def _check_extents(refs: list[GGUFTensorRef], path: Path) -> None:
     """Reject a file whose tensors extend past its end (truncated downloads)."""
     size = path.stat().st_size
     for ref in refs:
@@ -191,7 +202,8 @@ def open_gguf(path: str | Path) -> ModelSource:
         raise TreadleError(f"{path}: unreadable GGUF metadata ({e})") from None
     config = gguf_model_config(md, {t.name for t in reader.tensors}, path)
     refs = list(gguf_tensor_refs(reader, config, path))
-    _check_shapes(refs, path)
+    _check_extents(refs, path)
+    check_tensors(path, {ref.hf_name: ref.shape for ref in refs}, config)
     try:
         tokenizer = Tokenizer.from_gguf_metadata(md, extra_eos_token_ids=config.eos_token_ids)
     except TreadleError as e:
@@ -201,4 +213,11 @@ def open_gguf(path: str | Path) -> ModelSource:
         for ref in refs:
             yield ref.hf_name, dequantize_ref(ref)
 
-    return ModelSource(path=path, config=config, weights=weights, tokenizer=tokenizer)
+    def raw_weights(keep_raw: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+        for ref in refs:
+            yield ref.hf_name, raw_blocks(ref) if keep_raw(ref.hf_name) else dequantize_ref(ref)
+
+    tensor_types = {ref.hf_name: (ref.tensor.tensor_type.name, ref.shape) for ref in refs}
+    return ModelSource(
+        path=path, config=config, weights=weights, tokenizer=tokenizer, tensor_types=tensor_types, raw_weights=raw_weights
+    )

@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from treadle.config import ModelConfig, TreadleError
 from treadle.loaders import ModelSource
+from treadle.loaders.expected import check_tensors, is_ignored
 from treadle.models.registry import supported_architectures
 from treadle.tokenizer import Tokenizer
 
@@ -82,18 +83,14 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _shard_keys(file: Path) -> list[str]:
-    """Open a shard's header (validates it against the file size); reads no tensor data."""
+def _shard_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """A shard's tensor names and shapes from its header (validated against the file
+    size by safetensors); no tensor data is read."""
     try:
         with safe_open(str(file), framework="pt") as f:
-            return list(f.keys())
+            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
     except (SafetensorError, OSError, ValueError) as e:
         raise TreadleError(f"{file}: not a valid safetensors file ({e})") from None
-
-
-def _skipped(name: str, config: ModelConfig) -> bool:
-    """Tensors the model never uses: not even read."""
-    return "rotary_emb.inv_freq" in name or (config.tie_word_embeddings and name == "lm_head.weight")
 
 
 def stream_safetensors(shards: list[tuple[Path, list[str]]], config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -102,7 +99,7 @@ def stream_safetensors(shards: list[tuple[Path, list[str]]], config: ModelConfig
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in keys:
-                    if _skipped(key, config):
+                    if is_ignored(key, config):
                         continue
                     tensor = f.get_tensor(key)
                     yield key, tensor
@@ -116,13 +113,16 @@ def open_hf_dir(path: str | Path) -> ModelSource:
     if not path.is_dir():
         raise TreadleError(f"{path}: no such directory")
     config = read_hf_config(path)
-    shards = [(file, _shard_keys(file)) for file in weight_files(path)]
-    seen: set[str] = set()
-    for file, keys in shards:
-        dup = seen.intersection(keys)
+    shards: list[tuple[Path, list[str]]] = []
+    found: dict[str, tuple[int, ...]] = {}
+    for file in weight_files(path):
+        shapes = _shard_shapes(file)
+        dup = found.keys() & shapes.keys()
         if dup:
             raise TreadleError(f"{file}: tensor {sorted(dup)[0]!r} also appears in another shard")
-        seen.update(keys)
+        found |= shapes
+        shards.append((file, list(shapes)))
+    check_tensors(path, found, config)
     tokenizer = Tokenizer.from_hf_dir(path, extra_eos_token_ids=config.eos_token_ids)
     return ModelSource(
         path=path,
