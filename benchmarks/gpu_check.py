@@ -15,6 +15,7 @@ Exits 1 on any mismatch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -111,7 +112,8 @@ def kernel_checks(device: torch.device, dtype: torch.dtype, smoke: bool) -> list
             for kind, (ql, sl), splits in (("prefill", prefill, 4), ("decode", decode, 3), ("decode", decode, 16)):
                 if smoke and (splits == 16 or bs != (16 if kind == "prefill" else 32)):
                     continue  # the smoke run only shows each path executes; tests cover the rest
-                tiles = TritonTiles(num_kv_splits=splits) if not smoke else TritonTiles(16, 16, 16, splits)
+                base = TritonTiles(16, 16, 16) if smoke else TritonTiles.default_for(dtype)
+                tiles = dataclasses.replace(base, num_kv_splits=splits)
                 b = make_batch(heads, d, bs, ql, sl, dtype, device, seed=cases)
                 err, ok = compare(b, TritonBackend(tiles))
                 errs[kind] = max(errs[kind], err)
@@ -184,7 +186,7 @@ def e2e_check(device: torch.device, smoke: bool) -> Row:
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lens]
     max_new = [4, 6, 3] if smoke else [40, 64, 23, 50, 64, 31]
     want, _ = greedy_generate(tiny_llama(ReferenceBackend(), device, torch.float32), prompts, max_new, 16, False, device)
-    tiles = TritonTiles(16, 16, 16, 4) if smoke else TritonTiles()
+    tiles = TritonTiles(16, 16, 16, 4) if smoke else None  # None: defaults for the dtype
     model = tiny_llama(TritonBackend(tiles), device, torch.float32)
     got, graph_steps = greedy_generate(model, prompts, max_new, 16, device.type == "cuda", device)
     same = sum(g == w for g, w in zip(got, want))

@@ -37,6 +37,14 @@ class TritonTiles:
     decode_block_n: int = 64
     num_kv_splits: int = 16  # FlashDecoding splits of each context (fixed: graph-safe)
 
+    @staticmethod
+    def default_for(dtype: torch.dtype) -> TritonTiles:
+        """64-wide tiles for 16-bit inputs; 32-wide for fp32, whose tiles take twice the
+        shared memory (64x64 fp32 prefill needs ~180 KB: more than an A100 has)."""
+        if dtype == torch.float32:
+            return TritonTiles(prefill_block_m=32, prefill_block_n=32, decode_block_n=32)
+        return TritonTiles()
+
 
 def load_kernels() -> ModuleType:
     """Import the kernel module (and so triton); a clear error if triton is missing."""
@@ -51,10 +59,14 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, tiles: TritonTiles | None = None) -> None:
-        self.tiles = tiles or TritonTiles()
-        if self.tiles.num_kv_splits < 1:
+        """``tiles`` None: ``TritonTiles.default_for`` the dtype of each call's queries."""
+        if tiles is not None and tiles.num_kv_splits < 1:
             raise TreadleError("num_kv_splits must be at least 1")
+        self.tiles = tiles
         self._k = load_kernels()
+
+    def _tiles(self, dtype: torch.dtype) -> TritonTiles:
+        return self.tiles or TritonTiles.default_for(dtype)
 
     def forward(
         self,
@@ -109,7 +121,8 @@ class TritonBackend(AttentionBackend):
         meta: AttentionMetadata,
         spec: AttentionSpec,
     ) -> None:
-        block_m = self.tiles.prefill_block_m
+        tiles = self._tiles(q.dtype)
+        block_m = tiles.prefill_block_m
         num_seqs = meta.seq_lens_tensor.shape[0]
         grid = (num_seqs, spec.num_heads, (meta.max_query_len + block_m - 1) // block_m)
         self._k.prefill_kernel[grid](
@@ -120,7 +133,7 @@ class TritonBackend(AttentionBackend):
             out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
             k_cache.shape[1], spec.head_dim, spec.num_heads // spec.num_kv_heads,
-            BLOCK_M=block_m, BLOCK_N=self.tiles.prefill_block_n, BLOCK_D=_pow2(spec.head_dim, 16),
+            BLOCK_M=block_m, BLOCK_N=tiles.prefill_block_n, BLOCK_D=_pow2(spec.head_dim, 16),
             IEEE=q.dtype == torch.float32,
         )
 
@@ -133,7 +146,8 @@ class TritonBackend(AttentionBackend):
         meta: AttentionMetadata,
         spec: AttentionSpec,
     ) -> None:
-        splits = self.tiles.num_kv_splits
+        tiles = self._tiles(q.dtype)
+        splits = tiles.num_kv_splits
         num_seqs = meta.seq_lens_tensor.shape[0]
         group = spec.num_heads // spec.num_kv_heads
         block_d = _pow2(spec.head_dim, 16)
@@ -147,7 +161,7 @@ class TritonBackend(AttentionBackend):
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.block_tables.stride(0),
             k_cache.shape[1], spec.head_dim, group, spec.num_heads,
-            NUM_SPLITS=splits, BLOCK_G=_pow2(group, 16), BLOCK_N=self.tiles.decode_block_n, BLOCK_D=block_d,
+            NUM_SPLITS=splits, BLOCK_G=_pow2(group, 16), BLOCK_N=tiles.decode_block_n, BLOCK_D=block_d,
             IEEE=q.dtype == torch.float32,
         )
         self._k.decode_reduce_kernel[(num_seqs, spec.num_heads)](
