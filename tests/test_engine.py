@@ -134,6 +134,11 @@ def test_refuses_impossible_request_and_keeps_serving(tiny_llama):
     assert_no_leaks(llm)
 
 
+def test_model_that_does_not_fit_says_what_it_needs():
+    with pytest.raises(TreadleError, match=r"needs .* for weights plus 1024\.0 GiB of KV cache .* available"):
+        LLM("stories260k", kv_cache_memory="1TiB")
+
+
 def test_n_completions_share_prompt_blocks(tiny_llama):
     prompt = random_prompts(1, 258, seed=9, lo=50, hi=51)[0]
     llm = LLM(str(tiny_llama), num_kv_blocks=64, block_size=16)

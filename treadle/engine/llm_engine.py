@@ -169,7 +169,7 @@ def build_engine_config(
 
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
-          "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30}
+          "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}
 
 
 def parse_bytes(value: int | str | None) -> int | None:
@@ -177,7 +177,7 @@ def parse_bytes(value: int | str | None) -> int | None:
     if value is None or isinstance(value, int):
         return value
     s = value.strip().upper().replace(" ", "")
-    num = s.rstrip("KMGIB")
+    num = s.rstrip("KMGTIB")
     unit = s[len(num):]
     if unit not in _UNITS or not num:
         raise TreadleError(f"cannot read memory size {value!r}; write e.g. 2GiB or 512MiB")
