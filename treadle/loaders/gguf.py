@@ -85,7 +85,7 @@ class _PlainBufferReader(GGUFReader):
     per-slice bookkeeping (about 3x faster to open; the map stays alive as the view's base)."""
 
     def _build_fields(self, offs: int, count: int) -> int:
-        self.data = self.data.view(np.ndarray)
+        self.data = self.data.view(np.ndarray)  # type: ignore[assignment]
         return super()._build_fields(offs, count)
 
 

@@ -7,6 +7,7 @@ tensors are handed out one at a time, each read exactly once.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -93,17 +94,39 @@ def _shard_shapes(file: Path) -> dict[str, tuple[int, ...]]:
         raise TreadleError(f"{file}: not a valid safetensors file ({e})") from None
 
 
-def stream_safetensors(shards: list[tuple[Path, list[str]]], config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, tensor) one at a time; a tensor is dropped before the next is read."""
+_REMAP_EVERY = 16 * 2**20  # elements read through one mapping before it is dropped
+
+
+def _batches(keys: list[str], shapes: dict[str, tuple[int, ...]], limit: int) -> Iterator[list[str]]:
+    """Split a shard's keys into runs of at most ``limit`` elements (a bigger tensor alone)."""
+    batch: list[str] = []
+    size = 0
+    for key in keys:
+        numel = math.prod(shapes[key])
+        if batch and size + numel > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(key)
+        size += numel
+    if batch:
+        yield batch
+
+
+def stream_safetensors(
+    shards: list[tuple[Path, list[str]]], shapes: dict[str, tuple[int, ...]], config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, tensor) one at a time, each read once; a tensor is dropped before
+    the next is read. The file is re-mapped every ~64 MB so that pages already copied
+    out stop counting toward the process's resident set (a whole mapped shard would)."""
     for file, keys in shards:
+        wanted = [key for key in keys if not is_ignored(key, config)]
         try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in keys:
-                    if is_ignored(key, config):
-                        continue
-                    tensor = f.get_tensor(key)
-                    yield key, tensor
-                    del tensor
+            for batch in _batches(wanted, shapes, _REMAP_EVERY):
+                with safe_open(str(file), framework="pt") as f:
+                    for key in batch:
+                        tensor = f.get_tensor(key)
+                        yield key, tensor
+                        del tensor
         except (SafetensorError, OSError) as e:
             raise TreadleError(f"{file}: cannot read weights ({e})") from None
 
@@ -127,6 +150,6 @@ def open_hf_dir(path: str | Path) -> ModelSource:
     return ModelSource(
         path=path,
         config=config,
-        weights=lambda: stream_safetensors(shards, config),
+        weights=lambda: stream_safetensors(shards, found, config),
         tokenizer=tokenizer,
     )
