@@ -126,5 +126,6 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     quantization: str | None = None
+    enforce_eager: bool = False  # no CUDA graphs
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

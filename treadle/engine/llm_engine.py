@@ -19,6 +19,7 @@ from treadle.engine.output_processor import OutputProcessor
 from treadle.engine.outputs import RequestOutput
 from treadle.loaders import load_model, open_model_source, parse_dtype
 from treadle.sampling_params import SamplingParams
+from treadle.worker.cuda_graph import maybe_graph_runner
 from treadle.worker.model_runner import ModelRunner, allocate_kv_cache
 
 logger = logging.getLogger("treadle")
@@ -57,8 +58,12 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(plan.num_blocks, plan.block_size)
         self.scheduler = Scheduler(sched_cfg, self.kv_manager)
         kv = allocate_kv_cache(self.model_config, plan.num_blocks, plan.block_size, dtype, device)
+        graphs = maybe_graph_runner(config.enforce_eager, device, loaded.model, kv, sched_cfg.max_num_seqs,
+                                    -(-max_model_len // plan.block_size), plan.block_size)
+        if graphs is not None:
+            graphs.capture()
         self.runner = ModelRunner(loaded.model, kv, plan.block_size, sched_cfg.max_num_batched_tokens,
-                                  max_model_len, device, config.seed)
+                                  max_model_len, device, config.seed, graphs)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -157,10 +162,11 @@ def build_engine_config(
     block_size: int = 16,
     attention_backend: str = "auto",
     quantization: str | None = None,
+    enforce_eager: bool = False,
 ) -> EngineConfig:
     return EngineConfig(
         model=model, dtype=dtype, device=device, seed=seed, attention_backend=attention_backend,
-        quantization=quantization,
+        quantization=quantization, enforce_eager=enforce_eager,
         cache=CacheConfig(block_size=block_size, kv_cache_memory=parse_bytes(kv_cache_memory),
                           num_blocks=num_kv_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

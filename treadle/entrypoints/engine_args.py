@@ -20,6 +20,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "cpu", "triton"])
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode runs eagerly)")
     p.add_argument("--quantization", default=None, help="weight quantization (see docs)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
@@ -36,7 +37,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
         enable_chunked_prefill=args.enable_chunked_prefill, attention_backend=args.attention_backend,
-        seed=args.seed,
+        seed=args.seed, enforce_eager=args.enforce_eager,
     )
     if args.quantization:
         kw["quantization"] = args.quantization

@@ -15,6 +15,7 @@ import torch
 from treadle.config import ModelConfig
 from treadle.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from treadle.layers.attention import AttentionMetadata
+from treadle.worker.cuda_graph import CUDAGraphRunner
 from treadle.worker.sampler import Sampler, SamplingRow, logprobs_at
 
 
@@ -68,12 +69,14 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device | str = "cpu",
         seed: int = 0,
+        graphs: CUDAGraphRunner | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(seed)
+        self.graphs = graphs  # replays captured decode steps on CUDA
         self.requests: dict[str, CachedRequestState] = {}
         # persistent host buffers, reused every step
         self._max_blocks = -(-max_model_len // block_size)
@@ -142,7 +145,10 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput(sampled={})
         batch = self._prepare(sched)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if self.graphs is not None and self.graphs.can_run(batch.meta):
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         result = ModelRunnerOutput(sampled={})
         if batch.prompt_rows:
             result.prompt_logprobs = self._prompt_logprobs(hidden, batch)
