@@ -6,17 +6,24 @@ layer): decode sequences (one new token) and prefill sequences (a chunk of new t
 possibly after cached context).
 
 Decode (FlashDecoding). Each decode sequence's block table is padded to
-``num_splits * blocks_per_split`` blocks and gathered; the context is cut into
-``num_splits`` chunks that are scored independently and merged by log-sum-exp::
+``num_splits * blocks_per_split`` blocks and gathered (``index_select``); the context is
+cut into ``num_splits`` chunks, each attended by torch's flash CPU kernel, which also
+returns the chunk's log-sum-exp; chunks are then merged by those::
 
     block table  [7, 2, 9, 4, 0(pad), 0(pad)]   blocks_per_split = 2, block_size = 16
     chunks       |  7  2  |  9  4  | pad pad |   -> 3 chunks of 32 keys
-    chunk s:     m_s = max(score), l_s = sum(exp(score - m_s)), o_s = exp(score - m_s) @ V
-    merge:       M = max_s m_s,  out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s
+    chunk s:     o_s = softmax(q.K_s) V_s,   lse_s = log sum exp(q.K_s)
+    merge:       out = sum_s softmax_s(lse_s) o_s
 
-All chunks of all sequences and KV heads are one batched matmul, so a single long
-sequence still spreads over every core. Keys past ``seq_len`` (and outside a sliding
-window) are masked with -inf; a fully masked chunk gets weight 0 in the merge.
+GQA: the G query heads sharing a KV head become G query *rows* against that head's
+keys, so K/V are never repeated. All chunks of all sequences and KV heads go to the
+kernel as one batch, so a single long sequence still spreads over every core. Keys
+past ``seq_len`` (or outside a sliding window) get a huge finite negative bias, so a
+chunk with no valid key has lse ~ -1e38 and weight 0 in the merge (no NaN).
+
+Prefill (and chunked prefill) runs SDPA per sequence with 4-D inputs (the flash CPU
+kernel; 3-D inputs fall back to the math kernel), causal without cached context,
+otherwise with an explicit [q_len, seq_len] mask over the gathered context.
 """
 from __future__ import annotations
 
