@@ -92,12 +92,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-        # [max_positions, head_dim]: cos of the first half, then sin of the first half
-        half = head_dim // 2
-        self.register_buffer("cos_sin", torch.cat((emb.cos()[:, :half], emb.sin()[:, :half]), -1), persistent=False)
+        # [max_positions, head_dim]: cos of each frequency, then sin (the halves of the
+        # Hugging Face [freqs, freqs] tables, which repeat; one table instead of two)
+        self.register_buffer("cos_sin", torch.cat((freqs.cos(), freqs.sin()), -1), persistent=False)
         self.fused = fused_ops_enabled() if fused is None else fused
 
     def forward(
@@ -107,13 +104,11 @@ class RotaryEmbedding(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated (q, k). With fused ops on, q and k are rotated in place and returned."""
-        if not self.fused:
-            cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-            sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-            return apply_rotary_plain(q, k, cos, sin)
         half = q.shape[-1] // 2
         cs = self.cos_sin.index_select(0, positions).to(q.dtype).unsqueeze(1)  # [T, 1, head_dim]
         cos, sin = cs[..., :half], cs[..., half:]
+        if not self.fused:
+            return apply_rotary_plain(q, k, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
         qk = joint_view(q, k)
         if qk is not None:
             rotate_in_place(qk, cos, sin)
