@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,10 @@ class ModelSource:
     config: ModelConfig
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # HF-named tensors, streamed
     tokenizer: "Tokenizer"
+    # GGUF only: HF weight name -> (GGUF type name, HF shape), and a stream that hands the
+    # tensors ``keep_raw`` names over still quantized (GGUFBlocks), the rest as floats
+    tensor_types: dict[str, tuple[str, tuple[int, ...]]] | None = None
+    raw_weights: Callable[[Callable[[str], bool]], Iterator[tuple[str, Any]]] | None = None
 
 
 @dataclass
@@ -63,18 +67,42 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise TreadleError(f"dtype {dtype!r} is not supported; use one of {', '.join(_DTYPES)}") from None
 
 
+def quantization_plan(
+    source: ModelSource, quantization: str | None
+) -> tuple[Callable[[str], Any] | None, Callable[[], Iterator[tuple[str, Any]]]]:
+    """(linear-method factory, weight stream) for a quantization name: None/"none" (float),
+    "auto" ("gguf" for a GGUF file, else none), "gguf" (keep Q4_0/Q4_1/Q8_0 blocks
+    quantized), or a weight-only name such as "int8" or "int4-g64" (see treadle.quantization)."""
+    from treadle.quantization import weight_only_factory
+    from treadle.quantization.gguf_native import GGUFNativePlan
+
+    if quantization == "auto":
+        quantization = "gguf" if source.raw_weights is not None else None
+    if quantization in (None, "none"):
+        return None, source.weights
+    if quantization == "gguf":
+        if source.raw_weights is None or source.tensor_types is None:
+            raise TreadleError(f"{source.path}: quantization 'gguf' needs a .gguf file")
+        plan, raw_weights = GGUFNativePlan(source.tensor_types), source.raw_weights
+        return plan.method, lambda: raw_weights(plan.keeps_raw)
+    return weight_only_factory(quantization), source.weights
+
+
 def load_model(
     name_or_path: str,
     backend: AttentionBackend,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
+    quantization: str | None = None,
 ) -> LoadedModel:
+    """``quantization``: see ``quantization_plan`` (None keeps every weight in float)."""
     source = open_model_source(name_or_path)
     cls = model_class(source.config.architecture)
     torch_dtype = parse_dtype(dtype)
+    method, weights = quantization_plan(source, quantization)
     with torch.device(device):
-        model = cls(source.config, backend, torch_dtype)
-    model.load_weights(source.weights())
+        model = cls(source.config, backend, torch_dtype, method=method)
+    model.load_weights(weights())
     model.process_weights_after_loading()
     model.eval()
     return LoadedModel(model=model, config=source.config, tokenizer=source.tokenizer, path=source.path)

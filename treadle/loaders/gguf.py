@@ -89,7 +89,7 @@ class _PlainBufferReader(GGUFReader):
         return super()._build_fields(offs, count)
 
 
-def _open_reader(path: Path) -> GGUFReader:
+def open_gguf_reader(path: Path) -> GGUFReader:
     if not path.is_file():
         raise TreadleError(f"{path}: no such file")
     try:
@@ -195,7 +195,7 @@ def _check_extents(refs: list[GGUFTensorRef], path: Path) -> None:
 
 def open_gguf(path: str | Path) -> ModelSource:
     path = Path(path)
-    reader = _open_reader(path)
+    reader = open_gguf_reader(path)
     try:
         md = read_metadata(reader)
     except (UnicodeDecodeError, ValueError, IndexError) as e:

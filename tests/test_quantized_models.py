@@ -1,0 +1,90 @@
+"""Quantized models through load_model: weight-only modes on a tiny random Llama, and
+SmolLM2-135M's Q4_1 GGUF kept native against the same file dequantized."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from paged_session import PagedSession, greedy
+
+from treadle.config import TreadleError
+from treadle.layers.attention.cpu import CPUBackend
+from treadle.layers.linear import Linear, UnquantizedLinearMethod
+from treadle.loaders import LoadedModel, load_model
+from treadle.quantization.gguf_native import GGUFQ4Method
+from treadle.quantization.int4pack import dequantize_int4, quantize_int4, quantize_int8
+from treadle.quantization.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
+
+PROMPTS = ["The capital of France is", "Once upon a time there was a dragon who"]
+
+
+def prompt_logits(lm: LoadedModel, text: str) -> torch.Tensor:
+    ids = lm.tokenizer.encode(text)
+    return PagedSession(lm, 1, len(ids), block_size=16).feed([ids])[0]
+
+
+def dequantized_reference(path: Path, mode: str) -> LoadedModel:
+    """The float model with every quantized layer's weight replaced by its dequantized
+    value, computed in plain torch (independent of the packed kernels)."""
+    ref = load_model(str(path), CPUBackend())
+    for name, m in ref.model.named_modules():
+        if isinstance(m, Linear) and name != "lm_head":
+            w = m.weight.data
+            if mode == "int8":
+                q, scale = quantize_int8(w)
+                m.weight.data = q.float() * scale[:, None]
+            else:
+                m.weight.data = dequantize_int4(*quantize_int4(w, int(mode.removeprefix("int4-g"))))
+    return ref
+
+
+@pytest.mark.parametrize(
+    "mode,cls", [("int8", Int8WeightOnlyMethod), ("int4-g32", Int4WeightOnlyMethod), ("int4-g64", Int4WeightOnlyMethod)]
+)
+def test_weight_only_modes_on_tiny_llama(tiny_llama: Path, mode: str, cls: type) -> None:
+    quant = load_model(str(tiny_llama), CPUBackend(), quantization=mode)
+    methods = {name: m.method for name, m in quant.model.named_modules() if isinstance(m, Linear)}
+    assert isinstance(methods.pop("lm_head"), UnquantizedLinearMethod)  # kept in float
+    assert methods and all(isinstance(m, cls) for m in methods.values())
+    text = "a quick brown fox jumps over the lazy dog, again and again"
+    expect = prompt_logits(dequantized_reference(tiny_llama, mode), text)
+    got = prompt_logits(quant, text)
+    # only bfloat16 activations/outputs differ from the reference
+    assert float((got - expect).abs().max()) < 0.03 * float(expect.abs().max())
+    assert float((got.argmax(-1) == expect.argmax(-1)).float().mean()) >= 0.9
+
+
+def test_gguf_mode_needs_a_gguf_file(tiny_llama: Path) -> None:
+    with pytest.raises(TreadleError):
+        load_model(str(tiny_llama), CPUBackend(), quantization="gguf")
+    auto = load_model(str(tiny_llama), CPUBackend(), quantization="auto")  # float checkpoint: none
+    assert all(isinstance(m.method, UnquantizedLinearMethod) for m in auto.model.modules() if isinstance(m, Linear))
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair() -> tuple[LoadedModel, LoadedModel]:
+    return (
+        load_model("smollm2-135m-instruct", CPUBackend(), quantization=None),
+        load_model("smollm2-135m-instruct", CPUBackend(), quantization="auto"),  # GGUF -> native
+    )
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_native_greedy_equals_dequantized(smollm2_pair: tuple[LoadedModel, LoadedModel]) -> None:
+    ref, native = smollm2_pair
+    linears = [m for m in native.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * 30 and all(isinstance(m.method, GGUFQ4Method) for m in linears)
+    weight_mb = sum(t.numel() * t.element_size() for m in linears for t in [*m.parameters(), *m.buffers()]) / 1e6
+    assert weight_mb < 70  # 4-bit values + bf16 scale/zero per 32; float32 is ~425 MB
+    prompts = [ref.tokenizer.encode(p) for p in PROMPTS]
+    assert greedy(native, prompts, 24) == greedy(ref, prompts, 24)
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_native_logit_error(smollm2_pair: tuple[LoadedModel, LoadedModel]) -> None:
+    """bfloat16 activations and scales: logits within ~3% of their range of the reference."""
+    ref, native = smollm2_pair
+    expect, got = prompt_logits(ref, PROMPTS[1]), prompt_logits(native, PROMPTS[1])
+    assert float((got - expect).abs().max()) < 0.03 * float(expect.abs().max())
+    assert bool((got.argmax(-1) == expect.argmax(-1)).all())
