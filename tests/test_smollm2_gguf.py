@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from treadle.layers.attention import ReferenceBackend
 from treadle.loaders import LoadedModel, load_model
-from treadle.loaders.gguf import open_gguf
+from treadle.loaders.gguf import dequantize_ref, gguf_tensor_refs, open_gguf_reader
 from treadle.loaders.resolve import resolve_model
 
 GGUF = resolve_model("smollm2-135m-instruct")
@@ -57,15 +57,18 @@ def hf_tok():
     return AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
 
 
-def test_dequantized_weights_are_identical_to_transformers(hf: torch.nn.Module) -> None:
-    source = open_gguf(GGUF)
-    assert source.config.tie_word_embeddings and source.config.num_kv_heads == 3
+def test_dequantized_weights_are_identical_to_transformers(ours: LoadedModel, hf: torch.nn.Module) -> None:
+    """Every name maps; the first and last layers, embeddings and final norm (each
+    tensor type and both q/k head counts) are bit-identical after dequantization."""
+    reader, config = open_gguf_reader(GGUF), ours.config
+    assert config.tie_word_embeddings and (config.num_heads, config.num_kv_heads) == (9, 3)
     expected = hf.state_dict()
-    names = set()
-    for name, tensor in source.weights():
-        assert torch.equal(tensor, expected[name]), name
-        names.add(name)
-    assert names == set(expected) - {"lm_head.weight"}  # tied: no output.weight in the file
+    refs = list(gguf_tensor_refs(reader, config, GGUF))
+    assert {ref.hf_name for ref in refs} == set(expected) - {"lm_head.weight"}  # tied: no output.weight
+    checked = [ref for ref in refs if ".layers." not in ref.hf_name or ref.hf_name.split(".")[2] in ("0", "29")]
+    assert {ref.tensor.tensor_type.name for ref in checked} == {"F32", "Q4_1", "Q8_0"}
+    for ref in checked:
+        assert torch.equal(dequantize_ref(ref), expected[ref.hf_name]), ref.hf_name
 
 
 def test_logits_match_transformers(ours: LoadedModel, hf: torch.nn.Module) -> None:
