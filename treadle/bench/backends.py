@@ -1,6 +1,6 @@
 """Offline backends run side by side on one workload: Treadle (continuous
 batching, chunked prefill), Treadle in static batches, Hugging Face
-transformers generate() and llama.cpp (through llama-cpp-python).
+transformers generate() and llama.cpp (through llama-cpp-python, in llamacpp.py).
 
 Every backend runs greedy decoding with EOS ignored, so each request yields
 exactly its ``output_len`` tokens, and reports a RequestRecord per request
@@ -183,51 +183,21 @@ class HFBackend:
         return RunResult(records, time.perf_counter() - t0)
 
 
-class LlamaCppBackend:
-    """llama.cpp through llama-cpp-python on the same GGUF file. Its Python API
-    decodes one sequence at a time, so requests run one after another whatever
-    the concurrency (see docs/benchmarks.md)."""
-
-    name = "llamacpp"
-
-    def __init__(self, model: str, n_ctx: int, n_threads: int | None = None) -> None:
-        try:
-            import llama_cpp
-        except ImportError as e:
-            raise RuntimeError("llamacpp needs llama-cpp-python: pip install 'treadle[peers]'") from e
-        from treadle.loaders.resolve import resolve_model
-
-        path = resolve_model(model)
-        if path.suffix != ".gguf":
-            raise RuntimeError(f"llamacpp needs a GGUF file; {path} is not one")
-        threads = n_threads or torch.get_num_threads()
-        self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                                   n_batch=512, verbose=False)
-        self.eos = self.llm.token_eos()
-        self.weight_bytes = path.stat().st_size
-
-    def run(self, reqs: list[BenchRequest], concurrency: int, progress: Progress = None) -> RunResult:
-        records: list[RequestRecord] = []
-        t0 = time.perf_counter()
-        for r in reqs:  # llama.cpp reuses the KV of a prefix shared with the previous prompt
-            rec = RequestRecord(r.prompt_len, time.perf_counter(), output_tokens=r.output_len)
-            stream = self.llm.create_completion(r.prompt_token_ids, max_tokens=r.output_len, temperature=0.0,
-                                                stream=True, logit_bias={self.eos: -1e9})
-            for _ in stream:
-                rec.chunk_times.append(time.perf_counter())
-            records.append(rec)
-            if progress:
-                progress(1)
-        return RunResult(records, time.perf_counter() - t0)
-
-
 def make_backend(name: str, engine_kwargs: dict[str, Any], n_ctx: int) -> Backend:
-    if name == "treadle":
-        return TreadleBackend(engine_kwargs, continuous=True)
-    if name == "static":
-        return TreadleBackend(engine_kwargs, continuous=False)
-    if name == "hf":
+    """``name`` is a backend, optionally with a Treadle quantization after a '+'
+    (``treadle+gguf`` keeps a GGUF's 4-bit blocks, ``static+int8``, ...)."""
+    base, _, quant = name.partition("+")
+    if base in ("treadle", "static"):
+        kw = dict(engine_kwargs, quantization=quant) if quant else engine_kwargs
+        backend = TreadleBackend(kw, continuous=base == "treadle")
+        backend.name = name
+        return backend
+    if quant:
+        raise ValueError(f"backend {name!r}: only treadle and static take a +QUANTIZATION")
+    if base == "hf":
         return HFBackend(engine_kwargs["model"], engine_kwargs.get("dtype", "float32"))
-    if name == "llamacpp":
+    if base == "llamacpp":
+        from treadle.bench.llamacpp import LlamaCppBackend
+
         return LlamaCppBackend(engine_kwargs["model"], n_ctx)
-    raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
+    raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)} (treadle/static take +QUANT)")

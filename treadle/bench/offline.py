@@ -102,13 +102,19 @@ def _value(r: RunSummary, key: str) -> float | None:
     return float(getattr(r.metrics, key))
 
 
+def reference_backend(names: Sequence[str]) -> str | None:
+    """The backend ratios are taken against: the first Treadle (continuous) one listed."""
+    return next((n for n in names if n == "treadle" or n.startswith("treadle+")), None)
+
+
 def throughput_table(setup: OfflineSetup, concurrencies: Sequence[int]) -> str:
     names = [b.name for b in setup.backends]
-    header = ["conc", "backend", "output tok/s", "vs treadle", "total tok/s", "req/s", "TTFT p50 ms",
+    ref_name = reference_backend(names)
+    header = ["conc", "backend", "output tok/s", f"vs {ref_name}", "total tok/s", "req/s", "TTFT p50 ms",
               "TPOT p50 ms", "roofline", "KV waste @peak"]
     rows = []
     for c in concurrencies:
-        ref = spread(setup.runs, "treadle", c, "output_throughput").median if "treadle" in names else float("nan")
+        ref = spread(setup.runs, ref_name, c, "output_throughput").median if ref_name else float("nan")
         for name in names:
             out = spread(setup.runs, name, c, "output_throughput")
             roof, waste = spread(setup.runs, name, c, "roofline"), spread(setup.runs, name, c, "kv_waste")
@@ -158,8 +164,9 @@ def run_latency(setup: OfflineSetup, iters: int, dtype_bytes: int) -> list[Laten
 
 
 def latency_table(rows: Sequence[LatencyRow]) -> str:
-    ref = next((r.decode_tok_s.median for r in rows if r.backend == "treadle"), float("nan"))
-    header = ["backend", "TTFT ms", "TPOT ms", "decode tok/s", "vs treadle", "prompt tok/s",
+    ref_name = reference_backend([r.backend for r in rows])
+    ref = next((r.decode_tok_s.median for r in rows if r.backend == ref_name), float("nan"))
+    header = ["backend", "TTFT ms", "TPOT ms", "decode tok/s", f"vs {ref_name}", "prompt tok/s",
               "decode / BW bound", "prefill / compute bound"]
     return markdown_table(header, [
         [r.backend, r.ttft_ms.fmt(1), r.tpot_ms.fmt(2), r.decode_tok_s.fmt(1), fmt_ratio(r.decode_tok_s.median, ref),

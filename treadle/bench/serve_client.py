@@ -5,8 +5,9 @@ a gamma distribution with shape ``burstiness`` and mean ``1 / request_rate``
 (``burstiness`` 1 is a Poisson process), seeded; with ``inf`` everything is
 sent at once. ``max_concurrency`` caps the requests in flight: a request that
 arrives while the cap is reached waits on the client (its clock starts when
-it is sent, as in vLLM). A chunk counts as output when it carries text; the
-token count comes from the server's ``usage`` when it sends one.
+it is sent, as in vLLM). Every streamed chunk with a choice counts as a chunk
+of output (as vLLM counts them); the token count comes from the server's
+``usage`` when it sends one.
 """
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ async def send_one(
 
 def _read_chunk(rec: RequestRecord, data: dict[str, Any], now: float) -> None:
     choices = data.get("choices") or []
-    if choices and choices[0].get("text"):
+    if choices:  # as vLLM: every chunk with a choice is a chunk of output, even with empty text
         rec.chunk_times.append(now)
     usage = data.get("usage")
     if usage and usage.get("completion_tokens") is not None:
