@@ -3,7 +3,7 @@ float32 model, side by side in one process -- logit error and perplexity on a fi
 text, resident linear-weight memory, and batch-1 decode step time.
 
 Run: .venv/bin/python benchmarks/quantized_smollm2_cpu.py [threads] [modes...]
-(modes default: gguf int8 int4-g32 int4-g128; timings are medians, the machine may be shared)
+(modes default: gguf int8 int4-g32 int4-g128; MODE:bfloat16 loads in bfloat16; timings are medians, the machine may be shared)
 """
 from __future__ import annotations
 
@@ -27,6 +27,14 @@ TEXT = (
 BLOCK = 16
 
 
+def model_megabytes(lm: LoadedModel) -> float:
+    """Resident weights: every parameter (embedding and norms included) plus the linear
+    layers' scale/zero buffers; the rotary cos/sin tables are not counted."""
+    params = sum(t.numel() * t.element_size() for t in lm.model.parameters())
+    buffers = [t for m in lm.model.modules() if isinstance(m, Linear) for t in m.buffers()]
+    return (params + sum(t.numel() * t.element_size() for t in buffers)) / 1e6
+
+
 def linear_megabytes(lm: LoadedModel) -> float:
     tensors = [t for m in lm.model.modules() if isinstance(m, Linear) for t in [*m.parameters(), *m.buffers()]]
     return sum(t.numel() * t.element_size() for t in tensors) / 1e6
@@ -35,7 +43,8 @@ def linear_megabytes(lm: LoadedModel) -> float:
 def fresh_cache(lm: LoadedModel, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     cfg = lm.config
     shape = (-(-tokens // BLOCK) + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+    dtype = lm.model.embed_tokens.weight.dtype
+    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
 
 
 @torch.no_grad()
@@ -77,16 +86,17 @@ def main() -> None:
     ids = ref.tokenizer.encode(TEXT)
     ref_logits = prompt_logits(ref, ids)
     print(f"threads={torch.get_num_threads()} tokens={len(ids)}")
-    print(f"{'mode':10s} {'linear MB':>9s} {'max|dlogit|':>11s} {'mean|dlogit|':>12s} {'top1 agree':>10s} {'ppl':>7s}")
-    print(f"{'float32':10s} {linear_megabytes(ref):9.1f} {0:11.3f} {0:12.4f} {100:9.1f}% {perplexity(ref_logits, ids):7.3f}")
+    print(f"{'mode':14s} {'weights MB':>10s} {'linear MB':>9s} {'max|dlogit|':>11s} {'mean|dlogit|':>12s} {'top1 agree':>10s} {'ppl':>7s}")
+    print(f"{'float32':14s} {model_megabytes(ref):10.1f} {linear_megabytes(ref):9.1f} {0:11.3f} {0:12.4f} {100:9.1f}% {perplexity(ref_logits, ids):7.3f}")
     models = {"float32": ref}
     for mode in modes:
-        lm = models[mode] = load_model(MODEL, CPUBackend(), quantization=mode)
-        logits = prompt_logits(lm, ids)
+        quant, _, dtype = mode.partition(":")  # e.g. "gguf:bfloat16" runs the whole model in bfloat16
+        lm = models[mode] = load_model(MODEL, CPUBackend(), dtype=dtype or "float32", quantization=quant)
+        logits = prompt_logits(lm, ids).float()
         err = (logits - ref_logits).abs()
         agree = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()) * 100
         print(
-            f"{mode:10s} {linear_megabytes(lm):9.1f} {float(err.max()):11.3f} {float(err.mean()):12.4f}"
+            f"{mode:14s} {model_megabytes(lm):10.1f} {linear_megabytes(lm):9.1f} {float(err.max()):11.3f} {float(err.mean()):12.4f}"
             f" {agree:9.1f}% {perplexity(logits, ids):7.3f}"
         )
     print("batch-1 decode step (ms, median of rounds; interleaved):")
@@ -97,7 +107,7 @@ def main() -> None:
     base = statistics.median(rounds["float32"])
     for mode, ts in rounds.items():
         ms = statistics.median(ts)
-        print(f"{mode:10s} {ms:8.2f} ms  {1000 / ms:7.1f} tok/s  {base / ms:5.2f}x vs float32")
+        print(f"{mode:14s} {ms:8.2f} ms  {1000 / ms:7.1f} tok/s  {base / ms:5.2f}x vs float32")
 
 
 if __name__ == "__main__":
