@@ -49,7 +49,7 @@ class LLMEngine:
                              available_memory(device), weight_bytes(source_cfg, dtype))
         backend = select_attention_backend(config.attention_backend, device)
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, backend, dtype, device)
+        loaded = load_model(config.model, backend, dtype, device, config.quantization)
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s), attention backend %s",
                     plan.num_blocks, plan.block_size, plan.num_tokens, fmt_bytes(plan.total_bytes), backend.name)
