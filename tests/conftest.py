@@ -52,6 +52,17 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides)
     return path
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread: tiny models run faster on one, and on a shared 2-core machine
+    OpenMP workers spinning against other processes cost far more than the second core
+    gains. Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

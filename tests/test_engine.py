@@ -12,6 +12,8 @@ from treadle import LLM, SamplingParams
 from treadle.config import TreadleError
 from treadle.loaders.resolve import resolve_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 MAX_TOKENS = 16
 
 

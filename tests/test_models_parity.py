@@ -46,13 +46,7 @@ PROMPT_LENS = (1, 7, 19)
 NEW_TOKENS = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and far faster on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _save_tokenizer(path: Path) -> None:

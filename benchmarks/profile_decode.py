@@ -1,0 +1,101 @@
+"""Where a decode step's time goes: scheduling, input preparation, model (attention
+separately), sampling, and output processing (detokenization, Python).
+
+    .venv/bin/python benchmarks/profile_decode.py --model smollm2-135m-instruct --batch 1 --steps 64
+
+The script drives the engine's own pieces in the order ``LLMEngine.step`` does, with a
+timer around each; attention is timed by wrapping the model's attention backend.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from treadle import LLM, SamplingParams
+from treadle.core.request import RequestStatus
+
+
+class TimedBackend:
+    """Wraps an attention backend and adds up the time spent in it."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner, self.name, self.seconds = inner, inner.name, 0.0
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        t = time.perf_counter()
+        out = self.inner.forward(*args, **kwargs)
+        self.seconds += time.perf_counter() - t
+        return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = LLM(args.model, quantization=args.quantization, dtype=args.dtype, kv_cache_memory="512MiB")
+    eng = llm.engine
+    timed = TimedBackend(eng.runner.model.layers[0].self_attn.backend)
+    for layer in eng.runner.model.layers:
+        layer.self_attn.backend = timed
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
+    for i in range(args.batch):
+        eng.add_request(str(i), {"prompt_token_ids": [100 + (i + j) % 1000 for j in range(args.prompt_len)]}, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+        eng.step()  # prefill
+    parts: dict[str, list[float]] = {k: [] for k in ("schedule", "prepare", "model", "attention", "sample",
+                                                      "update", "output", "step")}
+    runner = eng.runner
+    for _ in range(args.steps):
+        timed.seconds = 0.0
+        t0 = time.perf_counter()
+        sched = eng.scheduler.schedule()
+        t1 = time.perf_counter()
+        runner._update_states(sched)
+        batch = runner._prepare(sched)
+        t2 = time.perf_counter()
+        with torch.inference_mode():
+            hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)
+            index = torch.tensor([i for _, i in batch.sample_rows])
+            logits = runner.model.compute_logits(hidden.index_select(0, index))
+        t3 = time.perf_counter()
+        states = [runner.requests[rid] for rid, _ in batch.sample_rows]
+        tokens, _ = runner.sampler(logits, [s.sampling_row() for s in states])
+        from treadle.core.outputs import ModelRunnerOutput
+
+        result = ModelRunnerOutput(sampled={})
+        for s, tok in zip(states, tokens):
+            s.output_token_ids.append(tok)
+            result.sampled[s.data.request_id] = tok
+        t4 = time.perf_counter()
+        touched = eng.scheduler.update_from_output(sched, result)
+        t5 = time.perf_counter()
+        updated = eng.outputs.process(touched, result,
+                                      lambda r: eng.scheduler.finish(r, RequestStatus.FINISHED_STOPPED))
+        for pid in updated:
+            eng.outputs.make_output(pid)
+        t6 = time.perf_counter()
+        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2 - timed.seconds, timed.seconds, t4 - t3, t5 - t4,
+                                t6 - t5, t6 - t0)):
+            parts[k].append(v)
+    step = statistics.median(parts["step"])
+    print(f"model {args.model} quantization {args.quantization} dtype {args.dtype} batch {args.batch} "
+          f"threads {torch.get_num_threads()}: median step {step * 1e3:.2f} ms = {args.batch / step:.1f} tok/s")
+    print(f"{'part':<12}{'median ms':>10}{'share':>8}")
+    for k in ("schedule", "prepare", "model", "attention", "sample", "update", "output"):
+        m = statistics.median(parts[k])
+        print(f"{k:<12}{m * 1e3:>10.3f}{m / step:>8.1%}")
+
+
+if __name__ == "__main__":
+    main()
