@@ -11,10 +11,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from treadle.bench.backends import Backend, KVWaste, RunResult, make_backend
+from treadle.bench.backends import Backend, KVWaste, make_backend
 from treadle.bench.metrics import RequestRecord, ServeMetrics, Spread, summarize
 from treadle.bench.report import fmt_pct, fmt_ratio, markdown_table
-from treadle.bench.roofline import MachinePeaks, ModelShape, Roofline
+from treadle.bench.roofline import MachinePeaks, ModelShape, Roofline, remeasure
 from treadle.bench.workloads import BenchRequest, LengthRange, WorkloadSpec, make_workload
 
 
@@ -68,6 +68,7 @@ def warm_up(backends: Sequence[Backend], vocab_size: int) -> None:
 
 def run_throughput(setup: OfflineSetup, concurrencies: Sequence[int], repeats: int, dtype_bytes: int) -> None:
     total = len(concurrencies) * repeats * len(setup.backends) * setup.spec.num_prompts
+    done: list[tuple[RunSummary, Backend, list[BenchRequest], float]] = []
     with tqdm(total=total, desc="bench throughput", unit="req", file=sys.stderr) as bar:
         for c in concurrencies:
             for rep in range(repeats):
@@ -76,15 +77,15 @@ def run_throughput(setup: OfflineSetup, concurrencies: Sequence[int], repeats: i
                 for b in order:
                     bar.set_postfix_str(f"{b.name} c={c} rep={rep}")
                     res = b.run(reqs, c, bar.update)
-                    setup.runs.append(_summarize_run(setup, b, res, reqs, c, rep, dtype_bytes))
+                    run = RunSummary(b.name, c, rep, summarize(res.records, res.duration_s), res.kv, None)
+                    setup.runs.append(run)
                     setup.records[b.name] = res.records
-
-
-def _summarize_run(setup: OfflineSetup, b: Backend, res: RunResult, reqs: list[BenchRequest], c: int, rep: int,
-                   dtype_bytes: int) -> RunSummary:
-    roof = roofline_for(setup, b, dtype_bytes)
-    frac = roof.workload_time(reqs, c) / res.duration_s if roof else None
-    return RunSummary(b.name, c, rep, summarize(res.records, res.duration_s), res.kv, frac)
+                    done.append((run, b, reqs, res.duration_s))
+    if setup.peaks is not None:
+        setup.peaks = remeasure(setup.peaks)
+    for run, b, reqs, duration in done:
+        roof = roofline_for(setup, b, dtype_bytes)
+        run.roofline_fraction = roof.workload_time(reqs, run.concurrency) / duration if roof else None
 
 
 def spread(runs: Sequence[RunSummary], backend: str, c: int, key: str) -> Spread:
@@ -146,6 +147,8 @@ def run_latency(setup: OfflineSetup, iters: int, dtype_bytes: int) -> list[Laten
             for b in setup.backends:
                 per[b.name] += b.run(req, 1).records
                 bar.update(1)
+    if setup.peaks is not None:
+        setup.peaks = remeasure(setup.peaks)
     rows = []
     for b in setup.backends:
         recs = per[b.name]

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Every figure in docs/benchmarks.md, in the order the doc gives them.
+# Runs sequentially (never two benchmarks at once); results land in $OUT.
+#   bash benchmarks/docs_benchmarks.sh [step ...]    # steps: issue peers latency random serve (default: all)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+T=".venv/bin/treadle"
+M=smollm2-135m-instruct
+R=/tmp/treadle-bench/random-llama-150m
+OUT=${OUT:-/tmp/treadle-bench/results}
+mkdir -p "$OUT" docs/img
+steps=${*:-issue peers latency random serve}
+
+# --threads 1: the docs machine had 2 cores shared with other jobs; with 2 threads torch's
+# workers kept waiting on a descheduled sibling and every backend ran ~4x slower.
+TH="--threads 1"
+for step in $steps; do
+  case $step in
+  issue)  # continuous vs static batches on the engine issue's ragged workload, and KV waste at peak
+    $T bench throughput --model $M --backends treadle,static --workload random --input-len 32:512 \
+      --output-len 16:256 --num-prompts 16 --concurrency 8 --repeats 2 $TH \
+      --save-result "$OUT/issue.json" 2>"$OUT/issue.err" | tee "$OUT/issue.txt" ;;
+  peers)  # all four backends at concurrency 1, 4, 16; throughput chart and latency CDFs
+    $T bench throughput --model $M --backends treadle,static,hf,llamacpp --workload random --input-len 32:256 \
+      --output-len 8:32 --num-prompts 16 --concurrency 1,4,16 --repeats 1 $TH --plot docs/img/smollm2 \
+      --save-result "$OUT/peers.json" 2>"$OUT/peers.err" | tee "$OUT/peers.txt" ;;
+  latency)  # batch 1: TTFT, TPOT, roofline fractions
+    $T bench latency --model $M --backends treadle,hf,llamacpp --input-len 256 --output-len 32 --iters 3 $TH \
+      --save-result "$OUT/latency.json" 2>"$OUT/latency.err" | tee "$OUT/latency.txt" ;;
+  random)  # a random ~150M Llama (HF directory, float32): Treadle, static, HF
+    .venv/bin/python benchmarks/make_random_llama.py $R
+    $T bench latency --model $R --backends treadle,hf --input-len 256 --output-len 32 --iters 3 $TH \
+      --save-result "$OUT/random_latency.json" 2>"$OUT/random_latency.err" | tee "$OUT/random_latency.txt"
+    $T bench throughput --model $R --backends treadle,static,hf --workload random --input-len 32:256 \
+      --output-len 8:32 --num-prompts 16 --concurrency 16 --repeats 1 $TH \
+      --save-result "$OUT/random.json" 2>"$OUT/random.err" | tee "$OUT/random.txt" ;;
+  serve)  # the HTTP server: unlimited rate at concurrency 1/4/12, then Poisson arrivals; with goodput
+    $T serve $M --port 8123 --log-level warning $TH >"$OUT/server.log" 2>&1 &
+    srv=$!
+    trap 'kill $srv 2>/dev/null || true' EXIT
+    for _ in $(seq 120); do curl -sf http://127.0.0.1:8123/health >/dev/null && break; sleep 1; done
+    $T bench serve --base-url treadle=http://127.0.0.1:8123 --model $M --workload random --input-len 32:256 \
+      --output-len 8:32 --num-prompts 12 --max-concurrency 1,4,12 --goodput ttft:5000 tpot:500 \
+      --plot docs/img/serve --save-result "$OUT/serve.json" 2>"$OUT/serve.err" | tee "$OUT/serve.txt"
+    $T bench serve --base-url treadle=http://127.0.0.1:8123 --model $M --workload random --input-len 32:256 \
+      --output-len 8:32 --num-prompts 12 --request-rate 0.5 --goodput ttft:5000 tpot:500 \
+      --save-result "$OUT/serve_poisson.json" 2>"$OUT/serve_poisson.err" | tee "$OUT/serve_poisson.txt"
+    kill $srv; wait $srv 2>/dev/null || true; trap - EXIT ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
