@@ -113,7 +113,11 @@ def test_roofline_bounds():
     # batch 1, context 100: reads 4 MB + 100 KB -> 4.1 ms; computes 2.05 MFLOP -> 0.2 ms: memory bound
     assert roof.decode_step_time(1, 100) == pytest.approx(4.1024e-3)
     assert roof.decode_tokens_per_s(1, 100) == pytest.approx(1 / 4.1024e-3)
-    # prefill of 1000 tokens: compute bound, FLOPs at mean context 500
+    # prefill of 1000 tokens: compute bound, FLOPs at mean context 500, logits for the last token only
+    shape_with_head = ModelShape(1_000_000, 2, 64, 1024, lm_head_params=500_000)
+    roof_head = Roofline(roof.peaks, shape_with_head, 4_000_000)
+    assert roof_head.prefill_time(1000) == pytest.approx((1000 * (2e6 + 4 * 2 * 500 * 64) + 1e6) / 1e10)
+    assert roof_head.decode_step_time(1, 100) == roof.decode_step_time(1, 100)  # still memory bound
     flops = 1000 * (2e6 + 4 * 2 * 500 * 64)
     assert roof.prefill_time(1000) == pytest.approx(flops / 1e10)
     assert math.isfinite(roof.workload_time(make_workload(WorkloadSpec("fixed", 4), 500), 2))

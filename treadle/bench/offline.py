@@ -55,7 +55,7 @@ def roofline_for(setup: OfflineSetup, backend: Backend, dtype_bytes: int) -> Roo
         return None
     kv_elem = 2 if backend.name == "llamacpp" else dtype_bytes  # llama.cpp keeps an f16 KV cache
     shape = ModelShape(setup.shape.linear_params, setup.shape.num_layers, setup.shape.q_width,
-                       setup.shape.kv_bytes_per_token // 4 * kv_elem)
+                       setup.shape.kv_bytes_per_token // 4 * kv_elem, setup.shape.lm_head_params)
     return Roofline(setup.peaks, shape, backend.weight_bytes)
 
 

@@ -7,14 +7,16 @@ the two (a machine shared with other jobs only ever makes a peak look lower):
 - matmul rate: best of 10 1024x1024 @ 1024x1024 products in the model's dtype.
 
 Model (per token, ``L`` = tokens of context it attends to):
-- FLOPs = 2 x (linear weights incl. lm_head) + 4 x layers x L x (heads x head_dim)
+- FLOPs = 2 x (linear weights of the layers) + 4 x layers x L x (heads x head_dim),
+  plus 2 x lm_head weights for a token whose logits are needed (every decode
+  token, only the last token of a prompt)
 - KV bytes = 2 (K and V) x layers x kv_heads x head_dim x element size
 
 Bounds:
 - decode at batch ``b``: one step reads the weights once plus every sequence's KV:
   step time >= max((W + b x L x kv_bytes) / BW, b x FLOPs(L) / peak),
   so tokens/s <= b / that;
-- prefill of ``P`` tokens: time >= max(W / BW, P x FLOPs(P/2) / peak).
+- prefill of ``P`` tokens: time >= max(W / BW, (P x FLOPs(P/2) + lm_head FLOPs) / peak).
 - a whole offline workload at concurrency ``c`` (throughput runs): the sum of
   its prefill bounds, plus total_output / c decode steps at batch ``c`` and the
   mean decode context. The "fraction" printed is bound time / measured time.
@@ -83,20 +85,22 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
 
 @dataclass(frozen=True)
 class ModelShape:
-    linear_params: int  # weights of all matmuls a token goes through, lm_head included
+    linear_params: int  # weights of the layers' matmuls (lm_head apart)
     num_layers: int
     q_width: int  # heads x head_dim
     kv_bytes_per_token: int
+    lm_head_params: int = 0
 
     @staticmethod
     def from_config(cfg, kv_elem_bytes: int = 4) -> ModelShape:  # noqa: ANN001 - treadle.config.ModelConfig
         h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
-        return ModelShape(cfg.num_layers * per_layer + cfg.vocab_size * h, cfg.num_layers, q,
-                          2 * cfg.num_layers * kv * kv_elem_bytes)
+        return ModelShape(cfg.num_layers * per_layer, cfg.num_layers, q, 2 * cfg.num_layers * kv * kv_elem_bytes,
+                          cfg.vocab_size * h)
 
-    def flops_per_token(self, context: float) -> float:
-        return 2.0 * self.linear_params + 4.0 * self.num_layers * context * self.q_width
+    def flops_per_token(self, context: float, logits: bool = True) -> float:
+        head = 2.0 * self.lm_head_params if logits else 0.0
+        return 2.0 * self.linear_params + 4.0 * self.num_layers * context * self.q_width + head
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,8 @@ class Roofline:
         return batch / self.decode_step_time(batch, context)
 
     def prefill_time(self, prompt_len: int) -> float:
-        compute = prompt_len * self.shape.flops_per_token(prompt_len / 2) / self.peaks.matmul_flops
+        flops = prompt_len * self.shape.flops_per_token(prompt_len / 2, logits=False) + 2.0 * self.shape.lm_head_params
+        compute = flops / self.peaks.matmul_flops
         return max(self.weight_bytes / self.peaks.mem_bandwidth, compute)
 
     def prefill_tokens_per_s(self, prompt_len: int) -> float:
