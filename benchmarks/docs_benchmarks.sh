@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every figure in docs/benchmarks.md, in the order the doc gives them.
 # Runs sequentially (never two benchmarks at once); results land in $OUT.
-#   bash benchmarks/docs_benchmarks.sh [step ...]    # steps: issue peers latency random serve (default: all)
+#   bash benchmarks/docs_benchmarks.sh [step ...]    # steps: issue peers latency random serve q4 (default: all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T=".venv/bin/treadle"
@@ -9,7 +9,7 @@ M=smollm2-135m-instruct
 R=/tmp/treadle-bench/random-llama-150m
 OUT=${OUT:-/tmp/treadle-bench/results}
 mkdir -p "$OUT" docs/img
-steps=${*:-issue peers latency random serve}
+steps=${*:-issue peers latency random serve q4}
 
 # --threads 1: the docs machine had 2 cores shared with other jobs; with 2 threads torch's
 # workers kept waiting on a descheduled sibling and every backend ran ~4x slower.
@@ -46,6 +46,12 @@ for step in $steps; do
       --output-len 8:32 --num-prompts 12 --request-rate 0.5 --goodput ttft:5000 tpot:500 \
       --save-result "$OUT/serve_poisson.json" 2>"$OUT/serve_poisson.err" | tee "$OUT/serve_poisson.txt"
     kill $srv; wait $srv 2>/dev/null || true; trap - EXIT ;;
+  q4)  # Treadle with the GGUF's Q4_1 blocks kept native, against llama.cpp on the same bytes
+    $T bench latency --model $M --backends treadle,treadle+gguf,llamacpp --input-len 256 --output-len 32 \
+      --iters 3 $TH --save-result "$OUT/q4_latency.json" 2>"$OUT/q4_latency.err" | tee "$OUT/q4_latency.txt"
+    $T bench throughput --model $M --backends treadle,treadle+gguf,llamacpp --workload random \
+      --input-len 32:256 --output-len 8:32 --num-prompts 16 --concurrency 16 --repeats 1 $TH \
+      --save-result "$OUT/q4_peers.json" 2>"$OUT/q4_peers.err" | tee "$OUT/q4_peers.txt" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
