@@ -155,11 +155,13 @@ def vars_of(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k != "func"}
 
 
-def _serve_prompts(args: argparse.Namespace) -> tuple[list, list]:
+def _serve_prompts(args: argparse.Namespace, salt: int) -> tuple[list, list]:
+    """The workload with token ids drawn for ``salt``: each run gets fresh prompts, so a
+    server's prefix cache cannot serve one run from an earlier one."""
     from treadle.loaders import open_model_source
 
     source = open_model_source(args.model)
-    reqs = make_workload(workload_spec(args), source.config.vocab_size)
+    reqs = make_workload(workload_spec(args), source.config.vocab_size, token_salt=salt)
     if args.prompt_format == "ids":
         return reqs, [r.prompt_token_ids for r in reqs]
     return reqs, [source.tokenizer.decode(r.prompt_token_ids) for r in reqs]
@@ -173,11 +175,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from treadle.bench.serve_client import Traffic, run_serve
     slos = parse_goodput(args.goodput)
     percentiles = [float(p) for p in args.percentiles.split(",")]
-    reqs, prompts = _serve_prompts(args)
     targets = [u.split("=", 1) if "=" in u.split("://")[0] else [u, u] for u in args.base_url]
     results, records, rows = [], {}, []
     for label, url in targets:
-        for conc in args.max_concurrency:
+        for ci, conc in enumerate(args.max_concurrency):
+            reqs, prompts = _serve_prompts(args, salt=ci + 1)  # the same per level for every server
             traffic = Traffic(args.request_rate, args.burstiness, conc or None, args.seed)
             with tqdm(total=len(reqs), desc=f"bench serve {label} c={conc or 'inf'}", file=sys.stderr) as bar:
                 recs, dur, model = asyncio.run(run_serve(url, reqs, prompts, traffic, args.served_model_name,

@@ -70,9 +70,10 @@ def run_throughput(setup: OfflineSetup, concurrencies: Sequence[int], repeats: i
     total = len(concurrencies) * repeats * len(setup.backends) * setup.spec.num_prompts
     done: list[tuple[RunSummary, Backend, list[BenchRequest], float]] = []
     with tqdm(total=total, desc="bench throughput", unit="req", file=sys.stderr) as bar:
-        for c in concurrencies:
-            for rep in range(repeats):
-                reqs = make_workload(setup.spec, setup.vocab_size, setup.max_len, token_salt=rep + 1)
+        for ci, c in enumerate(concurrencies):
+            for rep in range(repeats):  # fresh token ids per run: no prefix-cache hits from an earlier run
+                salt = 1 + rep + ci * repeats
+                reqs = make_workload(setup.spec, setup.vocab_size, setup.max_len, token_salt=salt)
                 order = setup.backends[rep % len(setup.backends):] + setup.backends[: rep % len(setup.backends)]
                 for b in order:
                     bar.set_postfix_str(f"{b.name} c={c} rep={rep}")

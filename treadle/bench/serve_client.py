@@ -109,7 +109,9 @@ async def run_serve(
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, trust_env=False) as client:
         model = model or await first_model_id(client, base_url)
         url = f"{base_url}/v1/completions"
-        warm = await send_one(client, url, model, BenchRequest(reqs[0].prompt_token_ids, 2), prompts[0])
+        # a short warm-up prompt: less than one KV block, so it seeds no prefix cache
+        warm_prompt = prompts[0][:8]
+        warm = await send_one(client, url, model, BenchRequest(reqs[0].prompt_token_ids[:8], 2), warm_prompt)
         if not warm.success:
             raise RuntimeError(f"the warm-up request failed: {warm.error}")
         gate = asyncio.Semaphore(traffic.max_concurrency) if traffic.max_concurrency else contextlib.nullcontext()
