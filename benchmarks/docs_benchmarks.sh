@@ -43,7 +43,7 @@ for step in $steps; do
       --output-len 8:32 --num-prompts 12 --max-concurrency 1,4,12 --goodput ttft:5000 tpot:500 \
       --plot docs/img/serve --save-result "$OUT/serve.json" 2>"$OUT/serve.err" | tee "$OUT/serve.txt"
     $T bench serve --base-url treadle=http://127.0.0.1:8123 --model $M --workload random --input-len 32:256 \
-      --output-len 8:32 --num-prompts 12 --request-rate 0.5 --goodput ttft:5000 tpot:500 \
+      --output-len 8:32 --num-prompts 12 --workload-seed 1 --request-rate 0.5 --goodput ttft:5000 tpot:500 \
       --save-result "$OUT/serve_poisson.json" 2>"$OUT/serve_poisson.err" | tee "$OUT/serve_poisson.txt"
     kill $srv; wait $srv 2>/dev/null || true; trap - EXIT ;;
   q4)  # Treadle with the GGUF's Q4_1 blocks kept native, against llama.cpp on the same bytes
