@@ -19,9 +19,7 @@ from treadle.layers.attention import ReferenceBackend
 from treadle.loaders import LoadedModel, load_model
 from treadle.loaders.resolve import resolve_model
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260k"
-if not SHARED.is_dir():  # CI lays shared/ beside the clone
-    SHARED = Path(__file__).resolve().parents[1] / "shared" / "models" / "stories260k"
+LLAMA2C = Path(__file__).resolve().parent / "data" / "stories260k"  # llama2.c originals
 STORY = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
 TEXTS = [
     STORY,
@@ -68,7 +66,7 @@ def llama2c_encode(text: str, pieces: list[bytes], scores: list[float]) -> list[
 
 
 def _read_tok512() -> tuple[list[bytes], list[float]]:
-    data = (SHARED / "tok512.bin").read_bytes()
+    data = (LLAMA2C / "tok512.bin").read_bytes()
     pieces, scores, off = [], [], 4
     for _ in range(512):
         score, n = struct.unpack_from("<fi", data, off)
@@ -128,7 +126,7 @@ def test_tokenizer_matches_llama2c_and_transformers(lm: LoadedModel) -> None:
 
 def test_convert_cli_reproduces_bundled_directory(tmp_path: Path) -> None:
     out = tmp_path / "converted"
-    args = ["convert", "--llama2c", str(SHARED / "stories260K.bin"), "--tokenizer", str(SHARED / "tok512.bin"), str(out)]
+    args = ["convert", "--llama2c", str(LLAMA2C / "stories260K.bin"), "--tokenizer", str(LLAMA2C / "tok512.bin"), str(out)]
     assert cli_main(args) == 0
     bundled = resolve_model("stories260k")
     for name in ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json"):
@@ -144,9 +142,9 @@ def test_convert_cli_reproduces_bundled_directory(tmp_path: Path) -> None:
 
 def test_convert_rejects_a_truncated_checkpoint(tmp_path: Path) -> None:
     bad = tmp_path / "short.bin"
-    bad.write_bytes((SHARED / "stories260K.bin").read_bytes()[:5000])
+    bad.write_bytes((LLAMA2C / "stories260K.bin").read_bytes()[:5000])
     from treadle.config import TreadleError
     from treadle.loaders.llama2c import convert_llama2c
 
     with pytest.raises(TreadleError, match=r"short\.bin: 5000 bytes, but its header implies 1056540"):
-        convert_llama2c(bad, SHARED / "tok512.bin", tmp_path / "out")
+        convert_llama2c(bad, LLAMA2C / "tok512.bin", tmp_path / "out")
