@@ -19,7 +19,7 @@ install: $(STAMP)
 
 run: install
 	@if [ -t 0 ]; then $(VENV)/bin/treadle chat; \
-	else $(VENV)/bin/treadle generate --max-tokens 64 "Write one sentence about the sea."; fi
+	else $(VENV)/bin/treadle generate --chat-template --max-tokens 64 "Write one sentence about the sea."; fi
 
 test: install
 	$(PY) -m pytest -q

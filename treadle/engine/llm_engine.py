@@ -46,7 +46,7 @@ class LLMEngine:
                                                        1 if config.scheduler.enable_chunked_prefill
                                                        else max_model_len))
         plan = plan_kv_cache(source_cfg, config.cache, dtype, max_model_len, sched_cfg.max_num_seqs,
-                             available_memory(device), weight_bytes(source_cfg, dtype))
+                             available_memory(device), weight_bytes(source_cfg, dtype), device.type == "cpu")
         backend = select_attention_backend(config.attention_backend, device)
         torch.manual_seed(config.seed)
         loaded = load_model(config.model, backend, dtype, device, config.quantization)

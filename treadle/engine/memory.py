@@ -8,7 +8,7 @@ import torch
 from treadle.config import CacheConfig, ModelConfig, TreadleError
 
 GiB = 1 << 30
-CPU_DEFAULT_CAP = 4 * GiB  # default KV budget on the CPU when none is given
+CPU_DEFAULT_CAP = 1 * GiB  # default KV budget on the CPU when none is given (--kv-cache-memory to change)
 
 
 def available_memory(device: torch.device) -> int:
@@ -65,6 +65,7 @@ def plan_kv_cache(
     max_num_seqs: int,
     available: int,
     weights: int,
+    on_cpu: bool = True,
 ) -> KVPlan:
     """How many blocks to allocate. Without an explicit size: a fraction of the
     memory left after the weights, capped (on the CPU) and never more than
@@ -81,7 +82,9 @@ def plan_kv_cache(
                 f"= {fmt_bytes(weights + budget)}, but only {fmt_bytes(available)} is available"
             )
     else:
-        budget = min(int((available - weights) * cache.memory_fraction), CPU_DEFAULT_CAP)
+        budget = int((available - weights) * cache.memory_fraction)
+        if on_cpu:
+            budget = min(budget, CPU_DEFAULT_CAP)
         budget = min(budget, max_num_seqs * min_blocks * per_block)
     num_blocks = budget // per_block
     if num_blocks < 1:
