@@ -134,8 +134,8 @@ class Tokenizer:
             backend = BackendTokenizer.from_file(str(tok_file))
         except Exception as e:  # the library raises bare Exceptions on malformed files
             raise TreadleError(f"{tok_file}: not a valid tokenizer.json ({e})") from None
-        cfg = _read_json(path / "tokenizer_config.json")
-        specials = _read_json(path / "special_tokens_map.json")
+        cfg = read_json_object(path / "tokenizer_config.json")
+        specials = read_json_object(path / "special_tokens_map.json")
         template_file = path / "chat_template.jinja"
         template = template_file.read_text() if template_file.is_file() else _pick_template(cfg.get("chat_template"))
         has_post = backend.post_processor is not None
@@ -189,7 +189,8 @@ class Tokenizer:
         )
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file holding an object ({} when the file is absent); bad JSON is a TreadleError."""
     if not path.is_file():
         return {}
     try:

@@ -6,7 +6,6 @@ tensors are handed out one at a time, each read exactly once.
 """
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ from treadle.config import ModelConfig, TreadleError
 from treadle.loaders import ModelSource
 from treadle.loaders.expected import check_tensors, is_ignored
 from treadle.models.registry import supported_architectures
-from treadle.tokenizer import Tokenizer
+from treadle.tokenizer import Tokenizer, read_json_object
 
 _INDEX = "model.safetensors.index.json"
 
@@ -29,13 +28,7 @@ def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
         if required:
             raise TreadleError(f"{path}: no such file (not a Hugging Face model directory?)")
         return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TreadleError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise TreadleError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path)
 
 
 def _eos_ids(value: Any) -> tuple[int, ...] | None:
