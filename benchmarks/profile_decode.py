@@ -15,6 +15,7 @@ import time
 import torch
 
 from treadle import LLM, SamplingParams
+from treadle.core.outputs import ModelRunnerOutput
 from treadle.core.request import RequestStatus
 
 
@@ -29,6 +30,40 @@ class TimedBackend:
         out = self.inner.forward(*args, **kwargs)
         self.seconds += time.perf_counter() - t
         return out
+
+
+PARTS = ("schedule", "prepare", "model", "attention", "sample", "update", "output", "step")
+
+
+def time_decode_step(eng, timed: TimedBackend) -> tuple[float, ...]:  # noqa: ANN001
+    """One engine step, as LLMEngine.step runs it, with a timer around each part (seconds, in PARTS order)."""
+    runner = eng.runner
+    timed.seconds = 0.0
+    t0 = time.perf_counter()
+    sched = eng.scheduler.schedule()
+    t1 = time.perf_counter()
+    runner._update_states(sched)
+    batch = runner._prepare(sched)
+    t2 = time.perf_counter()
+    with torch.inference_mode():
+        hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)
+        index = torch.tensor([i for _, i in batch.sample_rows])
+        logits = runner.model.compute_logits(hidden.index_select(0, index))
+    t3 = time.perf_counter()
+    states = [runner.requests[rid] for rid, _ in batch.sample_rows]
+    tokens, _ = runner.sampler(logits, [s.sampling_row() for s in states])
+    result = ModelRunnerOutput(sampled={})
+    for state, tok in zip(states, tokens):
+        state.output_token_ids.append(tok)
+        result.sampled[state.data.request_id] = tok
+    t4 = time.perf_counter()
+    touched = eng.scheduler.update_from_output(sched, result)
+    t5 = time.perf_counter()
+    updated = eng.outputs.process(touched, result, lambda r: eng.scheduler.finish(r, RequestStatus.FINISHED_STOPPED))
+    for pid in updated:
+        eng.outputs.make_output(pid)
+    t6 = time.perf_counter()
+    return (t1 - t0, t2 - t1, t3 - t2 - timed.seconds, timed.seconds, t4 - t3, t5 - t4, t6 - t5, t6 - t0)
 
 
 def main() -> None:
@@ -53,46 +88,15 @@ def main() -> None:
         eng.add_request(str(i), {"prompt_token_ids": [100 + (i + j) % 1000 for j in range(args.prompt_len)]}, params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
         eng.step()  # prefill
-    parts: dict[str, list[float]] = {k: [] for k in ("schedule", "prepare", "model", "attention", "sample",
-                                                      "update", "output", "step")}
-    runner = eng.runner
+    parts: dict[str, list[float]] = {k: [] for k in PARTS}
     for _ in range(args.steps):
-        timed.seconds = 0.0
-        t0 = time.perf_counter()
-        sched = eng.scheduler.schedule()
-        t1 = time.perf_counter()
-        runner._update_states(sched)
-        batch = runner._prepare(sched)
-        t2 = time.perf_counter()
-        with torch.inference_mode():
-            hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)
-            index = torch.tensor([i for _, i in batch.sample_rows])
-            logits = runner.model.compute_logits(hidden.index_select(0, index))
-        t3 = time.perf_counter()
-        states = [runner.requests[rid] for rid, _ in batch.sample_rows]
-        tokens, _ = runner.sampler(logits, [s.sampling_row() for s in states])
-        from treadle.core.outputs import ModelRunnerOutput
-
-        result = ModelRunnerOutput(sampled={})
-        for s, tok in zip(states, tokens):
-            s.output_token_ids.append(tok)
-            result.sampled[s.data.request_id] = tok
-        t4 = time.perf_counter()
-        touched = eng.scheduler.update_from_output(sched, result)
-        t5 = time.perf_counter()
-        updated = eng.outputs.process(touched, result,
-                                      lambda r: eng.scheduler.finish(r, RequestStatus.FINISHED_STOPPED))
-        for pid in updated:
-            eng.outputs.make_output(pid)
-        t6 = time.perf_counter()
-        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2 - timed.seconds, timed.seconds, t4 - t3, t5 - t4,
-                                t6 - t5, t6 - t0)):
+        for k, v in zip(PARTS, time_decode_step(eng, timed)):
             parts[k].append(v)
     step = statistics.median(parts["step"])
     print(f"model {args.model} quantization {args.quantization} dtype {args.dtype} batch {args.batch} "
           f"threads {torch.get_num_threads()}: median step {step * 1e3:.2f} ms = {args.batch / step:.1f} tok/s")
     print(f"{'part':<12}{'median ms':>10}{'share':>8}")
-    for k in ("schedule", "prepare", "model", "attention", "sample", "update", "output"):
+    for k in PARTS[:-1]:
         m = statistics.median(parts[k])
         print(f"{k:<12}{m * 1e3:>10.3f}{m / step:>8.1%}")
 

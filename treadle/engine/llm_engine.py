@@ -12,11 +12,13 @@ import torch
 
 from treadle.config import CacheConfig, EngineConfig, SchedulerConfig, TreadleError
 from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.outputs import SchedulerOutput
 from treadle.core.request import Request, RequestStatus
 from treadle.core.scheduler import Scheduler
 from treadle.engine.memory import available_memory, fmt_bytes, plan_kv_cache, weight_bytes
 from treadle.engine.output_processor import OutputProcessor
 from treadle.engine.outputs import RequestOutput
+from treadle.layers.attention.selector import select_backend
 from treadle.loaders import load_model, open_model_source, parse_dtype
 from treadle.sampling_params import SamplingParams
 from treadle.worker.cuda_graph import maybe_graph_runner
@@ -25,12 +27,6 @@ from treadle.worker.model_runner import ModelRunner, allocate_kv_cache
 logger = logging.getLogger("treadle")
 
 PromptType = str | list[int] | dict[str, Any]
-
-
-def select_attention_backend(name: str, device: torch.device):  # noqa: ANN201
-    from treadle.layers.attention.selector import select_backend
-
-    return select_backend(name, device)
 
 
 class LLMEngine:
@@ -47,7 +43,7 @@ class LLMEngine:
                                                        else max_model_len))
         plan = plan_kv_cache(source_cfg, config.cache, dtype, max_model_len, sched_cfg.max_num_seqs,
                              available_memory(device), weight_bytes(source_cfg, dtype), device.type == "cpu")
-        backend = select_attention_backend(config.attention_backend, device)
+        backend = select_backend(config.attention_backend, device)
         torch.manual_seed(config.seed)
         loaded = load_model(config.model, backend, dtype, device, config.quantization)
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
@@ -141,7 +137,7 @@ class EngineStats:
         self.num_tokens_computed = 0  # tokens run through the model (prompt, recompute, decode)
         self.num_generated_tokens = 0
 
-    def record(self, sched, touched: list[Request]) -> None:  # noqa: ANN001
+    def record(self, sched: SchedulerOutput, touched: list[Request]) -> None:
         self.num_steps += 1
         self.num_preemptions += sched.num_preemptions
         self.num_generated_tokens += len(touched)

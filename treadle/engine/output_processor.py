@@ -73,8 +73,8 @@ class OutputProcessor:
         updated: list[str] = []
         for rid, lps in result.prompt_logprobs.items():
             parent = self.parents.get(self.parent_of.get(rid, ""))
-            if parent is not None and parent.prompt_logprobs is not None and len(parent.children) and \
-                    next(iter(parent.children)) == rid:
+            # n > 1: every child scores the same prompt; keep the first child's
+            if parent is not None and parent.prompt_logprobs is not None and rid == next(iter(parent.children)):
                 parent.prompt_logprobs.extend(self._decoded(lp) for lp in lps)
         for req in touched:
             pid = self.parent_of.get(req.request_id)
