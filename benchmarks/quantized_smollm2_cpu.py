@@ -43,7 +43,7 @@ def linear_megabytes(lm: LoadedModel) -> float:
 def fresh_cache(lm: LoadedModel, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     cfg = lm.config
     shape = (-(-tokens // BLOCK) + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-    dtype = lm.model.embed_tokens.weight.dtype
+    dtype = lm.model.dtype
     return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
 
 

@@ -23,7 +23,7 @@ class PagedSession:
         # sequence i owns every num_seqs-th block of a shuffled pool: scattered and interleaved
         self.tables = [order[i : num_seqs * blocks_per_seq : num_seqs] for i in range(num_seqs)]
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        dtype = next(lm.model.parameters()).dtype
+        dtype = lm.model.dtype  # the activations' dtype (weights may be quantized bytes)
         self.caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
         self.lens = [0] * num_seqs
 

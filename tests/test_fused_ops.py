@@ -1,15 +1,27 @@
-"""Fused RMSNorm+residual, SwiGLU and in-place RoPE against their plain versions."""
+"""Fused RMSNorm+residual, SwiGLU and in-place RoPE against their plain versions.
+
+bfloat16 goes through in-place torch calls with the plain arithmetic (bit for bit);
+float32 on the CPU goes through the C kernels (treadle/kernels/csrc/ops.c): RoPE is
+bit for bit, RMSNorm sums its squares in another order and SwiGLU approximates exp,
+so those agree to float32 rounding."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from treadle.config import RopeScaling
+from treadle.kernels import native
 from treadle.layers.activation import silu_and_mul, silu_and_mul_plain
 from treadle.layers.norm import RMSNorm, rms_norm_fused, rms_norm_plain
 from treadle.layers.rotary import RotaryEmbedding, joint_view
 
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == torch.float32 and native.available():
+        return torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    return torch.equal(a, b)
 
 
 def rand(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
@@ -24,10 +36,10 @@ def test_rms_norm_fused_equals_plain(dtype: torch.dtype, tokens: int) -> None:
     expect_out, expect_sum = rms_norm_plain(x, res, w, 1e-5)
     res_in = res.clone()
     out, total = rms_norm_fused(x, res_in, w, 1e-5)
-    assert torch.equal(out, expect_out) and torch.equal(total, expect_sum)
+    assert same(out, expect_out) and torch.equal(total, expect_sum)
     assert total.data_ptr() == res_in.data_ptr()  # the sum was written in place
-    out0, same = rms_norm_fused(x, None, w, 1e-5)
-    assert torch.equal(out0, rms_norm_plain(x, None, w, 1e-5)[0]) and same is x
+    out0, total0 = rms_norm_fused(x, None, w, 1e-5)
+    assert same(out0, rms_norm_plain(x, None, w, 1e-5)[0]) and total0 is x
 
 
 def test_rms_norm_module_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -41,13 +53,14 @@ def test_rms_norm_module_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     plain.weight.data.copy_(w)
     x, res = rand(5, 64, seed=5), rand(5, 64, seed=6)
     a, b = plain(x, res.clone()), fused(x, res.clone())
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert same(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 def test_silu_and_mul_equals_plain(dtype: torch.dtype) -> None:
     gate_up = rand(7, 2 * 80, dtype=dtype, seed=7)
-    assert torch.equal(silu_and_mul(gate_up), silu_and_mul_plain(gate_up))
+    gate_up = gate_up * 4  # past the exp approximation's easy range
+    assert same(silu_and_mul(gate_up), silu_and_mul_plain(gate_up))
 
 
 def split_qkv(qkv: torch.Tensor, heads: int, kv_heads: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:

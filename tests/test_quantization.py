@@ -13,13 +13,8 @@ from gguf.quants import quantize as gguf_quantize
 from treadle.config import TreadleError
 from treadle.layers.linear import Linear, UnquantizedLinearMethod
 from treadle.quantization import weight_only_factory
-from treadle.quantization.gguf_native import (
-    GGUFBlocks,
-    GGUFNativePlan,
-    GGUFQ4Method,
-    GGUFQ8Method,
-    dequantize_blocks,
-)
+from treadle.kernels import native
+from treadle.quantization.gguf_native import GGUFBlockMethod, GGUFBlocks, GGUFNativePlan, dequantize_blocks
 from treadle.quantization.int4pack import dequantize_int4, int4_mm, pack_int4, quantize_int4, quantize_int8, scale_zeros
 from treadle.quantization.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
 
@@ -101,65 +96,92 @@ def test_gguf_block_decoding_equals_gguf_package(qtype: str) -> None:
     assert torch.equal(dequantize_blocks(b), torch.from_numpy(expect))
 
 
+def q16_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the GGUF kernels round it: 16 bits per block of 32, scale max|x| / 32767."""
+    b = x.reshape(*x.shape[:-1], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 32767
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(b * inv) * d).reshape(x.shape)
+
+
+needs_kernels = pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)")
+
+
+@needs_kernels
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_native_matches_dequantized_linear(qtype: str) -> None:
     shards = [gguf_blocks(rand(n, IN, seed=50 + i), qtype) for i, n in enumerate(SHARDS)]
-    method = GGUFQ8Method() if qtype == "Q8_0" else GGUFQ4Method()
-    layer = load_linear(method, shards)
+    layer = load_linear(GGUFBlockMethod(qtype), shards)
+    assert layer.weight.dtype == torch.uint8 and layer.weight.numel() == sum(b.data.numel() for b in shards)
     w_deq = torch.cat([dequantize_blocks(b) for b in shards])  # exact GGUF values
-    x = rand(4, IN, seed=60)
-    check_close_to_reference(layer(x) - layer.bias, x, w_deq)
+    for rows in (1, 3, 4, 9):  # the kernel's row-count cases
+        x = rand(rows, IN, seed=60 + rows)
+        y = layer(x)
+        # exact up to float32 summation order against the 16-bit-rounded activations ...
+        expect = F.linear(q16_activations(x), w_deq, layer.bias)
+        torch.testing.assert_close(y, expect, rtol=0, atol=float(expect.abs().max()) * 1e-5)
+        # ... and within the activation rounding of the float product
+        loose = F.linear(x, w_deq, layer.bias)
+        torch.testing.assert_close(y, loose, rtol=0, atol=float(loose.abs().max()) * 2e-4)
 
 
+@needs_kernels
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_mapping_is_exact_for_bf16_representable_blocks(qtype: str) -> None:
-    """Blocks whose d and m are exact in bfloat16: the kernel reproduces every weight
-    bit for bit (identity input), so the integer mapping itself loses nothing."""
-    g = torch.Generator().manual_seed(70)
-    rows, blocks = 32, IN // 32
-    d = (2.0 ** torch.randint(-6, -2, (rows, blocks, 1), generator=g)).half()
-    if qtype == "Q8_0":
-        qs = torch.randint(-128, 128, (rows, blocks, 32), generator=g, dtype=torch.int8)
-        raw = torch.cat((d.view(torch.uint8), qs.view(torch.uint8)), -1)
-    else:
-        qs = torch.randint(0, 256, (rows, blocks, 16), generator=g, dtype=torch.uint8)
-        m = -(d * torch.randint(0, 9, (rows, blocks, 1), generator=g)).half()
-        head = (d, m) if qtype == "Q4_1" else (d,)
-        raw = torch.cat([h.view(torch.uint8) for h in head] + [qs], -1)
-    b = GGUFBlocks(qtype, raw.reshape(rows, -1), (rows, IN))
-    layer = Linear(IN, [rows], False, torch.float32, GGUFQ8Method() if qtype == "Q8_0" else GGUFQ4Method())
+def test_gguf_native_rows_do_not_depend_on_the_batch(qtype: str) -> None:
+    layer = load_linear(GGUFBlockMethod(qtype), [gguf_blocks(rand(n, IN, seed=90 + i), qtype) for i, n in enumerate(SHARDS)])
+    x = rand(11, IN, seed=91)
+    together = layer(x)
+    for i in range(11):
+        assert torch.equal(layer(x[i : i + 1])[0], together[i])
+    assert torch.equal(layer(x[3:9]), together[3:9])
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_embedding_rows_and_dequantize_are_exact(qtype: str) -> None:
+    b = gguf_blocks(rand(40, IN, seed=95), qtype)
+    layer = Linear(IN, [40], False, torch.float32, GGUFBlockMethod(qtype))
     layer.weight.weight_loader(layer.weight, b, None)
-    layer.method.process_weights_after_loading(layer)
-    assert torch.equal(layer(torch.eye(IN)).t(), dequantize_blocks(b))
+    w_deq = dequantize_blocks(b)
+    ids = torch.tensor([[3, 0, 39], [3, 7, 12]])
+    assert torch.equal(layer.method.embedding(layer, ids, torch.float32), w_deq[ids])
+    assert torch.equal(native.dequantize(qtype, b.data, IN), w_deq)
 
 
-def test_gguf_float_shard_is_quantized_on_arrival() -> None:
-    shards = [rand(n, IN, seed=80 + i) for i, n in enumerate(SHARDS)]
-    layer = load_linear(GGUFQ4Method(), shards)
-    w_deq = torch.cat([dequantize_int4(*quantize_int4(s, 32)) for s in shards])
-    x = rand(2, IN, seed=81)
-    check_close_to_reference(layer(x) - layer.bias, x, w_deq)
+def test_gguf_block_method_rejects_wrong_shards() -> None:
+    layer = Linear(IN, [32], False, torch.float32, GGUFBlockMethod("Q4_1"))
+    with pytest.raises(ValueError, match="expected Q4_1 blocks, got Q8_0"):
+        layer.weight.weight_loader(layer.weight, gguf_blocks(rand(32, IN, seed=1), "Q8_0"), None)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        layer.weight.weight_loader(layer.weight, gguf_blocks(rand(16, IN, seed=1), "Q4_1"), None)
 
 
-def test_gguf_plan_picks_layers_by_type_and_shape() -> None:
+def test_gguf_plan_picks_layers_by_type(monkeypatch: pytest.MonkeyPatch) -> None:
     t = {
+        "model.embed_tokens.weight": ("Q8_0", (256, 64)),
         "model.layers.0.self_attn.q_proj.weight": ("Q4_1", (64, 64)),
-        "model.layers.0.self_attn.k_proj.weight": ("Q4_0", (32, 64)),
+        "model.layers.0.self_attn.k_proj.weight": ("Q4_1", (32, 64)),
         "model.layers.0.self_attn.v_proj.weight": ("Q4_1", (32, 64)),
         "model.layers.0.self_attn.o_proj.weight": ("Q8_0", (64, 64)),
         "model.layers.0.mlp.gate_proj.weight": ("Q4_1", (96, 64)),
-        "model.layers.0.mlp.up_proj.weight": ("Q8_0", (96, 64)),  # mixed types: float
+        "model.layers.0.mlp.up_proj.weight": ("Q4_0", (96, 64)),  # mixed types: float
         "model.layers.0.mlp.down_proj.weight": ("F32", (64, 96)),
-        "lm_head.weight": ("Q4_1", (256, 64)),
+        "lm_head.weight": ("Q6_K", (256, 64)),
     }
     plan = GGUFNativePlan(t)
-    assert isinstance(plan.method("model.layers.0.self_attn.qkv_proj"), GGUFQ4Method)
-    assert isinstance(plan.method("model.layers.0.self_attn.o_proj"), GGUFQ8Method)
-    assert plan.method("model.layers.0.mlp.gate_up_proj") is None
-    assert plan.method("model.layers.0.mlp.down_proj") is None
-    assert plan.method("lm_head") is None
+    monkeypatch.setattr(native, "available", lambda: True)
+    methods = {name: plan.method(name) for name in (
+        "model.embed_tokens", "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
+        "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj", "lm_head",
+    )}
+    assert {n: getattr(m, "qtype", None) for n, m in methods.items()} == {
+        "model.embed_tokens": "Q8_0", "model.layers.0.self_attn.qkv_proj": "Q4_1", "model.layers.0.self_attn.o_proj": "Q8_0",
+        "model.layers.0.mlp.gate_up_proj": None, "model.layers.0.mlp.down_proj": None, "lm_head": None,
+    }
     assert plan.keeps_raw("model.layers.0.self_attn.k_proj.weight")
     assert not plan.keeps_raw("model.layers.0.mlp.up_proj.weight")
+    monkeypatch.setattr(native, "available", lambda: False)  # no C compiler: everything float
+    assert GGUFNativePlan(t).method("model.layers.0.self_attn.qkv_proj") is None
 
 
 def test_weight_only_factory_names() -> None:

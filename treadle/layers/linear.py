@@ -27,6 +27,10 @@ class LinearMethod(ABC):
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features] (bias included)."""
 
+    def embedding(self, layer: "Linear", ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the weight, for a layer that is also a vocabulary embedding."""
+        return F.embedding(ids, layer.weight).to(dtype)
+
 
 def load_rows(layer: "Linear", param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
     """Copy ``loaded`` into the row block of ``param`` that belongs to ``shard``."""

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from treadle.config import RopeScaling
+from treadle.kernels import ops
 from treadle.layers.fused import fused_ops_enabled
 
 
@@ -104,6 +105,13 @@ class RotaryEmbedding(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated (q, k). With fused ops on, q and k are rotated in place and returned."""
+        if self.fused and ops.usable(q, k, self.cos_sin) and positions.dtype == torch.int64:
+            qk = joint_view(q, k)
+            parts = (q, k) if qk is None else (qk,)
+            if all(x.stride(1) == x.shape[-1] for x in parts):  # heads contiguous in each row
+                for x in parts:
+                    ops.rope_(x, self.cos_sin, positions.contiguous())
+                return q, k
         half = q.shape[-1] // 2
         cs = self.cos_sin.index_select(0, positions).to(q.dtype).unsqueeze(1)  # [T, 1, head_dim]
         cos, sin = cs[..., :half], cs[..., half:]

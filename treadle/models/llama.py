@@ -23,7 +23,13 @@ MethodFactory = Callable[[str], LinearMethod | None]
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, method: MethodFactory, prefix: str
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        method: MethodFactory,
+        prefix: str,
+        rotary: RotaryEmbedding,
     ) -> None:
         super().__init__()
         d = cfg.head_dim
@@ -40,7 +46,7 @@ class LlamaAttention(nn.Module):
             method(f"{prefix}.qkv_proj"),
         )
         self.o_proj = Linear(self.q_size, [cfg.hidden_size], False, dtype, method(f"{prefix}.o_proj"))
-        self.rotary = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = rotary  # one table shared by every layer
         self.backend = backend
 
     def forward(
@@ -69,11 +75,17 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, method: MethodFactory, prefix: str
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        method: MethodFactory,
+        prefix: str,
+        rotary: RotaryEmbedding,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, backend, dtype, method, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(cfg, backend, dtype, method, f"{prefix}.self_attn", rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, dtype, method, f"{prefix}.mlp")
 
@@ -112,10 +124,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         method = method or (lambda name: None)
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.dtype = dtype
+        # [vocab, hidden]: looked up by ids, and the lm_head too when tied
+        self.embed_tokens = Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype, method("model.embed_tokens"))
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, dtype, method, f"model.layers.{i}") for i in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, backend, dtype, method, f"model.layers.{i}", rotary) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm.weight.data = self.norm.weight.data.to(dtype)
@@ -134,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],  # one per layer
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens.method.embedding(self.embed_tokens, input_ids, self.dtype)
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, cache, meta)
@@ -142,9 +156,8 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
-        if self.lm_head is None:
-            return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face-named tensors; returns the names of parameters filled."""

@@ -9,7 +9,7 @@ Names (``--quantization``):
                          built by the GGUF loader from the file's tensor types
     none / None          no quantization
 
-Embeddings and lm_head stay unquantized. A method factory maps a layer's name
+Embeddings and lm_head stay unquantized (GGUF blocks excepted). A method factory maps a layer's name
 (``model.layers.3.mlp.gate_up_proj``) to its method, or None for the plain float one.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ WEIGHT_ONLY_NAMES = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128")
 
 
 def _keep_float(layer_name: str) -> bool:
-    return layer_name == "lm_head"
+    return layer_name in ("lm_head", "model.embed_tokens")
 
 
 def weight_only_factory(name: str) -> MethodFactory:

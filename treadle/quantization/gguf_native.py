@@ -1,4 +1,5 @@
-"""GGUF Q4_0 / Q4_1 / Q8_0 weights kept quantized, mapped onto torch's packed int4 kernel.
+"""GGUF Q4_0 / Q4_1 / Q8_0 weights kept quantized in memory and multiplied by
+Treadle's C kernels (``treadle/kernels/csrc/qmatmul.c``), which dequantize on the fly.
 
 GGUF stores each row as blocks of 32 inputs (little-endian, ``d``/``m`` float16)::
 
@@ -6,16 +7,11 @@ GGUF stores each row as blocks of 32 inputs (little-endian, ``d``/``m`` float16)
     Q4_1 (20 B): d | m | qs[16]      w = d * q + m       (same nibble order)
     Q8_0 (34 B): d | qs[32] (int8)   w = d * q
 
-The int4 kernel computes ``(q - 8) * scale + zero`` per group of 32, so the integers
-carry over unchanged and only the per-block constants are rewritten::
-
-    Q4_0:  scale = d, zero = 0
-    Q4_1:  scale = d, zero = m + 8 d
-    Q8_0:  q = 16 hi + lo (hi = q >> 4 in -8..7, lo = q & 15): two int4 matmuls,
-           hi: q' = hi + 8, scale = 16 d, zero = 0;   lo: q' = lo, scale = d, zero = 8 d
-
-The kernel runs with bfloat16 scales, so results equal the dequantized reference up
-to bfloat16 rounding of ``d`` and ``m`` (and of the activations).
+A layer keeps its rows exactly as the file has them (fused q/k/v or gate/up shards are
+stacked row-wise), so resident memory is the file's size. Activations stay float32:
+results equal the dequantized reference up to float32 summation order. The same
+method serves the embedding (rows gathered and dequantized) and a tied or quantized
+lm_head (a matmul over the same bytes).
 """
 from __future__ import annotations
 
@@ -24,9 +20,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from treadle.kernels import native
 from treadle.layers.linear import Linear, LinearMethod
-from treadle.quantization.int4pack import int4_mm, int4_supported, pack_int4, scale_zeros
-from treadle.quantization.weight_only import Int4WeightOnlyMethod, _check_shape, _staging_weight, shard_rows
+from treadle.quantization.weight_only import shard_rows
 
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -78,56 +74,45 @@ def dequantize_blocks(b: GGUFBlocks) -> torch.Tensor:  # [rows, in] float32, the
     return (q.float() - 8) * d.repeat_interleave(BLOCK, 1) + zero.repeat_interleave(BLOCK, 1)
 
 
-class GGUFQ4Method(Int4WeightOnlyMethod):
-    """Q4_0/Q4_1 blocks onto the int4 kernel, group size 32 (float shards are quantized)."""
+class GGUFBlockMethod(LinearMethod):
+    """A layer whose weight is GGUF blocks of one type, [out_features, in/32 * block bytes] uint8."""
 
-    def __init__(self) -> None:
-        super().__init__(BLOCK)
-
-    def shard_shape(self, tensor: torch.Tensor | GGUFBlocks) -> tuple[int, ...]:
-        return tensor.shape if isinstance(tensor, GGUFBlocks) else tuple(tensor.shape)
-
-    def to_int4(self, tensor: torch.Tensor | GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if isinstance(tensor, GGUFBlocks):
-            return q4_to_int4(tensor)
-        return super().to_int4(tensor)
-
-
-class GGUFQ8Method(LinearMethod):
-    """Q8_0 blocks as the sum of two int4 matmuls over the high and low nibbles."""
+    def __init__(self, qtype: str) -> None:
+        if qtype not in BLOCK_BYTES:
+            raise ValueError(f"unsupported GGUF block type {qtype!r}")
+        self.qtype = qtype
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
-        _staging_weight(layer, torch.int8, lambda p, t, s=None: self.load_shard(layer, t, s))
-        layer.register_buffer("weight_scale", torch.empty(layer.out_features, layer.in_features // BLOCK))
+        row_bytes = layer.in_features // BLOCK * BLOCK_BYTES[self.qtype]
+        weight = nn.Parameter(torch.empty(layer.out_features, row_bytes, dtype=torch.uint8), requires_grad=False)
+        weight.weight_loader = lambda p, t, s=None: self.load_shard(layer, t, s)  # type: ignore[attr-defined]
+        layer.register_parameter("weight", weight)
 
     def load_shard(self, layer: Linear, blocks: GGUFBlocks, shard: int | None) -> None:
+        if not isinstance(blocks, GGUFBlocks) or blocks.qtype != self.qtype:
+            got = blocks.qtype if isinstance(blocks, GGUFBlocks) else f"a {blocks.dtype} tensor"
+            raise ValueError(f"expected {self.qtype} blocks, got {got}")
         start, rows = shard_rows(layer, shard)
-        _check_shape(layer, rows, blocks.shape)
-        q, d = q8_to_int8(blocks)
-        layer.weight.data[start : start + rows] = q
-        layer.weight_scale[start : start + rows] = d
-
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        q, d = layer.weight.data, layer.weight_scale
-        layer.weight = nn.Parameter(pack_int4((q >> 4) + 8), requires_grad=False)  # high nibbles
-        layer.register_buffer("weight_lo", pack_int4(q & 15))
-        layer.register_buffer("weight_scale_zeros", scale_zeros(16 * d, torch.zeros_like(d)))
-        layer.register_buffer("weight_lo_scale_zeros", scale_zeros(d, 8 * d))
-        del layer.weight_scale
+        if tuple(blocks.shape) != (rows, layer.in_features):
+            raise ValueError(f"shape mismatch: expected {(rows, layer.in_features)}, got {tuple(blocks.shape)}")
+        layer.weight.data[start : start + rows] = blocks.data
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        y = int4_mm(x, layer.weight, BLOCK, layer.weight_scale_zeros)
-        y = y + int4_mm(x, layer.weight_lo, BLOCK, layer.weight_lo_scale_zeros)
-        return y if layer.bias is None else y + layer.bias
+        bias = None if layer.bias is None else layer.bias.float().contiguous()
+        return native.qmatmul(self.qtype, layer.weight, x, bias).to(x.dtype)
+
+    def embedding(self, layer: Linear, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return native.gather_rows(self.qtype, layer.weight, ids, layer.in_features).to(dtype)
 
 
 _FUSED = {".qkv_proj": (".q_proj", ".k_proj", ".v_proj"), ".gate_up_proj": (".gate_proj", ".up_proj")}
 
 
 class GGUFNativePlan:
-    """Which linear layers of a GGUF model stay quantized, decided from the file's tensor
-    types: a layer whose shards are all Q4_0/Q4_1 (or all Q8_0) and whose shape the
-    kernel accepts; anything else (and lm_head) is dequantized at load as before."""
+    """Which layers of a GGUF model stay quantized, decided from the file's tensor types:
+    every linear layer, the embedding and lm_head whose shards are all one of Q4_0, Q4_1,
+    Q8_0; anything else is dequantized to float at load. Without Treadle's C kernels
+    (no C compiler, or ``TREADLE_NATIVE_KERNELS=0``) everything is dequantized."""
 
     def __init__(self, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> None:
         self.tensors = tensors  # HF weight name -> (GGUF type name, HF shape)
@@ -143,20 +128,16 @@ class GGUFNativePlan:
     def method(self, layer_name: str) -> LinearMethod | None:
         """The factory handed to the model: ``Callable[[str], LinearMethod | None]``."""
         names = self.shard_names(layer_name)
-        if layer_name == "lm_head" or any(n not in self.tensors for n in names):
+        if any(n not in self.tensors for n in names) or not native.available():
             return None
         types = {self.tensors[n][0] for n in names}
-        out = sum(self.tensors[n][1][0] for n in names)
-        in_features = self.tensors[names[0]][1][1]
-        if not int4_supported(out, in_features, BLOCK):
+        if len(types) != 1 or self.tensors[names[0]][1][1] % BLOCK:
             return None
-        if types <= {"Q4_0", "Q4_1"}:
-            self._raw.update(names)
-            return GGUFQ4Method()
-        if types == {"Q8_0"}:
-            self._raw.update(names)
-            return GGUFQ8Method()
-        return None
+        (qtype,) = types
+        if qtype not in BLOCK_BYTES:
+            return None
+        self._raw.update(names)
+        return GGUFBlockMethod(qtype)
 
     def keeps_raw(self, hf_name: str) -> bool:
         """True when the loader should hand this tensor over as GGUFBlocks (ask after
