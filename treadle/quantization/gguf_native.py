@@ -45,33 +45,16 @@ def _half(raw: torch.Tensor) -> torch.Tensor:  # [..., 2] uint8 -> [...] float32
     return raw.contiguous().view(torch.float16).squeeze(-1).float()
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:  # [..., 16] uint8 -> [..., 32] uint8 in 0..15
-    return torch.cat((qs & 15, qs >> 4), dim=-1)
-
-
-def q4_to_int4(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0/Q4_1 -> (q [rows, in] 0..15, scale, zero [rows, in/32] float32)."""
+def dequantize_blocks(b: GGUFBlocks) -> torch.Tensor:  # [rows, in] float32
+    """The blocks' exact values in plain torch (the reference the kernels are tested against)."""
     blk = _blocks(b)
-    d = _half(blk[..., 0:2])
-    if b.qtype == "Q4_0":
-        q, zero = _nibbles(blk[..., 2:18]), torch.zeros_like(d)
-    else:
-        q, zero = _nibbles(blk[..., 4:20]), _half(blk[..., 2:4]) + 8 * d
-    return q.reshape(b.shape), d, zero
-
-
-def q8_to_int8(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 -> (q [rows, in] int8, d [rows, in/32] float32)."""
-    blk = _blocks(b)
-    return blk[..., 2:34].contiguous().view(torch.int8).reshape(b.shape), _half(blk[..., 0:2])
-
-
-def dequantize_blocks(b: GGUFBlocks) -> torch.Tensor:  # [rows, in] float32, the exact reference
+    d = _half(blk[..., 0:2]).unsqueeze(-1)
     if b.qtype == "Q8_0":
-        q, d = q8_to_int8(b)
-        return q.float() * d.repeat_interleave(BLOCK, 1)
-    q, d, zero = q4_to_int4(b)
-    return (q.float() - 8) * d.repeat_interleave(BLOCK, 1) + zero.repeat_interleave(BLOCK, 1)
+        return (blk[..., 2:34].contiguous().view(torch.int8).float() * d).reshape(b.shape)
+    qs = blk[..., 4:20] if b.qtype == "Q4_1" else blk[..., 2:18]
+    q = torch.cat((qs & 15, qs >> 4), dim=-1).float()  # element j in the low nibble, j + 16 in the high
+    m = _half(blk[..., 2:4]).unsqueeze(-1) if b.qtype == "Q4_1" else -8 * d
+    return (d * q + m).reshape(b.shape)
 
 
 class GGUFBlockMethod(LinearMethod):
