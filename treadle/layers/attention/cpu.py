@@ -21,6 +21,11 @@ kernel as one batch, so a single long sequence still spreads over every core. Ke
 past ``seq_len`` (or outside a sliding window) get a huge finite negative bias, so a
 chunk with no valid key has lse ~ -1e38 and weight 0 in the merge (no NaN).
 
+All-decode steps with float32 q/k/v and cache go to the C kernel instead
+(``treadle.kernels.attention.paged_decode``: the same FlashDecoding split, reading keys
+through the block table without a gather, and writing the new K/V itself); the torch
+path above serves mixed steps, other dtypes and machines without a C compiler.
+
 Prefill (and chunked prefill) runs SDPA per sequence with 4-D inputs (the flash CPU
 kernel; 3-D inputs fall back to the math kernel), causal without cached context,
 otherwise with an explicit [q_len, seq_len] mask over the gathered context.
@@ -33,6 +38,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from treadle.kernels import native
+from treadle.kernels.attention import paged_decode
 from treadle.layers.attention.backend import AttentionBackend, AttentionSpec
 from treadle.layers.attention.metadata import AttentionMetadata
 
@@ -57,6 +64,8 @@ class _DecodePlan:
     block_tables: torch.Tensor  # [B, max_blocks] int64 (metadata's, padded with 0)
     max_blocks: int
     all_tokens: bool  # every token of the step is a decode token, in order
+    # (slots int64, block tables int32, seq_lens int32) for the C kernel, on all-decode CPU steps
+    kernel_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     layouts: dict[tuple[int, int | None, torch.dtype], _SplitLayout] = field(default_factory=dict)
 
 
@@ -122,13 +131,20 @@ def build_plan(meta: AttentionMetadata) -> _StepPlan:
     if decode_seqs:
         idx = torch.tensor(decode_seqs, dtype=torch.int64, device=meta.block_tables.device)
         lens = [meta.seq_lens[i] for i in decode_seqs]
+        tables = meta.block_tables[idx]
         decode = _DecodePlan(
             token_index=meta.query_start_loc[idx].long(),
             seq_lens=lens,
-            block_tables=meta.block_tables[idx].long().cpu(),
+            block_tables=tables.long().cpu(),
             max_blocks=-(-max(lens) // meta.block_size),
             all_tokens=len(decode_seqs) == meta.num_tokens,
         )
+        if decode.all_tokens and tables.is_cpu and tables.shape[1] >= decode.max_blocks and native.available():
+            decode.kernel_args = (
+                meta.slot_mapping.to(torch.int64).contiguous(),
+                tables.to(torch.int32).contiguous(),
+                torch.tensor(lens, dtype=torch.int32),
+            )
     slots, rows = meta.slot_mapping, None
     if bool((slots < 0).any()):
         rows = torch.nonzero(slots >= 0).flatten()
@@ -251,8 +267,12 @@ class CPUBackend(AttentionBackend):
         spec: AttentionSpec,
     ) -> torch.Tensor:
         plan = self._step_plan(meta)
-        _write_kv(k, v, k_cache, v_cache, plan)
         dec = plan.decode
+        if dec is not None and dec.kernel_args is not None:  # all-decode step: the C kernel
+            out = paged_decode(q, k, v, k_cache, v_cache, *dec.kernel_args, spec.scale, spec.sliding_window)
+            if out is not None:  # also wrote k/v into the cache
+                return out
+        _write_kv(k, v, k_cache, v_cache, plan)
         if dec is not None and dec.all_tokens:
             return flash_decode(q, k_cache, v_cache, dec, spec).to(q.dtype)
         out = torch.empty_like(q)

@@ -1,0 +1,277 @@
+/* Decode attention over the paged KV cache on the CPU (one new query token per sequence).
+ *
+ * One call per layer and decode step:
+ *   1. each sequence's new k/v row is written into the cache at slots[i] (slots < 0 skipped);
+ *   2. out[i, h] = softmax(scale * q[i, h] . K^T) V over the keys lo_i .. seq_lens[i] - 1 of
+ *      sequence i, where lo_i = max(0, seq_len - window) with a sliding window, else 0.
+ *
+ * The cache is [num_blocks, block_size, num_kv_heads, head_dim]; position p of sequence i is
+ * row p % block_size of block block_tables[i][p / block_size]. GQA: query head h reads KV head
+ * h / G (G = num_heads / num_kv_heads), with no copy of K/V.
+ *
+ * FlashDecoding: work items are (sequence, chunk) and cover every head, so each cache row (all
+ * KV heads, contiguous) is read from memory once, whole; items per (sequence, KV head) would
+ * each read 1 / num_kv_heads of every row and leave the prefetchers fetching the rest for
+ * nothing. Blocks are scattered, so the next block's pages are touched ahead of use.
+ * When there are fewer sequences than WORK_PER_THREAD per thread, every context is cut into
+ * chunks of equal length (at least MIN_CHUNK keys), so one long sequence still keeps every core
+ * busy. An item runs an online softmax per query head over tiles of up to TILE keys (one
+ * block's rows, then read from L1 by the G heads of each KV head):
+ *
+ *   s_j = scale q.k_j    m' = max(m, max_j s_j)    c = e^(m - m')
+ *   l' = c l + sum_j e^(s_j - m')                  acc' = c acc + sum_j e^(s_j - m') v_j
+ *
+ * and the chunks of one (sequence, head) are merged by their maxima:
+ *   M = max_c m_c,   out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
+ * With one chunk an item writes acc / l itself. Work is spread with OpenMP (torch's libgomp
+ * and thread count). AVX2/FMA for the dot products, e^x and the V sums where the CPU has
+ * them, plain C otherwise; any head_dim (a scalar tail past multiples of 8).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TQ_AVX2 1
+#endif
+
+#define TILE 64             /* keys scored at a time (their scores live on the stack) */
+#define MIN_CHUNK 64        /* contexts are never cut into chunks shorter than this */
+#define WORK_PER_THREAD 4   /* split until (sequences x chunks) >= this many per thread */
+#define PARALLEL_MIN 1024   /* fewer (keys x query heads) than this (~10 us): one thread */
+#define PAGE_FLOATS 1024    /* 4 KiB: blocks are scattered, so the next one's pages (TLB entries,
+                               and where the hardware prefetchers start) are requested ahead */
+
+#ifdef TQ_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* e^x for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, e^r from its Taylor series up to r^7
+ * (truncation error < 1e-8 relative), 2^n built in the exponent bits. x is clamped at -87 so
+ * 2^n stays a normal float (e^-87 ~ 1.6e-38, nothing next to the row maximum's e^0 = 1). */
+static inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 = hi + lo */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    static const float coef[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    for (int i = 0; i < 7; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(coef[i]));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#ifdef TQ_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    s = hsum(acc);
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* s[j] = scale * q . rows[j * stride : j * stride + D] for j < n. With AVX2, 8 rows at a time:
+ * 8 independent accumulators share each load of q and are reduced together (hadd tree), so
+ * no row waits on a horizontal sum of its own. */
+static inline void scores(const float *q, const float *rows, int64_t stride, int64_t n, int64_t D, float scale,
+                          float *s) {
+    int64_t j = 0;
+#ifdef TQ_AVX2
+    const int64_t D8 = D & ~(int64_t)7;
+    for (; j + 8 <= n; j += 8) {
+        const float *r = rows + j * stride;
+        __m256 a[8];
+        for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D8; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + d);
+            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + u * stride + d), a[u]);
+        }
+        /* u = [sums of a0..a3 over their low 128 bits | over their high 128 bits], w the same for
+         * a4..a7; adding the matching halves gives the 8 dot products in order */
+        const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        const __m256 w = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+        const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u, w, 0x20), _mm256_permute2f128_ps(u, w, 0x31));
+        _mm256_storeu_ps(s + j, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+        for (int64_t d = D8; d < D; d++) /* the tail of an odd head_dim */
+            for (int u = 0; u < 8; u++) s[j + u] += scale * q[d] * r[u * stride + d];
+    }
+#endif
+    for (; j < n; j++) s[j] = scale * dot(q, rows + j * stride, D);
+}
+
+/* p[j] = e^(p[j] - mx) for j < n (every p[j] <= mx); returns their sum. */
+static inline float exp_sum(float *p, int n, float mx) {
+    int j = 0;
+    float sum = 0.0f;
+#ifdef TQ_AVX2
+    const __m256 vm = _mm256_set1_ps(mx);
+    __m256 vs = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), vm));
+        _mm256_storeu_ps(p + j, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    sum = hsum(vs);
+#endif
+    for (; j < n; j++) sum += (p[j] = expf(p[j] - mx));
+    return sum;
+}
+
+#ifdef TQ_AVX2
+/* acc[0:8W] = c acc + sum_{j<n} p[j] rows[j * stride : j * stride + 8W], W accumulators in
+ * registers over all n rows (W = 8: enough independent FMA chains to fill both FMA units). */
+static inline __attribute__((always_inline)) void accumulate_strip(float *acc, __m256 c, const float *p,
+                                                                   const float *rows, int64_t stride, int n,
+                                                                   const int W) {
+    __m256 a[8];
+    for (int u = 0; u < W; u++) a[u] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * u), c);
+    for (int j = 0; j < n; j++) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        for (int u = 0; u < W; u++) a[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(rows + j * stride + 8 * u), a[u]);
+    }
+    for (int u = 0; u < W; u++) _mm256_storeu_ps(acc + 8 * u, a[u]);
+}
+#endif
+
+/* acc[0:D] = c acc + sum_{j<n} p[j] rows[j * stride : j * stride + D]: 64, 32, then 8 columns
+ * at a time, then a scalar tail. */
+static void scale_accumulate(float *acc, float c, const float *p, const float *rows, int64_t stride, int n,
+                             int64_t D) {
+    int64_t d = 0;
+#ifdef TQ_AVX2
+    const __m256 vc = _mm256_set1_ps(c);
+    for (; d + 64 <= D; d += 64) accumulate_strip(acc + d, vc, p, rows + d, stride, n, 8);
+    if (d + 32 <= D) accumulate_strip(acc + d, vc, p, rows + d, stride, n, 4), d += 32;
+    for (; d + 8 <= D; d += 8) accumulate_strip(acc + d, vc, p, rows + d, stride, n, 1);
+#endif
+    for (; d < D; d++) {
+        float a = c * acc[d];
+        for (int j = 0; j < n; j++) a += p[j] * rows[j * stride + d];
+        acc[d] = a;
+    }
+}
+
+/* Online softmax of every query head of one sequence (q: H heads, D floats apart) over its keys
+ * [start, end), into m[H], l[H], acc[H * D]; query head h reads KV head h / G. A tile is up to
+ * TILE keys of one block: whole cache rows (all KV heads, `stride` floats apart), contiguous in
+ * memory, read from DRAM once and then from L1 by the G heads of each KV head. An empty range
+ * leaves m = -inf, l = 0, acc = 0. */
+static void attend_range(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
+                         int64_t start, int64_t end, int64_t block_size, int64_t stride, int64_t H, int64_t G,
+                         int64_t D, float scale, float *m, float *l, float *acc) {
+    float s[TILE];
+    for (int64_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
+    memset(acc, 0, (size_t)(H * D) * sizeof(float));
+    for (int64_t pos = start, n; pos < end; pos += n) {
+        const int64_t off = pos % block_size;
+        n = block_size - off < end - pos ? block_size - off : end - pos;
+        if (n > TILE) n = TILE;
+        const int64_t base = ((int64_t)table[pos / block_size] * block_size + off) * stride;
+        if ((pos / block_size + 1) * block_size < end) { /* touch the next block's pages early */
+            const int64_t next = (int64_t)table[pos / block_size + 1] * block_size * stride;
+            for (int64_t b = 0; b < block_size * stride; b += PAGE_FLOATS) {
+                __builtin_prefetch(k_cache + next + b);
+                __builtin_prefetch(v_cache + next + b);
+            }
+        }
+        for (int64_t h = 0; h < H; h++) {
+            const float *kr = k_cache + base + h / G * D, *vr = v_cache + base + h / G * D;
+            scores(q + h * D, kr, stride, n, D, scale, s);
+            float mx = m[h];
+            for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+            const float c = expf(m[h] - mx); /* 0 on the first tile (m = -inf) */
+            l[h] = c * l[h] + exp_sum(s, (int)n, mx);
+            m[h] = mx;
+            scale_accumulate(acc + h * D, c, s, vr, stride, (int)n, D);
+        }
+    }
+}
+
+void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_stride, int64_t k_stride,
+                     int64_t v_stride, float *k_cache, float *v_cache, const int64_t *slots,
+                     const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs, int64_t max_blocks,
+                     int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
+                     float scale, float *out) {
+    const int64_t H = num_heads, D = head_dim, G = num_heads / num_kv_heads, row = num_kv_heads * D;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        if (slots[i] < 0) continue;
+        memcpy(k_cache + slots[i] * row, k + i * k_stride, (size_t)row * sizeof(float));
+        memcpy(v_cache + slots[i] * row, v + i * v_stride, (size_t)row * sizeof(float));
+    }
+    int64_t longest = 0, total = 0;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        const int64_t span = (window > 0 && seq_lens[i] > window) ? window : seq_lens[i];
+        if (span > longest) longest = span;
+        total += span;
+    }
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    int64_t chunks = 1;
+    if (longest >= 2 * MIN_CHUNK && num_seqs < WORK_PER_THREAD * threads) {
+        chunks = (WORK_PER_THREAD * threads + num_seqs - 1) / num_seqs;
+        if (chunks > longest / MIN_CHUNK) chunks = longest / MIN_CHUNK;
+    }
+    const int64_t chunk_len = (longest + chunks - 1) / chunks;
+    const int64_t items = num_seqs * chunks, part_len = H * (D + 2); /* m[H], l[H], acc[H * D] */
+    float *part = malloc((size_t)(items * part_len) * sizeof(float));
+    if (part == NULL) abort();
+
+#pragma omp parallel if (total * H >= PARALLEL_MIN)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t i = it / chunks, c = it % chunks;
+            const int64_t len = seq_lens[i], lo = (window > 0 && len > window) ? len - window : 0;
+            const int64_t start = lo + c * chunk_len, end = start + chunk_len < len ? start + chunk_len : len;
+            float *m = part + it * part_len, *l = m + H, *acc = l + H;
+            attend_range(q + i * q_stride, k_cache, v_cache, block_tables + i * max_blocks, start, end, block_size,
+                         row, H, G, D, scale, m, l, acc);
+            if (chunks == 1) {
+                for (int64_t h = 0; h < H; h++) {
+                    const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+                    for (int64_t d = 0; d < D; d++) out[(i * H + h) * D + d] = acc[h * D + d] * inv;
+                }
+            }
+        }
+        if (chunks > 1) {
+#pragma omp for schedule(static)
+            for (int64_t x = 0; x < num_seqs * H; x++) {
+                const int64_t i = x / H, h = x % H;
+                const float *first = part + i * chunks * part_len;
+                float mx = -INFINITY, sum = 0.0f;
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float *pc = first + c * part_len;
+                    if (pc[H + h] > 0.0f && pc[h] > mx) mx = pc[h];
+                }
+                float *o = out + x * D;
+                memset(o, 0, (size_t)D * sizeof(float));
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float *pc = first + c * part_len;
+                    if (!(pc[H + h] > 0.0f)) continue; /* an empty chunk */
+                    const float w = expf(pc[h] - mx);
+                    sum += w * pc[H + h];
+                    const float *acc = pc + 2 * H + h * D;
+                    for (int64_t d = 0; d < D; d++) o[d] += w * acc[d];
+                }
+                const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+            }
+        }
+    }
+    free(part);
+}
