@@ -125,7 +125,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     attention_backend: str = "auto"
-    quantization: str | None = None
+    quantization: str | None = "auto"  # GGUF blocks stay native on the CPU; see treadle.quantization
     enforce_eager: bool = False  # no CUDA graphs
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

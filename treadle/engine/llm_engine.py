@@ -157,7 +157,7 @@ def build_engine_config(
     num_kv_blocks: int | None = None,
     block_size: int = 16,
     attention_backend: str = "auto",
-    quantization: str | None = None,
+    quantization: str | None = "auto",
     enforce_eager: bool = False,
 ) -> EngineConfig:
     return EngineConfig(

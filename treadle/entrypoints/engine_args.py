@@ -21,7 +21,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "cpu", "triton"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode runs eagerly)")
-    p.add_argument("--quantization", default=None, help="weight quantization (see docs)")
+    p.add_argument(
+        "--quantization", default=None,
+        help="auto (default: a GGUF file keeps its Q4_0/Q4_1/Q8_0 blocks on the CPU), none, gguf, int8, int4[-g32|-g64|-g128]",
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
 

@@ -68,21 +68,25 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def quantization_plan(
-    source: ModelSource, quantization: str | None
+    source: ModelSource, quantization: str | None, device: str | torch.device = "cpu"
 ) -> tuple[Callable[[str], Any] | None, Callable[[], Iterator[tuple[str, Any]]]]:
     """(linear-method factory, weight stream) for a quantization name: None/"none" (float),
-    "auto" ("gguf" for a GGUF file, else none), "gguf" (keep Q4_0/Q4_1/Q8_0 blocks
-    quantized), or a weight-only name such as "int8" or "int4-g64" (see treadle.quantization)."""
+    "auto" ("gguf" for a GGUF file on the CPU, else none), "gguf" (keep Q4_0/Q4_1/Q8_0
+    blocks quantized; CPU kernels), or a weight-only name such as "int8" or "int4-g64"
+    (see treadle.quantization)."""
     from treadle.quantization import weight_only_factory
     from treadle.quantization.gguf_native import GGUFNativePlan
 
+    on_cpu = torch.device(device).type == "cpu"
     if quantization == "auto":
-        quantization = "gguf" if source.raw_weights is not None else None
+        quantization = "gguf" if source.raw_weights is not None and on_cpu else None
     if quantization in (None, "none"):
         return None, source.weights
     if quantization == "gguf":
         if source.raw_weights is None or source.tensor_types is None:
             raise TreadleError(f"{source.path}: quantization 'gguf' needs a .gguf file")
+        if not on_cpu:
+            raise TreadleError("quantization 'gguf' runs on the CPU only; use --quantization none on a GPU")
         plan, raw_weights = GGUFNativePlan(source.tensor_types), source.raw_weights
         return plan.method, lambda: raw_weights(plan.keeps_raw)
     return weight_only_factory(quantization), source.weights
@@ -99,7 +103,7 @@ def load_model(
     source = open_model_source(name_or_path)
     cls = model_class(source.config.architecture)
     torch_dtype = parse_dtype(dtype)
-    method, weights = quantization_plan(source, quantization)
+    method, weights = quantization_plan(source, quantization, device)
     with torch.device(device):
         model = cls(source.config, backend, torch_dtype, method=method)
     model.load_weights(weights())
