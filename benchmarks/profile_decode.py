@@ -2,6 +2,7 @@
 separately), sampling, and output processing (detokenization, Python).
 
     .venv/bin/python benchmarks/profile_decode.py --model smollm2-135m-instruct --batch 1 --steps 64
+    .venv/bin/python benchmarks/profile_decode.py ... --module-path   # layers module by module
 
 The script drives the engine's own pieces in the order ``LLMEngine.step`` does, with a
 timer around each; attention is timed by wrapping the model's attention backend.
@@ -75,11 +76,15 @@ def main() -> None:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--module-path", action="store_true",
+                    help="run decoder layers module by module (no one-call C layer), so attention is timed apart")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model, quantization=args.quantization, dtype=args.dtype, kv_cache_memory="512MiB")
     eng = llm.engine
+    if args.module_path:
+        eng.runner.model._one_call_layers = False
     timed = TimedBackend(eng.runner.model.layers[0].self_attn.backend)
     for layer in eng.runner.model.layers:
         layer.self_attn.backend = timed
@@ -99,6 +104,8 @@ def main() -> None:
     for k in PARTS[:-1]:
         m = statistics.median(parts[k])
         print(f"{k:<12}{m * 1e3:>10.3f}{m / step:>8.1%}")
+    if statistics.median(parts["attention"]) == 0.0:
+        print("(attention ran inside the one-call C decoder layers: it is part of 'model'; --module-path times it apart)")
 
 
 if __name__ == "__main__":

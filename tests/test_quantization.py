@@ -11,9 +11,9 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from treadle.config import TreadleError
+from treadle.kernels import native
 from treadle.layers.linear import Linear, UnquantizedLinearMethod
 from treadle.quantization import weight_only_factory
-from treadle.kernels import native
 from treadle.quantization.gguf_native import GGUFBlockMethod, GGUFBlocks, GGUFNativePlan, dequantize_blocks
 from treadle.quantization.int4pack import dequantize_int4, int4_mm, pack_int4, quantize_int4, quantize_int8, scale_zeros
 from treadle.quantization.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod

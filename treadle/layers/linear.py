@@ -17,22 +17,22 @@ class LinearMethod(ABC):
     """How a linear layer stores and multiplies its weight."""
 
     @abstractmethod
-    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         """Register the layer's parameters, each with a ``weight_loader`` attribute."""
 
-    def process_weights_after_loading(self, layer: "Linear") -> None:
+    def process_weights_after_loading(self, layer: Linear) -> None:  # noqa: B027 (optional hook)
         """Repack loaded weights into the form ``apply`` uses (default: nothing)."""
 
     @abstractmethod
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features] (bias included)."""
 
-    def embedding(self, layer: "Linear", ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def embedding(self, layer: Linear, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the weight, for a layer that is also a vocabulary embedding."""
         return F.embedding(ids, layer.weight).to(dtype)
 
 
-def load_rows(layer: "Linear", param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
+def load_rows(layer: Linear, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
     """Copy ``loaded`` into the row block of ``param`` that belongs to ``shard``."""
     if shard is None:
         target = param.data
@@ -45,14 +45,14 @@ def load_rows(layer: "Linear", param: torch.Tensor, loaded: torch.Tensor, shard:
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         weight = nn.Parameter(
             torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False
         )
         weight.weight_loader = lambda p, t, s=None: load_rows(layer, p, t, s)  # type: ignore[attr-defined]
         layer.register_parameter("weight", weight)
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
 

@@ -22,7 +22,7 @@ class ModelSource:
     path: Path
     config: ModelConfig
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # HF-named tensors, streamed
-    tokenizer: "Tokenizer"
+    tokenizer: Tokenizer
     # GGUF only: HF weight name -> (GGUF type name, HF shape), and a stream that hands the
     # tensors ``keep_raw`` names over still quantized (GGUFBlocks), the rest as floats
     tensor_types: dict[str, tuple[str, tuple[int, ...]]] | None = None
@@ -33,7 +33,7 @@ class ModelSource:
 class LoadedModel:
     model: torch.nn.Module
     config: ModelConfig
-    tokenizer: "Tokenizer"
+    tokenizer: Tokenizer
     path: Path
 
 

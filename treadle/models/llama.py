@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from treadle.config import ModelConfig
+from treadle.kernels.layer import DecodeStep, layer_supported
 from treadle.layers.activation import silu_and_mul
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from treadle.layers.linear import Linear, LinearMethod
@@ -125,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
         method = method or (lambda name: None)
         self.config = cfg
         self.dtype = dtype
+        self.backend = backend
+        self._one_call_layers: bool | None = None
         # [vocab, hidden]: looked up by ids, and the lm_head too when tied
         self.embed_tokens = Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype, method("model.embed_tokens"))
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
@@ -149,11 +152,33 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         x = self.embed_tokens.method.embedding(self.embed_tokens, input_ids, self.dtype)
-        residual = None
-        for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, cache, meta)
+        step = self._one_call_decode(positions, kv_caches, meta)
+        if step is not None:  # all-decode CPU step on GGUF blocks: one C call per layer
+            residual = torch.empty_like(x)
+            for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+                step.run(layer, i == 0, x, residual, cache)
+        else:
+            residual = None
+            for layer, cache in zip(self.layers, kv_caches):
+                x, residual = layer(positions, x, residual, cache, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def _one_call_decode(self, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata) -> DecodeStep | None:
+        """The per-step state for ``treadle.kernels.layer`` when this model and step qualify."""
+        if self._one_call_layers is None:  # decided once, after the weights are loaded
+            self._one_call_layers = all(map(layer_supported, self.layers))
+        decode_args = getattr(self.backend, "decode_kernel_args", None)
+        if not self._one_call_layers or decode_args is None:
+            return None
+        kernel_args = decode_args(meta)
+        k_cache = kv_caches[0][0]
+        if kernel_args is None or k_cache.dtype != torch.float32 or not k_cache.is_contiguous():
+            return None
+        cfg = self.config
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return DecodeStep(kernel_args, meta.block_size, positions, cfg.hidden_size, q_size + 2 * kv_size, q_size,
+                          cfg.intermediate_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         head = self.embed_tokens if self.lm_head is None else self.lm_head

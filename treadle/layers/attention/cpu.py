@@ -256,6 +256,12 @@ class CPUBackend(AttentionBackend):
             self._plan, self._plan_meta = build_plan(meta), meta
         return self._plan
 
+    def decode_kernel_args(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(slots int64, block tables int32, seq_lens int32) when the step is all-decode and the
+        C kernels can take it (see treadle.kernels.layer), else None."""
+        dec = self._step_plan(meta).decode
+        return None if dec is None else dec.kernel_args
+
     def forward(
         self,
         q: torch.Tensor,
