@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--quantization", default="auto")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--module-path", action="store_true",

@@ -14,7 +14,8 @@
  * times the 16-bit-rounded activation, summed in float32 in block order. Every output is computed by the same
  * code whatever M is and whichever thread takes it, so a row's result does not depend
  * on the batch it is in. Threads split the weight rows (OpenMP, the libgomp and thread
- * count torch uses); each weight block is expanded once for up to 4 activation rows.
+ * count torch uses); tiles of 2 weight rows x up to 4 activation rows share each expanded
+ * weight block and each loaded activation block.
  * Built with -march=native: AVX2/FMA/F16C paths where the CPU has them, plain C otherwise.
  *
  * Block layouts (little-endian, d and m float16):
@@ -162,63 +163,98 @@ static inline int dot_scalar(int qtype, const uint8_t *blk, const int16_t *xq) {
 }
 #endif
 
-/* out[i * ostride] = row . (x row i) + bias for `rows` (at most MR) activation rows. */
-static inline __attribute__((always_inline)) void row_times(int qtype, const uint8_t *row, int64_t nb,
-                                                             const int16_t *xq, const float *xd, const float *xs,
-                                                             int rows, float bias, float *out, int64_t ostride) {
+/* A tile of NW weight rows (at most 2) times NX activation rows (at most MR):
+ * out[i * ostride + r] = row r . (x row i) + bias[r]. Every output is accumulated the same
+ * way whatever the tile's shape (per block: t = float(q . xq) * d, acc += t * xd; m xs summed
+ * apart), so results do not depend on M or on where a row falls in a tile. */
+static inline __attribute__((always_inline)) void tile(int qtype, const uint8_t *row, int64_t row_bytes,
+                                                        int64_t nb, const int16_t *xq, const float *xd,
+                                                        const float *xs, const int NW, const int NX,
+                                                        const float *bias, float *out, int64_t ostride) {
     const int bb = block_bytes(qtype);
-    float msum[MR] = {0.0f};
+    float msum[MR][2] = {{0.0f}};
 #ifdef TQ_AVX2
-    __m256 acc[MR];
-    for (int i = 0; i < rows; i++) acc[i] = _mm256_setzero_ps();
+    __m256 acc[MR][2];
+    for (int i = 0; i < NX; i++)
+        for (int r = 0; r < NW; r++) acc[i][r] = _mm256_setzero_ps();
 #else
-    float acc[MR] = {0.0f};
+    float acc[MR][2] = {{0.0f}};
 #endif
-    for (int64_t b = 0; b < nb; b++, row += bb) {
-        const float d = half_to_float(row);
-        const float m = qtype == TQ_Q4_0 ? -8.0f * d : qtype == TQ_Q4_1 ? half_to_float(row + 2) : 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        float d[2], m[2];
 #ifdef TQ_AVX2
-        __m256i w[2];
-        block_weights(qtype, row, w);
+        __m256i w[2][2];
+        __m256 vd[2];
 #endif
-        for (int i = 0; i < rows; i++) {
+        for (int r = 0; r < NW; r++) {
+            const uint8_t *blk = row + r * row_bytes + b * bb;
+            d[r] = half_to_float(blk);
+            m[r] = qtype == TQ_Q4_0 ? -8.0f * d[r] : qtype == TQ_Q4_1 ? half_to_float(blk + 2) : 0.0f;
+#ifdef TQ_AVX2
+            block_weights(qtype, blk, w[r]);
+            vd[r] = _mm256_set1_ps(d[r]);
+#endif
+        }
+        for (int i = 0; i < NX; i++) {
             const int64_t xb = i * nb + b;
 #ifdef TQ_AVX2
-            const __m256 p = _mm256_cvtepi32_ps(dot_i32(w, xq + xb * QK));
-            acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * xd[xb]), acc[i]);
-#else
-            acc[i] += (float)dot_scalar(qtype, row, xq + xb * QK) * (d * xd[xb]);
+            const __m256 vx = _mm256_broadcast_ss(xd + xb);
 #endif
-            msum[i] += m * xs[xb];
+            for (int r = 0; r < NW; r++) {
+#ifdef TQ_AVX2
+                const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_i32(w[r], xq + xb * QK)), vd[r]);
+                acc[i][r] = _mm256_fmadd_ps(t, vx, acc[i][r]);
+#else
+                const float t = (float)dot_scalar(qtype, row + r * row_bytes + b * bb, xq + xb * QK) * d[r];
+                acc[i][r] += t * xd[xb];
+#endif
+                msum[i][r] += m[r] * xs[xb];
+            }
         }
     }
-    for (int i = 0; i < rows; i++) {
+    for (int i = 0; i < NX; i++)
+        for (int r = 0; r < NW; r++) {
 #ifdef TQ_AVX2
-        out[i * ostride] = hsum(acc[i]) + msum[i] + bias;
+            const float a = hsum(acc[i][r]);
 #else
-        out[i * ostride] = acc[i] + msum[i] + bias;
+            const float a = acc[i][r];
 #endif
-    }
+            out[i * ostride + r] = a + msum[i][r] + (bias ? bias[r] : 0.0f);
+        }
 }
 
-/* y rows for weight rows [n0, n1), with qtype a constant after inlining (no per-block branches). */
+#define TILE_CASE(NW, NX) tile(qtype, row, row_bytes, nb, q, d, s, NW, NX, bn, out, N)
+
+/* y for every weight row, pairs of rows at a time; qtype is a constant after inlining. */
 static inline __attribute__((always_inline)) void weight_rows(const int qtype, const uint8_t *w, const int16_t *xq,
                                                                const float *xd, const float *xs, float *y,
                                                                const float *bias, int64_t M, int64_t N, int64_t K) {
     const int64_t nb = K / QK, row_bytes = nb * block_bytes(qtype);
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t pair = 0; pair < (N + 1) / 2; pair++) {
+        const int64_t n = 2 * pair;
         const uint8_t *row = w + n * row_bytes;
-        const float b = bias ? bias[n] : 0.0f;
+        const float *bn = bias ? bias + n : NULL;
+        const int nw = N - n < 2 ? 1 : 2;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int16_t *q = xq + m0 * K;
             const float *d = xd + m0 * nb, *s = xs + m0 * nb;
             float *out = y + m0 * N + n;
-            switch (M - m0 < MR ? (int)(M - m0) : MR) { /* constant row counts: unrolled, in registers */
-                case 1: row_times(qtype, row, nb, q, d, s, 1, b, out, N); break;
-                case 2: row_times(qtype, row, nb, q, d, s, 2, b, out, N); break;
-                case 3: row_times(qtype, row, nb, q, d, s, 3, b, out, N); break;
-                default: row_times(qtype, row, nb, q, d, s, MR, b, out, N); break;
+            const int nx = M - m0 < MR ? (int)(M - m0) : MR;
+            if (nw == 2) { /* constant tile shapes: unrolled, in registers */
+                switch (nx) {
+                    case 1: TILE_CASE(2, 1); break;
+                    case 2: TILE_CASE(2, 2); break;
+                    case 3: TILE_CASE(2, 3); break;
+                    default: TILE_CASE(2, MR); break;
+                }
+            } else {
+                switch (nx) {
+                    case 1: TILE_CASE(1, 1); break;
+                    case 2: TILE_CASE(1, 2); break;
+                    case 3: TILE_CASE(1, 3); break;
+                    default: TILE_CASE(1, MR); break;
+                }
             }
         }
     }
