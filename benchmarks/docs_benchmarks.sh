@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Every figure in docs/benchmarks.md, in the order the doc gives them.
 # Runs sequentially (never two benchmarks at once); results land in $OUT.
-#   bash benchmarks/docs_benchmarks.sh [step ...]    # steps: issue peers latency random serve q4 (default: all)
+#   bash benchmarks/docs_benchmarks.sh [step ...]    # steps: issue peers latency random serve q4 cpu (default: all)
+# Steps before `cpu` were measured when the engine's default was float weights: `treadle+none`
+# reproduces that configuration now that a GGUF file runs natively by default.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T=".venv/bin/treadle"
@@ -9,7 +11,7 @@ M=smollm2-135m-instruct
 R=/tmp/treadle-bench/random-llama-150m
 OUT=${OUT:-/tmp/treadle-bench/results}
 mkdir -p "$OUT" docs/img
-steps=${*:-issue peers latency random serve q4}
+steps=${*:-issue peers latency random serve q4 cpu}
 
 # --threads 1: the docs machine had 2 cores shared with other jobs; with 2 threads torch's
 # workers kept waiting on a descheduled sibling and every backend ran ~4x slower.
@@ -47,11 +49,23 @@ for step in $steps; do
       --save-result "$OUT/serve_poisson.json" 2>"$OUT/serve_poisson.err" | tee "$OUT/serve_poisson.txt"
     kill $srv; wait $srv 2>/dev/null || true; trap - EXIT ;;
   q4)  # Treadle with the GGUF's Q4_1 blocks kept native, against llama.cpp on the same bytes
-    $T bench latency --model $M --backends treadle,treadle+gguf,llamacpp --input-len 256 --output-len 32 \
+    $T bench latency --model $M --backends treadle+none,treadle+gguf,llamacpp --input-len 256 --output-len 32 \
       --iters 3 $TH --save-result "$OUT/q4_latency.json" 2>"$OUT/q4_latency.err" | tee "$OUT/q4_latency.txt"
-    $T bench throughput --model $M --backends treadle,treadle+gguf,llamacpp --workload random \
+    $T bench throughput --model $M --backends treadle+none,treadle+gguf,llamacpp --workload random \
       --input-len 32:256 --output-len 8:32 --num-prompts 16 --concurrency 16 --repeats 1 $TH \
       --save-result "$OUT/q4_peers.json" 2>"$OUT/q4_peers.err" | tee "$OUT/q4_peers.txt" ;;
+  cpu)  # the CPU speed issue: native Q4_1 on Treadle's C kernels vs llama.cpp vs HF, 2 threads
+    $T bench latency --model $M --backends treadle,llamacpp,hf --input-len 512 --output-len 32 --iters 3 \
+      --threads 2 --save-result "$OUT/cpu_latency.json" 2>"$OUT/cpu_latency.err" | tee "$OUT/cpu_latency.txt"
+    $T bench throughput --model $M --backends treadle,llamacpp,hf --workload random --input-len 32:256 \
+      --output-len 16:128 --num-prompts 64 --concurrency 32 --repeats 1 --threads 2 \
+      --save-result "$OUT/cpu_c32.json" 2>"$OUT/cpu_c32.err" | tee "$OUT/cpu_c32.txt"
+    for b in 1 32; do
+      .venv/bin/python benchmarks/profile_decode.py --batch $b --steps 32 --threads 2 --prompt-len 256 | tee "$OUT/cpu_profile_b$b.txt"
+      .venv/bin/python benchmarks/profile_decode.py --batch $b --steps 32 --threads 2 --prompt-len 256 --module-path \
+        | tee "$OUT/cpu_profile_b${b}_modules.txt"
+    done
+    .venv/bin/python benchmarks/quantized_smollm2_cpu.py 2 gguf int8 int4-g32 | tee "$OUT/cpu_accuracy.txt" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
