@@ -34,7 +34,11 @@ class LLMEngine:
         self.config = config
         device = torch.device(config.device)
         dtype = parse_dtype(config.dtype)
-        source_cfg = open_model_source(config.model).config
+        source = open_model_source(config.model)
+        source_cfg = source.config
+        weights = weight_bytes(source_cfg, dtype)
+        if source.raw_weights is not None and config.quantization in ("auto", "gguf") and device.type == "cpu":
+            weights = source.path.stat().st_size  # native GGUF: the blocks stay as the file has them
         max_model_len = min(config.scheduler.max_model_len or source_cfg.max_position_embeddings,
                             source_cfg.max_position_embeddings)
         sched_cfg = replace(config.scheduler, max_model_len=max_model_len,
@@ -42,7 +46,7 @@ class LLMEngine:
                                                        1 if config.scheduler.enable_chunked_prefill
                                                        else max_model_len))
         plan = plan_kv_cache(source_cfg, config.cache, dtype, max_model_len, sched_cfg.max_num_seqs,
-                             available_memory(device), weight_bytes(source_cfg, dtype), device.type == "cpu")
+                             available_memory(device), weights, device.type == "cpu")
         backend = select_backend(config.attention_backend, device)
         torch.manual_seed(config.seed)
         loaded = load_model(config.model, backend, dtype, device, config.quantization)
