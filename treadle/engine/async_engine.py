@@ -28,6 +28,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from treadle.config import TreadleError
 from treadle.engine.llm_engine import LLMEngine, PromptType
 from treadle.engine.outputs import RequestOutput
@@ -114,7 +116,8 @@ class AsyncLLM:
         self._heartbeat = time.monotonic()
         self.num_open_requests = 0  # event-loop side: added and not yet finished or closed
         self._snapshot_now()
-        self._thread = threading.Thread(target=self._run, name="treadle-engine", daemon=True)
+        threads = torch.get_num_threads()  # the C kernels read OpenMP's per-thread count: carry it over
+        self._thread = threading.Thread(target=self._run, args=(threads,), name="treadle-engine", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -177,7 +180,8 @@ class AsyncLLM:
             self._commands.put(command)
 
     # -- engine thread ------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, threads: int) -> None:
+        torch.set_num_threads(threads)
         error = EngineDeadError("the engine was shut down")
         try:
             while not self._stop.is_set():
