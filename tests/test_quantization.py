@@ -10,11 +10,17 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from treadle.config import TreadleError
+from treadle.config import ModelConfig, TreadleError
 from treadle.kernels import native
 from treadle.layers.linear import Linear, UnquantizedLinearMethod
 from treadle.quantization import weight_only_factory
-from treadle.quantization.gguf_native import GGUFBlockMethod, GGUFBlocks, GGUFNativePlan, dequantize_blocks
+from treadle.quantization.gguf_native import (
+    GGUFBlockMethod,
+    GGUFBlocks,
+    GGUFNativePlan,
+    dequantize_blocks,
+    quantize_blocks,
+)
 from treadle.quantization.int4pack import dequantize_int4, int4_mm, pack_int4, quantize_int4, quantize_int8, scale_zeros
 from treadle.quantization.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
 
@@ -184,14 +190,37 @@ def test_gguf_plan_picks_layers_by_type(monkeypatch: pytest.MonkeyPatch) -> None
     assert GGUFNativePlan(t).method("model.layers.0.self_attn.qkv_proj") is None
 
 
-def test_weight_only_factory_names() -> None:
-    assert isinstance(weight_only_factory("int8")("model.layers.0.mlp.down_proj"), Int8WeightOnlyMethod)
-    for name, group in (("int4", 32), ("int4-g64", 64), ("int4-g128", 128)):
-        method = weight_only_factory(name)("model.layers.1.self_attn.o_proj")
+def test_weight_only_factory_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+                               "intermediate_size": 172, "num_hidden_layers": 1, "num_attention_heads": 4})
+    monkeypatch.setattr(native, "available", lambda: True)
+    int8, int4 = weight_only_factory("int8", cfg), weight_only_factory("int4", cfg)
+    assert int8("model.layers.0.self_attn.qkv_proj").qtype == "Q8_0"  # C kernels: GGUF blocks
+    assert int4("model.layers.0.mlp.gate_up_proj").qtype == "Q4_1"
+    assert isinstance(int8("model.layers.0.mlp.down_proj"), Int8WeightOnlyMethod)  # 172 inputs: torch's kernel
+    assert isinstance(int4("model.layers.0.mlp.down_proj"), Int4WeightOnlyMethod)
+    for name, group in (("int4-g64", 64), ("int4-g128", 128)):
+        method = weight_only_factory(name, cfg)("model.layers.1.self_attn.o_proj")
         assert isinstance(method, Int4WeightOnlyMethod) and method.group_size == group
-    assert weight_only_factory("int4")("lm_head") is None
+    assert int4("lm_head") is None and int8("model.embed_tokens") is None
+    monkeypatch.setattr(native, "available", lambda: False)
+    method = weight_only_factory("int4", cfg)("model.layers.1.self_attn.o_proj")
+    assert isinstance(method, Int4WeightOnlyMethod) and method.group_size == 32
     with pytest.raises(TreadleError):
-        weight_only_factory("int3")
+        weight_only_factory("int3", cfg)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_float_shards_become_gguf_blocks_on_arrival(qtype: str) -> None:
+    shards = [rand(n, IN, seed=80 + i) for i, n in enumerate(SHARDS)]
+    layer = load_linear(GGUFBlockMethod(qtype), shards)
+    blocks = [quantize_blocks(w, qtype) for w in shards]
+    assert torch.equal(layer.weight, torch.cat([b.data for b in blocks]))
+    w_deq = torch.cat([dequantize_blocks(b) for b in blocks])
+    x = rand(3, IN, seed=81)
+    expect = F.linear(q16_activations(x), w_deq, layer.bias)
+    torch.testing.assert_close(layer(x), expect, rtol=0, atol=float(expect.abs().max()) * 1e-5)
 
 
 def test_int4_unsupported_shape_stays_float() -> None:

@@ -89,7 +89,7 @@ def quantization_plan(
             raise TreadleError("quantization 'gguf' runs on the CPU only; use --quantization none on a GPU")
         plan, raw_weights = GGUFNativePlan(source.tensor_types), source.raw_weights
         return plan.method, lambda: raw_weights(plan.keeps_raw)
-    return weight_only_factory(quantization), source.weights
+    return weight_only_factory(quantization, source.config), source.weights
 
 
 def load_model(

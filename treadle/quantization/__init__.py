@@ -2,9 +2,13 @@
 
 Names (``--quantization``):
 
-    int8                 weight-only int8, one scale per output channel
-    int4                 weight-only int4, groups of 32 inputs (same as int4-g32)
-    int4-g32|g64|g128    weight-only int4 with that group size
+    int8                 weight-only 8-bit: Q8_0 blocks (a float16 scale per 32 inputs) on
+                         Treadle's C kernels, as a GGUF file would hold them
+    int4                 weight-only 4-bit, groups of 32 inputs (same as int4-g32): Q4_1 blocks
+                         (float16 scale and minimum per 32) on the C kernels
+    int4-g64|g128        weight-only int4 with that group size on torch's packed int4 kernel
+    (int8 and int4-g32 fall back to torch's kernels -- int8 then with one scale per output
+    channel -- for a layer whose input width is not a multiple of 32, or without the C kernels)
     gguf                 keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks quantized (see gguf_native);
                          built by the GGUF loader from the file's tensor types
     none / None          no quantization
@@ -16,8 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from treadle.config import TreadleError
+from treadle.config import ModelConfig, TreadleError
+from treadle.kernels import native
 from treadle.layers.linear import LinearMethod
+from treadle.quantization.gguf_native import GGUFBlockMethod
 from treadle.quantization.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
 
 MethodFactory = Callable[[str], LinearMethod | None]
@@ -29,15 +35,31 @@ def _keep_float(layer_name: str) -> bool:
     return layer_name in ("lm_head", "model.embed_tokens")
 
 
-def weight_only_factory(name: str) -> MethodFactory:
-    """The factory for one of WEIGHT_ONLY_NAMES (the layer-independent methods)."""
-    if name == "int8":
-        return lambda layer: None if _keep_float(layer) else Int8WeightOnlyMethod()
+def in_features(cfg: ModelConfig, layer_name: str) -> int:
+    """The input width of a Llama-family linear layer, from its name."""
+    if layer_name.endswith(".o_proj"):
+        return cfg.num_heads * cfg.head_dim
+    if layer_name.endswith(".down_proj"):
+        return cfg.intermediate_size
+    return cfg.hidden_size
+
+
+def weight_only_factory(name: str, cfg: ModelConfig) -> MethodFactory:
+    """The factory for one of WEIGHT_ONLY_NAMES."""
     if name == "int4":
         name = "int4-g32"
-    if name in ("int4-g32", "int4-g64", "int4-g128"):
-        group = int(name.removeprefix("int4-g"))
-        return lambda layer: None if _keep_float(layer) else Int4WeightOnlyMethod(group)
-    raise TreadleError(
-        f"quantization {name!r} is not supported (supported: {', '.join(WEIGHT_ONLY_NAMES)}, gguf, none)"
-    )
+    if name not in WEIGHT_ONLY_NAMES:
+        raise TreadleError(
+            f"quantization {name!r} is not supported (supported: {', '.join(WEIGHT_ONLY_NAMES)}, gguf, none)"
+        )
+    blocks = {"int8": "Q8_0", "int4-g32": "Q4_1"}.get(name)
+
+    def method(layer: str) -> LinearMethod | None:
+        if _keep_float(layer):
+            return None
+        if blocks is not None and native.available() and in_features(cfg, layer) % 32 == 0:
+            return GGUFBlockMethod(blocks)
+        return Int8WeightOnlyMethod() if name == "int8" else Int4WeightOnlyMethod(int(name.removeprefix("int4-g")))
+
+    return method
+

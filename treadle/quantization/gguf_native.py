@@ -57,8 +57,19 @@ def dequantize_blocks(b: GGUFBlocks) -> torch.Tensor:  # [rows, in] float32
     return (d * q + m).reshape(b.shape)
 
 
+def quantize_blocks(w: torch.Tensor, qtype: str) -> GGUFBlocks:
+    """A float [rows, in] tensor as GGUF blocks (the gguf package's reference quantizer)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    data = quantize(w.detach().float().cpu().numpy(), GGMLQuantizationType[qtype])
+    return GGUFBlocks(qtype, torch.from_numpy(data), (w.shape[0], w.shape[1]))
+
+
 class GGUFBlockMethod(LinearMethod):
-    """A layer whose weight is GGUF blocks of one type, [out_features, in/32 * block bytes] uint8."""
+    """A layer whose weight is GGUF blocks of one type, [out_features, in/32 * block bytes] uint8.
+    Shards arrive as blocks (a GGUF file) or as float tensors, quantized on arrival with the
+    gguf package's own quantizer (``--quantization int8|int4`` on a float checkpoint)."""
 
     def __init__(self, qtype: str) -> None:
         if qtype not in BLOCK_BYTES:
@@ -66,12 +77,16 @@ class GGUFBlockMethod(LinearMethod):
         self.qtype = qtype
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
+        if layer.in_features % BLOCK:
+            raise ValueError(f"GGUF blocks need in_features divisible by {BLOCK}, not {layer.in_features}")
         row_bytes = layer.in_features // BLOCK * BLOCK_BYTES[self.qtype]
         weight = nn.Parameter(torch.empty(layer.out_features, row_bytes, dtype=torch.uint8), requires_grad=False)
         weight.weight_loader = lambda p, t, s=None: self.load_shard(layer, t, s)  # type: ignore[attr-defined]
         layer.register_parameter("weight", weight)
 
-    def load_shard(self, layer: Linear, blocks: GGUFBlocks, shard: int | None) -> None:
+    def load_shard(self, layer: Linear, blocks: GGUFBlocks | torch.Tensor, shard: int | None) -> None:
+        if isinstance(blocks, torch.Tensor) and blocks.is_floating_point():
+            blocks = quantize_blocks(blocks, self.qtype)
         if not isinstance(blocks, GGUFBlocks) or blocks.qtype != self.qtype:
             got = blocks.qtype if isinstance(blocks, GGUFBlocks) else f"a {blocks.dtype} tensor"
             raise ValueError(f"expected {self.qtype} blocks, got {got}")
