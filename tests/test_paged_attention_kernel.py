@@ -124,7 +124,7 @@ def test_unsupported_inputs_return_none() -> None:
 @pytest.mark.parametrize("window", [None, 40])
 def test_cpu_backend_all_decode_uses_kernel(window: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """CPUBackend on an all-decode float32 step calls the kernel (and matches the reference);
-    on a mixed step it keeps the torch path."""
+    on a mixed step (a prompt chunk and a decode) the decode row goes to the kernel too."""
     import treadle.layers.attention.cpu as cpu
 
     calls = []
@@ -144,5 +144,8 @@ def test_cpu_backend_all_decode_uses_kernel(window: int | None, monkeypatch: pyt
 
     mixed = build_attention_metadata([3, 1], [3, 20], [[0], [1, 2]], 16)
     qm, km, vm = (torch.randn(4, h, 64) for h in (8, 2, 2))
-    CPUBackend().forward(qm, km, vm, k_cache, v_cache, mixed, spec)
-    assert calls == [1]
+    ref, kc_ref, vc_ref = reference(qm, km, vm, k_cache, v_cache, mixed, spec)
+    out = CPUBackend().forward(qm, km, vm, k_cache, v_cache, mixed, spec)
+    assert calls == [1, 1]
+    torch.testing.assert_close(out, ref, **TOL)
+    assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)

@@ -21,10 +21,11 @@ kernel as one batch, so a single long sequence still spreads over every core. Ke
 past ``seq_len`` (or outside a sliding window) get a huge finite negative bias, so a
 chunk with no valid key has lse ~ -1e38 and weight 0 in the merge (no NaN).
 
-All-decode steps with float32 q/k/v and cache go to the C kernel instead
+Decode rows with float32 q/k/v and cache go to the C kernel instead
 (``treadle.kernels.attention.paged_decode``: the same FlashDecoding split, reading keys
-through the block table without a gather, and writing the new K/V itself); the torch
-path above serves mixed steps, other dtypes and machines without a C compiler.
+through the block table without a gather; on all-decode steps it also writes the new K/V,
+in mixed steps those are written with the prompt chunks' first); the torch path above
+serves other dtypes and machines without a C compiler.
 
 Prefill (and chunked prefill) runs SDPA per sequence with 4-D inputs (the flash CPU
 kernel; 3-D inputs fall back to the math kernel), causal without cached context,
@@ -139,12 +140,11 @@ def build_plan(meta: AttentionMetadata) -> _StepPlan:
             max_blocks=-(-max(lens) // meta.block_size),
             all_tokens=len(decode_seqs) == meta.num_tokens,
         )
-        if decode.all_tokens and tables.is_cpu and tables.shape[1] >= decode.max_blocks and native.available():
-            decode.kernel_args = (
-                meta.slot_mapping.to(torch.int64).contiguous(),
-                tables.to(torch.int32).contiguous(),
-                torch.tensor(lens, dtype=torch.int32),
-            )
+        if tables.is_cpu and tables.shape[1] >= decode.max_blocks and native.available():
+            # all-decode: the kernel writes the new K/V itself; mixed: _write_kv writes every row first
+            slots = meta.slot_mapping.to(torch.int64).contiguous() if decode.all_tokens else torch.full(
+                (len(lens),), -1, dtype=torch.int64)
+            decode.kernel_args = (slots, tables.to(torch.int32).contiguous(), torch.tensor(lens, dtype=torch.int32))
     slots, rows = meta.slot_mapping, None
     if bool((slots < 0).any()):
         rows = torch.nonzero(slots >= 0).flatten()
@@ -260,7 +260,7 @@ class CPUBackend(AttentionBackend):
         """(slots int64, block tables int32, seq_lens int32) when the step is all-decode and the
         C kernels can take it (see treadle.kernels.layer), else None."""
         dec = self._step_plan(meta).decode
-        return None if dec is None else dec.kernel_args
+        return None if dec is None or not dec.all_tokens else dec.kernel_args
 
     def forward(
         self,
@@ -274,7 +274,7 @@ class CPUBackend(AttentionBackend):
     ) -> torch.Tensor:
         plan = self._step_plan(meta)
         dec = plan.decode
-        if dec is not None and dec.kernel_args is not None:  # all-decode step: the C kernel
+        if dec is not None and dec.all_tokens and dec.kernel_args is not None:  # all-decode step: the C kernel
             out = paged_decode(q, k, v, k_cache, v_cache, *dec.kernel_args, spec.scale, spec.sliding_window)
             if out is not None:  # also wrote k/v into the cache
                 return out
@@ -282,8 +282,12 @@ class CPUBackend(AttentionBackend):
         if dec is not None and dec.all_tokens:
             return flash_decode(q, k_cache, v_cache, dec, spec).to(q.dtype)
         out = torch.empty_like(q)
-        if dec is not None:
-            out[dec.token_index] = flash_decode(q[dec.token_index], k_cache, v_cache, dec, spec).to(q.dtype)
+        if dec is not None:  # decodes fused with prompt chunks (SplitFuse): their rows, gathered
+            qd, decoded = q[dec.token_index], None
+            if dec.kernel_args is not None:  # slots of -1: the rows are already in the cache
+                kd, vd = k[dec.token_index], v[dec.token_index]
+                decoded = paged_decode(qd, kd, vd, k_cache, v_cache, *dec.kernel_args, spec.scale, spec.sliding_window)
+            out[dec.token_index] = decoded if decoded is not None else flash_decode(qd, k_cache, v_cache, dec, spec).to(q.dtype)
         for p in plan.prefill:
             rows = slice(p.start, p.start + p.query_len)
             out[rows] = flash_prefill(
