@@ -90,6 +90,12 @@ def _paged_offsets(block_tables_ptr, row, pos, valid, block_size, stride_cb, str
 
 
 @triton.jit
+def _head_rows(ptr, rows, stride_t, head_offset, offs_d):
+    """Pointers [N, BLOCK_D] to one head's values in rows [N] of a [tokens, heads, head_dim] tensor."""
+    return ptr + rows[:, None] * stride_t + head_offset + offs_d[None, :]
+
+
+@triton.jit
 def prefill_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
@@ -101,9 +107,7 @@ def prefill_kernel(
 ):
     """Causal attention of one tile of a sequence's new tokens over its cached context
     (read through the block table) and over the new chunk (read from k, v)."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    tile = tl.program_id(2)
+    seq, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // group
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
@@ -112,24 +116,21 @@ def prefill_kernel(
     ctx_len = tl.load(seq_lens_ptr + seq) - q_len
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # index of the query in the chunk
     offs_d = tl.arange(0, BLOCK_D)
-    m_valid = offs_m < q_len
-    d_valid = offs_d < head_dim
+    m_valid, d_valid = offs_m < q_len, offs_d < head_dim
     q_rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-        mask=m_valid[:, None] & d_valid[None, :], other=0.0,
-    )  # [BLOCK_M, BLOCK_D]
+    qd_mask = m_valid[:, None] & d_valid[None, :]
+    q = tl.load(_head_rows(q_ptr, q_rows, stride_qt, head * stride_qh, offs_d), mask=qd_mask, other=0.0)
     q_pos = ctx_len + offs_m
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    row = seq * stride_bt
     # pass 1: cached context, skipping keys left of every query's sliding window
     lo = tl.maximum(ctx_len + tile * BLOCK_M - window + 1, 0)
     for start in range(lo, ctx_len, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_valid = k_pos < ctx_len
-        base = _paged_offsets(block_tables_ptr, row, k_pos, k_valid, block_size, stride_cb, stride_cs, kv_head, stride_ch)
+        base = _paged_offsets(block_tables_ptr, seq * stride_bt, k_pos, k_valid, block_size, stride_cb, stride_cs,
+                              kv_head, stride_ch)
         kv_mask = k_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
@@ -145,17 +146,15 @@ def prefill_kernel(
         j_valid = j < q_len
         kv_mask = j_valid[:, None] & d_valid[None, :]
         j_rows = (q_start + j).to(tl.int64)
-        k = tl.load(k_ptr + j_rows[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + j_rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(_head_rows(k_ptr, j_rows, stride_kt, kv_head * stride_kh, offs_d), mask=kv_mask, other=0.0)
+        v = tl.load(_head_rows(v_ptr, j_rows, stride_vt, kv_head * stride_vh, offs_d), mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k.to(q.dtype)), IEEE) * scale
         visible = j_valid[None, :] & (j[None, :] <= offs_m[:, None]) & (offs_m[:, None] - j[None, :] < window)
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :],
-    )
+    tl.store(_head_rows(out_ptr, q_rows, stride_ot, head * stride_oh, offs_d), out.to(out_ptr.dtype.element_ty),
+             mask=qd_mask)
 
 
 @triton.jit
