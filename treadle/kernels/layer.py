@@ -2,10 +2,10 @@
 
 ``layer.c`` chains the kernels the layer's modules would call one by one (same kernels,
 same order, same values), so the only difference from the module path is the Python it
-skips. ``decode_step`` decides, once per step, whether a model and step qualify: GGUF-block
-linear layers (``GGUFBlockMethod``), float32 activations and cache, fused ops on, kernels
-built, and an attention backend that hands over the step's decode arguments (the CPU
-backend on an all-decode step).
+skips. A model qualifies (``layer_qtypes``, checked once) with GGUF-block linear layers
+(``GGUFBlockMethod``), float32 activations, fused ops on and the kernels built; a step
+(checked by the model each step) when the cache is float32 and the attention backend hands
+over the step's decode arguments (the CPU backend on an all-decode step).
 """
 from __future__ import annotations
 
@@ -19,21 +19,23 @@ from treadle.kernels import native
 _SIGNATURE = "PPCPPFPPPPPPPPPPPPPIIIIIIIIIFP"
 
 
-def layer_supported(layer: Any) -> bool:
-    """Static check of one LlamaDecoderLayer (its weights' methods and dtypes)."""
+def layer_qtypes(layer: Any) -> ctypes.Array | None:
+    """The block types of one LlamaDecoderLayer's qkv / o / gate_up / down weights as the
+    kernel's int array, or None when the layer cannot go to it (methods, biases, dtypes)."""
     from treadle.quantization.gguf_native import GGUFBlockMethod
 
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    return (
+    supported = (
         native.available()
         and all(isinstance(m.method, GGUFBlockMethod) for m in linears)
-        and all(m.bias is None or m.bias.dtype == torch.float32 for m in linears)
-        and linears[1].bias is None and linears[2].bias is None and linears[3].bias is None
+        and (attn.qkv_proj.bias is None or attn.qkv_proj.bias.dtype == torch.float32)
+        and all(m.bias is None for m in linears[1:])
         and layer.input_layernorm.fused and attn.rotary.fused
         and layer.input_layernorm.weight.dtype == layer.post_attention_layernorm.weight.dtype == torch.float32
         and attn.rotary.cos_sin.dtype == torch.float32
     )
+    return (ctypes.c_int * 4)(*(native.QTYPES[m.method.qtype] for m in linears)) if supported else None
 
 
 class DecodeStep:
@@ -48,12 +50,12 @@ class DecodeStep:
         self.scratch = torch.empty(self.batch * (2 * hidden + qkv + q_size + 3 * inter), dtype=torch.float32)
         self.fn = native.kernel("tq_llama_layer_decode", _SIGNATURE)
 
-    def run(self, layer: Any, first: bool, x: torch.Tensor, residual: torch.Tensor,
+    def run(self, layer: Any, qtypes: ctypes.Array, first: bool, x: torch.Tensor, residual: torch.Tensor,
             kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """x [B, H] (overwritten with the layer's MLP output) and residual [B, H], in place."""
+        """x [B, H] (overwritten with the layer's MLP output) and residual [B, H], in place;
+        ``qtypes`` from ``layer_qtypes``."""
         attn, mlp, spec = layer.self_attn, layer.mlp, layer.self_attn.spec
         qkv, o, gu, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-        qtypes = (ctypes.c_int * 4)(*(native.QTYPES[m.method.qtype] for m in (qkv, o, gu, down)))  # kept alive
         self.fn(
             x.data_ptr(), residual.data_ptr(), int(first), layer.input_layernorm.weight.data_ptr(),
             layer.post_attention_layernorm.weight.data_ptr(), layer.input_layernorm.eps, ctypes.addressof(qtypes),

@@ -69,9 +69,10 @@ def library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found: Treadle's CPU kernels are off (plain torch is used)")
         return None
-    sources = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+    csrc = Path(__file__).parent / "csrc"
+    sources = sorted(csrc.glob("*.c"))
     digest = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in sources), " ".join(_FLAGS).encode(), compiler.encode(), _cpu_id().encode()):
+    for part in (*(p.read_bytes() for p in sorted(csrc.glob("*.[ch]"))), " ".join(_FLAGS).encode(), compiler.encode(), _cpu_id().encode()):
         digest.update(part)
     target = _cache_dir() / f"treadle_kernels_{digest.hexdigest()[:16]}.so"
     try:

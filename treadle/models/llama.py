@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from treadle.config import ModelConfig
-from treadle.kernels.layer import DecodeStep, layer_supported
+from treadle.kernels.layer import DecodeStep, layer_qtypes
 from treadle.layers.activation import silu_and_mul
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from treadle.layers.linear import Linear, LinearMethod
@@ -127,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.dtype = dtype
         self.backend = backend
-        self._one_call_layers: bool | None = None
+        self._one_call_layers: list | bool | None = None  # per-layer block types for the C layer, or False
         # [vocab, hidden]: looked up by ids, and the lm_head too when tied
         self.embed_tokens = Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype, method("model.embed_tokens"))
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
@@ -155,8 +155,8 @@ class LlamaForCausalLM(nn.Module):
         step = self._one_call_decode(positions, kv_caches, meta)
         if step is not None:  # all-decode CPU step on GGUF blocks: one C call per layer
             residual = torch.empty_like(x)
-            for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-                step.run(layer, i == 0, x, residual, cache)
+            for i, (layer, qtypes, cache) in enumerate(zip(self.layers, self._one_call_layers, kv_caches)):
+                step.run(layer, qtypes, i == 0, x, residual, cache)
         else:
             residual = None
             for layer, cache in zip(self.layers, kv_caches):
@@ -167,7 +167,8 @@ class LlamaForCausalLM(nn.Module):
     def _one_call_decode(self, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata) -> DecodeStep | None:
         """The per-step state for ``treadle.kernels.layer`` when this model and step qualify."""
         if self._one_call_layers is None:  # decided once, after the weights are loaded
-            self._one_call_layers = all(map(layer_supported, self.layers))
+            qtypes = [layer_qtypes(layer) for layer in self.layers]
+            self._one_call_layers = qtypes if all(q is not None for q in qtypes) else False
         decode_args = getattr(self.backend, "decode_kernel_args", None)
         if not self._one_call_layers or decode_args is None:
             return None

@@ -10,21 +10,9 @@
  *   residual [B, H]  the residual stream: x is added into it (first layer: set to x)
  *   scratch          B * (2 H + QKV + Hq D + 3 I) floats
  */
-#include <stdint.h>
 #include <string.h>
 
-void tq_matmul(int qtype, const uint8_t *w, const float *x, float *y, const float *bias, int64_t M, int64_t N,
-               int64_t K);
-void tq_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t hidden,
-                 int64_t x_stride, float eps);
-void tq_rope(float *x, const float *cos_sin, const int64_t *positions, int64_t tokens, int64_t heads,
-             int64_t head_dim, int64_t row_stride);
-void tq_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t d, int64_t in_stride);
-void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_stride, int64_t k_stride,
-                     int64_t v_stride, float *k_cache, float *v_cache, const int64_t *slots,
-                     const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs, int64_t max_blocks,
-                     int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
-                     float scale, float *out);
+#include "tq.h"
 
 void tq_llama_layer_decode(float *x, float *residual, int first, const float *in_norm, const float *post_norm,
                            float eps, const int *qtypes, const uint8_t *qkv_w, const float *qkv_bias,

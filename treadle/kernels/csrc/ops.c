@@ -10,10 +10,7 @@
  */
 #include <math.h>
 #include <stdint.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define TQ_AVX2 1
-#endif
+#include "tq.h"
 
 #define PAR_ROWS 8 /* fewer rows than this run on one thread */
 
@@ -35,10 +32,7 @@ void tq_rms_norm(const float *x, float *residual, const float *weight, float *ou
             __m256 v = _mm256_loadu_ps(src + i);
             acc = _mm256_fmadd_ps(v, v, acc);
         }
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        ss = _mm_cvtss_f32(s);
+        ss = hsum(acc);
         for (; i < hidden; i++) ss += src[i] * src[i];
 #else
         for (int64_t i = 0; i < hidden; i++) ss += src[i] * src[i];

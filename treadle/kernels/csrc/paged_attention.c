@@ -34,10 +34,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define TQ_AVX2 1
-#endif
+#include "tq.h"
 
 #define TILE 64             /* keys scored at a time (their scores live on the stack) */
 #define MIN_CHUNK 64        /* contexts are never cut into chunks shorter than this */
@@ -47,12 +44,6 @@
                                and where the hardware prefetchers start) are requested ahead */
 
 #ifdef TQ_AVX2
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* e^x for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, e^r from its Taylor series up to r^7
  * (truncation error < 1e-8 relative), 2^n built in the exponent bits. x is clamped at -87 so

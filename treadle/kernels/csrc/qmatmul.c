@@ -27,10 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define TQ_AVX2 1
-#endif
+#include "tq.h"
 
 enum { TQ_Q4_0 = 0, TQ_Q4_1 = 1, TQ_Q8_0 = 2 };
 #define QK 32
@@ -144,12 +141,6 @@ static inline __m256i dot_i32(const __m256i w[2], const int16_t *xq) { /* 8 part
     return _mm256_add_epi32(a, b);
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 #else
 static inline int dot_scalar(int qtype, const uint8_t *blk, const int16_t *xq) {
     int s = 0;

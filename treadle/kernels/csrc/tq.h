@@ -1,0 +1,47 @@
+/* Shared by Treadle's CPU kernels: the SIMD switch, small helpers, and the exported
+ * functions (called from Python through ctypes, and from layer.c). */
+#ifndef TQ_H
+#define TQ_H
+
+#include <stdint.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TQ_AVX2 1
+
+static inline float hsum(__m256 v) { /* the sum of 8 floats */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* qmatmul.c */
+void tq_matmul(int qtype, const uint8_t *w, const float *x, float *y, const float *bias, int64_t M, int64_t N,
+               int64_t K);
+void tq_gather_rows(int qtype, const uint8_t *w, const int64_t *ids, int64_t n, int64_t K, float *out);
+void tq_dequantize(int qtype, const uint8_t *w, int64_t N, int64_t K, float *out);
+/* ops.c */
+void tq_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t hidden,
+                 int64_t x_stride, float eps);
+void tq_rope(float *x, const float *cos_sin, const int64_t *positions, int64_t tokens, int64_t heads,
+             int64_t head_dim, int64_t row_stride);
+void tq_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t d, int64_t in_stride);
+/* paged_attention.c */
+void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_stride, int64_t k_stride,
+                     int64_t v_stride, float *k_cache, float *v_cache, const int64_t *slots,
+                     const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs, int64_t max_blocks,
+                     int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
+                     float scale, float *out);
+/* layer.c */
+void tq_llama_layer_decode(float *x, float *residual, int first, const float *in_norm, const float *post_norm,
+                           float eps, const int *qtypes, const uint8_t *qkv_w, const float *qkv_bias,
+                           const uint8_t *o_w, const uint8_t *gate_up_w, const uint8_t *down_w,
+                           const float *cos_sin, const int64_t *positions, float *k_cache, float *v_cache,
+                           const int64_t *slots, const int32_t *block_tables, const int32_t *seq_lens, int64_t B,
+                           int64_t max_blocks, int64_t block_size, int64_t H, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t inter, int64_t window, float scale,
+                           float *scratch);
+
+#endif
