@@ -9,6 +9,12 @@ class TreadleError(Exception):
     """A user-facing error: one clear line, never a traceback."""
 
 
+class EngineDeadError(TreadleError):
+    """The engine cannot go on (its step loop, an engine process or a worker died or was shut
+    down): every in-flight request fails with this, and health reports unhealthy. Raised by the
+    executor when a worker is lost, so layers above it need not know executors."""
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     kind: str  # "linear" | "llama3"

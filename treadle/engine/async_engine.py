@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from treadle.config import TreadleError
+from treadle.config import EngineDeadError, TreadleError
 from treadle.engine.llm_engine import LLMEngine, PromptType
 from treadle.engine.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams
@@ -38,10 +38,6 @@ from treadle.sampling_params import SamplingParams
 logger = logging.getLogger("treadle")
 
 _IDLE_WAIT_S = 0.25  # how often an idle loop wakes to refresh its heartbeat
-
-
-class EngineDeadError(TreadleError):
-    """The step loop failed or was shut down; the request cannot complete."""
 
 
 class QueueFullError(TreadleError):
