@@ -38,7 +38,7 @@ PARTS = ("schedule", "prepare", "model", "attention", "sample", "update", "outpu
 
 def time_decode_step(eng, timed: TimedBackend) -> tuple[float, ...]:  # noqa: ANN001
     """One engine step, as LLMEngine.step runs it, with a timer around each part (seconds, in PARTS order)."""
-    runner = eng.runner
+    runner = eng.executor.worker.runner
     timed.seconds = 0.0
     t0 = time.perf_counter()
     sched = eng.scheduler.schedule()
@@ -84,9 +84,9 @@ def main() -> None:
     llm = LLM(args.model, quantization=args.quantization, dtype=args.dtype, kv_cache_memory="512MiB")
     eng = llm.engine
     if args.module_path:
-        eng.runner.model._one_call_layers = False
-    timed = TimedBackend(eng.runner.model.layers[0].self_attn.backend)
-    for layer in eng.runner.model.layers:
+        eng.executor.worker.runner.model._one_call_layers = False
+    timed = TimedBackend(eng.executor.worker.runner.model.layers[0].self_attn.backend)
+    for layer in eng.executor.worker.runner.model.layers:
         layer.self_attn.backend = timed
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
     for i in range(args.batch):

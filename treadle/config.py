@@ -1,7 +1,7 @@
 """Frozen configuration, one dataclass per concern, composed into EngineConfig."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -108,30 +108,60 @@ def parse_rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
     )
 
 
+# -- the resolved engine configuration ------------------------------------------------------
+# Built only by ``treadle.engine.resolver.resolve_config`` from ``EngineArgs`` (the one place
+# holding defaults): every field is a concrete value, no ``auto``, 0 or None placeholders.
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What a worker needs to build the model."""
+
+    model_path: str  # the resolved checkpoint: an HF directory or a .gguf file
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    quantization: str  # "none" | "gguf" | a weight-only name ("int8", "int4-g64", ...)
+    seed: int
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None -> fraction of free memory
-    memory_fraction: float = 0.5
-    num_blocks: int | None = None  # explicit override (tests)
+    block_size: int
+    num_blocks: int  # per worker, what each worker allocates
+    bytes_per_block: int
+    enable_prefix_caching: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    distributed_executor_backend: str  # "uni" (in-process) | "mp" (worker processes)
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    attention_backend: str = "auto"
-    quantization: str | None = "auto"  # GGUF blocks stay native on the CPU; see treadle.quantization
-    enforce_eager: bool = False  # no CUDA graphs
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    model: ModelConfig
+    load: LoadConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str
+    attention_backend: str  # a concrete backend name: "reference" | "cpu" | "triton"
+    enforce_eager: bool  # True: no CUDA graphs (always True off CUDA)
+    fused_layers: bool  # CPU: decoder layers swapped for the fused one-call layer where they can be

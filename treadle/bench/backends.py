@@ -84,6 +84,7 @@ class TreadleBackend:
 
     def __init__(self, engine_kwargs: dict[str, Any], continuous: bool = True) -> None:
         from treadle.engine.llm_engine import LLMEngine
+        from treadle.executor.uniproc import UniProcExecutor
 
         kw = dict(engine_kwargs)
         kw["enable_chunked_prefill"] = continuous and kw.get("enable_chunked_prefill", True)
@@ -91,13 +92,15 @@ class TreadleBackend:
         self.engine = LLMEngine.from_args(model, **kw)
         self.continuous = continuous
         self.name = "treadle" if continuous else "static"
-        self.weight_bytes = decode_weight_bytes(self.engine.runner.model)
+        executor = self.engine.executor  # weights are only visible when they live in this process
+        in_process = isinstance(executor, UniProcExecutor) and executor.worker is not None
+        self.weight_bytes = decode_weight_bytes(executor.worker.runner.model) if in_process else 0
         self._ids = itertools.count()
 
     def run(self, reqs: list[BenchRequest], concurrency: int, progress: Progress = None) -> RunResult:
         from treadle.sampling_params import SamplingParams
 
-        engine, kv = self.engine, KVWaste(total_slots=self.engine.kv_plan.num_tokens)
+        engine, kv = self.engine, KVWaste(total_slots=self.engine.config.cache.num_tokens)
         pending = list(reversed(reqs))
         records: dict[str, RequestRecord] = {}
         in_flight: set[str] = set()

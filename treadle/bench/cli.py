@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from treadle.bench.workloads import WORKLOADS, LengthRange, WorkloadSpec, make_workload, max_total_len
+from treadle.engine.args import EngineArgs
 from treadle.entrypoints.engine_args import DEFAULT_MODEL, add_engine_args, engine_kwargs
 
 if TYPE_CHECKING:
@@ -84,7 +85,8 @@ def _offline_setup(args: argparse.Namespace, max_concurrency: int) -> tuple[Offl
     spec = workload_spec(args)
     max_len = args.max_model_len or min(cfg.max_position_embeddings, max_total_len(make_workload(spec, cfg.vocab_size)))
     kw["max_model_len"] = max_len
-    kw["max_num_seqs"] = max(args.max_num_seqs if args.max_num_seqs != 64 else 0, max_concurrency)
+    given = args.max_num_seqs if args.max_num_seqs != EngineArgs.max_num_seqs else 0
+    kw["max_num_seqs"] = max(given, max_concurrency)
     dtype_bytes = parse_dtype(args.dtype).itemsize
     peaks = measure_machine(parse_dtype(args.dtype)) if args.roofline else None
     names = [n.strip() for n in args.backends.split(",") if n.strip()]

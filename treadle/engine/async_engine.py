@@ -117,7 +117,8 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_args(cls, model: str, heartbeat_timeout: float = 60.0, **engine_kwargs: Any) -> AsyncLLM:
+    def from_args(cls, model: str | None = None, heartbeat_timeout: float = 60.0, **engine_kwargs: Any) -> AsyncLLM:
+        """``engine_kwargs``: EngineArgs fields; unset ones take EngineArgs' defaults."""
         return cls(LLMEngine.from_args(model, **engine_kwargs), heartbeat_timeout)
 
     # -- event-loop side ------------------------------------------------------------
@@ -156,9 +157,12 @@ class AsyncLLM:
         return time.monotonic() - self._heartbeat
 
     def health(self) -> str | None:
-        """None when the loop is alive and answering, else why not."""
+        """None when the loop is alive and answering and the workers are alive, else why not."""
         if not self.is_alive():
             return f"engine is dead: {self.dead_error!r}" if self.dead_error else "engine thread has stopped"
+        workers = self._engine.health()  # an idle engine learns of a lost worker here
+        if workers is not None:
+            return f"engine is dead: {workers}"
         age = self.heartbeat_age()
         if age > self.heartbeat_timeout:
             return f"engine is stuck: no step completed for {age:.1f} s"
@@ -168,6 +172,7 @@ class AsyncLLM:
         self._stop.set()
         self._commands.put(None)
         self._thread.join(timeout)
+        self._engine.shutdown()
 
     def _submit(self, command: _Add | _Abort | _Hook) -> None:
         with self._lock:

@@ -1,76 +1,65 @@
-"""LLMEngine: one step loop over the scheduler (LLM Manager) and the model
-runner (Text Generator). Synchronous; the async engine and the server drive it."""
+"""LLMEngine: one step loop over the scheduler (LLM Manager) and the workers (Text Generator),
+reached only through an Executor. Synchronous; the async engine and the server drive it.
+
+    EngineArgs --resolve_config--> EngineConfig --create_executor--> workers (model, KV cache)
+    step: Scheduler.schedule -> Executor.execute -> Scheduler.update_from_output -> outputs
+"""
 from __future__ import annotations
 
 import itertools
-import logging
 import time
-from dataclasses import replace
 from typing import Any
 
-import torch
-
-from treadle.config import CacheConfig, EngineConfig, SchedulerConfig, TreadleError
+from treadle.config import EngineConfig, TreadleError
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.outputs import SchedulerOutput
 from treadle.core.request import Request, RequestStatus
 from treadle.core.scheduler import Scheduler
-from treadle.engine.memory import available_memory, fmt_bytes, plan_kv_cache, weight_bytes
+from treadle.engine.args import EngineArgs, engine_args
 from treadle.engine.output_processor import OutputProcessor
 from treadle.engine.outputs import RequestOutput
-from treadle.layers.attention.selector import select_backend
-from treadle.loaders import load_model, open_model_source, parse_dtype
+from treadle.engine.resolver import create_engine_config
+from treadle.executor import Executor, create_executor
+from treadle.loaders import ModelSource, open_model_source
 from treadle.sampling_params import SamplingParams
-from treadle.worker.cuda_graph import maybe_graph_runner
-from treadle.worker.model_runner import ModelRunner, allocate_kv_cache
-
-logger = logging.getLogger("treadle")
 
 PromptType = str | list[int] | dict[str, Any]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+        """``config`` from ``resolve_config``; ``source``: the checkpoint it was resolved from
+        (opened again from ``config.load.model_path`` when not given)."""
+        source = source if source is not None else open_model_source(config.load.model_path)
         self.config = config
-        device = torch.device(config.device)
-        dtype = parse_dtype(config.dtype)
-        source = open_model_source(config.model)
-        source_cfg = source.config
-        weights = weight_bytes(source_cfg, dtype)
-        if source.raw_weights is not None and config.quantization in ("auto", "gguf") and device.type == "cpu":
-            weights = source.path.stat().st_size  # native GGUF: the blocks stay as the file has them
-        max_model_len = min(config.scheduler.max_model_len or source_cfg.max_position_embeddings,
-                            source_cfg.max_position_embeddings)
-        sched_cfg = replace(config.scheduler, max_model_len=max_model_len,
-                            max_num_batched_tokens=max(config.scheduler.max_num_batched_tokens,
-                                                       1 if config.scheduler.enable_chunked_prefill
-                                                       else max_model_len))
-        plan = plan_kv_cache(source_cfg, config.cache, dtype, max_model_len, sched_cfg.max_num_seqs,
-                             available_memory(device), weights, device.type == "cpu")
-        backend = select_backend(config.attention_backend, device)
-        torch.manual_seed(config.seed)
-        loaded = load_model(config.model, backend, dtype, device, config.quantization)
-        self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s), attention backend %s",
-                    plan.num_blocks, plan.block_size, plan.num_tokens, fmt_bytes(plan.total_bytes), backend.name)
-        self.kv_plan = plan
-        self.scheduler_config = sched_cfg
-        self.kv_manager = KVCacheManager(plan.num_blocks, plan.block_size)
-        self.scheduler = Scheduler(sched_cfg, self.kv_manager)
-        kv = allocate_kv_cache(self.model_config, plan.num_blocks, plan.block_size, dtype, device)
-        graphs = maybe_graph_runner(config.enforce_eager, device, loaded.model, kv, sched_cfg.max_num_seqs,
-                                    -(-max_model_len // plan.block_size), plan.block_size)
-        if graphs is not None:
-            graphs.capture()
-        self.runner = ModelRunner(loaded.model, kv, plan.block_size, sched_cfg.max_num_batched_tokens,
-                                  max_model_len, device, config.seed, graphs)
+        self.model_config, self.tokenizer = source.config, source.tokenizer
+        self.scheduler_config = config.scheduler
+        self.executor: Executor = create_executor(config, source)
+        capacity = self.executor.kv_capacity()
+        self.kv_manager = KVCacheManager(capacity.num_blocks, capacity.block_size,
+                                         config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.stats = EngineStats()
 
     @classmethod
-    def from_args(cls, model: str, **kwargs: Any) -> LLMEngine:
-        return cls(build_engine_config(model, **kwargs))
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        config, source = create_engine_config(args)
+        return cls(config, source)
+
+    @classmethod
+    def from_args(cls, model: str | None = None, **kwargs: Any) -> LLMEngine:
+        """``kwargs``: EngineArgs fields (vLLM's names); unset ones take EngineArgs' defaults."""
+        return cls.from_engine_args(engine_args(model, **kwargs))
+
+    def health(self) -> str | None:
+        """None while the workers are alive, else why not (safe from any thread)."""
+        return self.executor.health()
+
+    def shutdown(self) -> None:
+        """Stop the workers; the engine cannot step afterwards. Idempotent."""
+        self.executor.shutdown()
 
     # -- requests --------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -123,7 +112,7 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
+        result = self.executor.execute(sched)  # EngineDeadError: the engine is dead
         touched = self.scheduler.update_from_output(sched, result)
         self.stats.record(sched, touched)
         updated = self.outputs.process(
@@ -146,45 +135,3 @@ class EngineStats:
         self.num_preemptions += sched.num_preemptions
         self.num_generated_tokens += len(touched)
         self.num_tokens_computed += sched.total_num_scheduled_tokens
-
-
-def build_engine_config(
-    model: str,
-    dtype: str = "float32",
-    device: str = "cpu",
-    seed: int = 0,
-    max_model_len: int | None = None,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 512,
-    enable_chunked_prefill: bool = True,
-    kv_cache_memory: int | str | None = None,
-    num_kv_blocks: int | None = None,
-    block_size: int = 16,
-    attention_backend: str = "auto",
-    quantization: str | None = "auto",
-    enforce_eager: bool = False,
-) -> EngineConfig:
-    return EngineConfig(
-        model=model, dtype=dtype, device=device, seed=seed, attention_backend=attention_backend,
-        quantization=quantization, enforce_eager=enforce_eager,
-        cache=CacheConfig(block_size=block_size, kv_cache_memory=parse_bytes(kv_cache_memory),
-                          num_blocks=num_kv_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=max_model_len or 0, enable_chunked_prefill=enable_chunked_prefill),
-    )
-
-
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
-          "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}
-
-
-def parse_bytes(value: int | str | None) -> int | None:
-    """'2GiB', '512MB', '1e9' or an int -> bytes."""
-    if value is None or isinstance(value, int):
-        return value
-    s = value.strip().upper().replace(" ", "")
-    num = s.rstrip("KMGTIB")
-    unit = s[len(num):]
-    if unit not in _UNITS or not num:
-        raise TreadleError(f"cannot read memory size {value!r}; write e.g. 2GiB or 512MiB")
-    return int(float(num) * _UNITS[unit])

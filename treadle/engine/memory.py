@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treadle.config import CacheConfig, ModelConfig, TreadleError
+from treadle.config import ModelConfig, TreadleError
 
 GiB = 1 << 30
 CPU_DEFAULT_CAP = 1 * GiB  # default KV budget on the CPU when none is given (--kv-cache-memory to change)
@@ -59,39 +59,43 @@ def fmt_bytes(n: float) -> str:
 
 def plan_kv_cache(
     cfg: ModelConfig,
-    cache: CacheConfig,
     dtype: torch.dtype,
     max_model_len: int,
     max_num_seqs: int,
     available: int,
     weights: int,
+    *,
+    block_size: int,
+    kv_cache_memory: int | None = None,
+    memory_fraction: float = 0.5,
+    num_blocks: int | None = None,
     on_cpu: bool = True,
 ) -> KVPlan:
-    """How many blocks to allocate. Without an explicit size: a fraction of the
-    memory left after the weights, capped (on the CPU) and never more than
-    ``max_num_seqs`` full-length sequences can use."""
-    per_block = bytes_per_block(cfg, cache.block_size, dtype)
-    min_blocks = -(-max_model_len // cache.block_size)
-    if cache.num_blocks is not None:
-        return KVPlan(cache.num_blocks, cache.block_size, per_block)
-    if cache.kv_cache_memory is not None:
-        budget = cache.kv_cache_memory
+    """How many blocks to allocate: ``num_blocks`` if given; else ``kv_cache_memory`` bytes
+    (checked against ``available``); else ``memory_fraction`` of the memory left after the
+    weights, capped (on the CPU) and never more than ``max_num_seqs`` full-length sequences use."""
+    per_block = bytes_per_block(cfg, block_size, dtype)
+    min_blocks = -(-max_model_len // block_size)
+    if num_blocks is not None:
+        return KVPlan(num_blocks, block_size, per_block)
+    if kv_cache_memory is not None:
+        budget = kv_cache_memory
         if weights + budget > available:
             raise TreadleError(
                 f"the model needs {fmt_bytes(weights)} for weights plus {fmt_bytes(budget)} of KV cache "
                 f"= {fmt_bytes(weights + budget)}, but only {fmt_bytes(available)} is available"
             )
     else:
-        budget = int((available - weights) * cache.memory_fraction)
+        budget = int((available - weights) * memory_fraction)
         if on_cpu:
             budget = min(budget, CPU_DEFAULT_CAP)
         budget = min(budget, max_num_seqs * min_blocks * per_block)
-    num_blocks = budget // per_block
-    if num_blocks < 1:
+    blocks = budget // per_block
+    if blocks < 1:
         need = weights + min_blocks * per_block
         raise TreadleError(
             f"the model needs {fmt_bytes(weights)} for weights and {fmt_bytes(min_blocks * per_block)} of KV "
             f"cache for one {max_model_len}-token sequence ({fmt_bytes(need)} in all); "
             f"{fmt_bytes(available)} is available"
         )
-    return KVPlan(num_blocks, cache.block_size, per_block)
+    return KVPlan(blocks, block_size, per_block)

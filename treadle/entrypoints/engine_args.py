@@ -1,49 +1,45 @@
-"""Engine flags shared by `generate`, `chat`, `serve` and `bench` (named like vLLM's)."""
+"""Engine flags shared by `generate`, `chat`, `serve` and `bench`, made from ``EngineArgs``'
+fields (names, defaults, help), so the CLI holds no second copy of any default."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from treadle.engine.args import EngineArgs
+
+DEFAULT_MODEL = EngineArgs.model
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """One flag per EngineArgs field (``--max-model-len`` for ``max_model_len``; booleans get
+    ``--x`` / ``--no-x``), plus ``--threads``."""
     if model_positional:
         p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="model name or path")
-    p.add_argument("--model", default=None, help=f"short name or path (default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: a share of free memory)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "cpu", "triton"])
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode runs eagerly)")
-    p.add_argument(
-        "--quantization", default=None,
-        help="auto (default: a GGUF file keeps its Q4_0/Q4_1/Q8_0 blocks on the CPU), none, gguf, int8, int4[-g32|-g64|-g128]",
-    )
+    for f in dataclasses.fields(EngineArgs):
+        meta = dict(f.metadata)
+        flags = meta.pop("flags", (f"--{f.name.replace('_', '-')}",))
+        shown = "" if f.default is None else f" (default: {f.default})"
+        kw: dict[str, Any] = dict(dest=f.name, help=meta.pop("help") + shown)
+        if f.name == "model":
+            kw["default"] = None  # a positional MODEL may still come; engine_kwargs falls back
+        elif isinstance(f.default, bool):
+            kw.update(default=f.default, action=argparse.BooleanOptionalAction)
+        else:
+            kw.update(default=f.default, type=meta.pop("type", type(f.default)), choices=meta.pop("choices", None))
+        p.add_argument(*flags, **kw)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--seed", type=int, default=0)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    model = getattr(args, "model_pos", None) or args.model or DEFAULT_MODEL
+    """The EngineArgs fields from parsed flags (``model`` from the positional MODEL or
+    --model); applies --threads to this process."""
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    kw: dict[str, Any] = dict(
-        model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-        enable_chunked_prefill=args.enable_chunked_prefill, attention_backend=args.attention_backend,
-        seed=args.seed, enforce_eager=args.enforce_eager,
-    )
-    if args.quantization:
-        kw["quantization"] = args.quantization
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
+    kw["model"] = getattr(args, "model_pos", None) or args.model or DEFAULT_MODEL
     return kw
 
 

@@ -7,19 +7,24 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from treadle.engine.args import EngineArgs
 from treadle.engine.llm_engine import LLMEngine, PromptType
 from treadle.engine.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams
 
 
 class LLM:
-    """An engine for offline batches. Keyword names follow vLLM's ``LLM``:
-    model, dtype, max_model_len, kv_cache_memory, max_num_seqs,
-    max_num_batched_tokens, enable_chunked_prefill, seed, device, ..."""
+    """An engine for offline batches. Keyword arguments are ``EngineArgs`` fields, named as
+    vLLM's ``LLM``: dtype, max_model_len, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
+    enable_chunked_prefill, seed, device, distributed_executor_backend, ..."""
 
-    def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: Any) -> None:
+    def __init__(self, model: str = EngineArgs.model, **kwargs: Any) -> None:
         self.engine = LLMEngine.from_args(model, **kwargs)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's workers now (they also stop when the LLM is collected or at exit)."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):  # noqa: ANN201
         return self.engine.tokenizer

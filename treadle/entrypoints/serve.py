@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
+from treadle import envs
 from treadle.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 
@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: the model argument)")
-    p.add_argument("--api-key", default=os.environ.get("TREADLE_API_KEY"),
+    p.add_argument("--api-key", default=envs.api_key(),
                    help="require 'Authorization: Bearer KEY' (default: $TREADLE_API_KEY; none: open)")
     p.add_argument("--max-waiting", type=int, default=None,
                    help="refuse new requests with 503 + Retry-After while this many sequences wait")

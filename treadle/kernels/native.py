@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp first, so the kernels share it)
 
+from treadle import envs
+
 logger = logging.getLogger(__name__)
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
@@ -41,8 +43,7 @@ def _cpu_id() -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("TREADLE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "treadle")
-    return Path(root) / "kernels"
+    return Path(envs.cache_dir()) / "kernels"
 
 
 def _build(compiler: str, sources: list[Path], target: Path) -> None:
@@ -63,9 +64,9 @@ def _build(compiler: str, sources: list[Path], target: Path) -> None:
 @cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None when they are turned off or cannot be built."""
-    if os.environ.get("TREADLE_NATIVE_KERNELS", "1") == "0":
+    if not envs.native_kernels():
         return None
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    compiler = envs.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         logger.warning("no C compiler found: Treadle's CPU kernels are off (plain torch is used)")
         return None

@@ -7,9 +7,9 @@ minutes on a small machine). ``TREADLE_FUSED_OPS=0`` selects the plain versions.
 """
 from __future__ import annotations
 
-import os
+from treadle import envs
 
 
 def fused_ops_enabled() -> bool:
     """Read once by each layer at construction time."""
-    return os.environ.get("TREADLE_FUSED_OPS", "1").lower() not in ("0", "false", "no", "off")
+    return envs.fused_ops()

@@ -74,33 +74,34 @@ def quantization_plan(
     "auto" ("gguf" for a GGUF file on the CPU, else none), "gguf" (keep Q4_0/Q4_1/Q8_0
     blocks quantized; CPU kernels), or a weight-only name such as "int8" or "int4-g64"
     (see treadle.quantization)."""
-    from treadle.quantization import weight_only_factory
+    from treadle.quantization import resolve_quantization, weight_only_factory
     from treadle.quantization.gguf_native import GGUFNativePlan
 
     on_cpu = torch.device(device).type == "cpu"
-    if quantization == "auto":
-        quantization = "gguf" if source.raw_weights is not None and on_cpu else None
-    if quantization in (None, "none"):
+    is_gguf = source.raw_weights is not None and source.tensor_types is not None
+    try:
+        quantization = resolve_quantization(quantization, is_gguf, on_cpu)
+    except TreadleError as e:
+        raise TreadleError(f"{source.path}: {e}") from None
+    if quantization == "none":
         return None, source.weights
     if quantization == "gguf":
-        if source.raw_weights is None or source.tensor_types is None:
-            raise TreadleError(f"{source.path}: quantization 'gguf' needs a .gguf file")
-        if not on_cpu:
-            raise TreadleError("quantization 'gguf' runs on the CPU only; use --quantization none on a GPU")
+        assert source.raw_weights is not None and source.tensor_types is not None
         plan, raw_weights = GGUFNativePlan(source.tensor_types), source.raw_weights
         return plan.method, lambda: raw_weights(plan.keeps_raw)
     return weight_only_factory(quantization, source.config), source.weights
 
 
 def load_model(
-    name_or_path: str,
+    name_or_path: str | ModelSource,
     backend: AttentionBackend,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     quantization: str | None = None,
 ) -> LoadedModel:
-    """``quantization``: see ``quantization_plan`` (None keeps every weight in float)."""
-    source = open_model_source(name_or_path)
+    """``quantization``: see ``quantization_plan`` (None keeps every weight in float). An
+    already opened ``ModelSource`` is used as it is (the engine opens the checkpoint once)."""
+    source = name_or_path if isinstance(name_or_path, ModelSource) else open_model_source(name_or_path)
     cls = model_class(source.config.architecture)
     torch_dtype = parse_dtype(dtype)
     method, weights = quantization_plan(source, quantization, device)

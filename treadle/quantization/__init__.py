@@ -31,6 +31,28 @@ MethodFactory = Callable[[str], LinearMethod | None]
 WEIGHT_ONLY_NAMES = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128")
 
 
+def resolve_quantization(name: str | None, gguf_file: bool, on_cpu: bool) -> str:
+    """The concrete method a ``--quantization`` value stands for: "auto" is "gguf" for a .gguf
+    file on the CPU, else "none"; "int4" is "int4-g32". Unknown names and impossible choices
+    are one-line TreadleErrors."""
+    name = "none" if name is None else name
+    if name == "auto":
+        return "gguf" if gguf_file and on_cpu else "none"
+    if name == "gguf":
+        if not gguf_file:
+            raise TreadleError("quantization 'gguf' needs a .gguf file")
+        if not on_cpu:
+            raise TreadleError("quantization 'gguf' runs on the CPU only; use --quantization none on a GPU")
+        return name
+    if name == "int4":
+        return "int4-g32"
+    if name != "none" and name not in WEIGHT_ONLY_NAMES:
+        raise TreadleError(
+            f"quantization {name!r} is not supported (supported: auto, none, gguf, {', '.join(WEIGHT_ONLY_NAMES)})"
+        )
+    return name
+
+
 def _keep_float(layer_name: str) -> bool:
     return layer_name in ("lm_head", "model.embed_tokens")
 

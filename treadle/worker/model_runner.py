@@ -79,7 +79,6 @@ class ModelRunner:
         self.graphs = graphs  # replays captured decode steps on CUDA
         self.requests: dict[str, CachedRequestState] = {}
         # persistent host buffers, reused every step
-        self._max_blocks = -(-max_model_len // block_size)
         self._ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
         self._pos = np.zeros(max_num_batched_tokens, dtype=np.int64)
         self._slots = np.zeros(max_num_batched_tokens, dtype=np.int64)

@@ -7,10 +7,10 @@ so the engine imports without triton.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
+from treadle import envs
 from treadle.config import TreadleError
 from treadle.layers.attention.backend import AttentionBackend
 from treadle.layers.attention.reference import ReferenceBackend
@@ -38,7 +38,7 @@ def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
         from treadle.layers.attention.cpu import CPUBackend
 
         return CPUBackend()
-    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if torch.device(device).type != "cuda" and not envs.triton_interpret():
         raise TreadleError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 for testing)")
     from treadle.layers.attention.triton_backend import TritonBackend
 

@@ -1,0 +1,84 @@
+"""EngineArgs: every user-facing engine setting and its default, in one place (vLLM's names).
+
+The CLI flags (``treadle.entrypoints.engine_args``), ``LLM(...)``, ``LLMEngine.from_args`` and
+``AsyncLLM.from_args`` all read their defaults from here; ``auto`` values and everything derived
+from the checkpoint or the machine are settled by ``treadle.engine.resolver.resolve_config``.
+
+Each field's ``metadata`` carries its CLI help (and ``choices`` / ``type`` where argparse needs
+them); ``cli=False`` keeps a field off the command line.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from treadle.config import TreadleError
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+def _arg(default: Any, help: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str = _arg("smollm2-135m-instruct", "short name (stories260k, smollm2-135m-instruct) or path")
+    dtype: str = _arg("auto", "weights and activations (auto: float32)", choices=DTYPE_CHOICES)
+    device: str = _arg("cpu", "torch device: cpu, cuda, cuda:1 ...")
+    seed: int = _arg(0, "seed of the engine's random state")
+    max_model_len: int | None = _arg(None, "longest sequence, prompt + output (default: the model's limit)",
+                                     type=int)
+    max_num_seqs: int = _arg(64, "most sequences in one step")
+    max_num_batched_tokens: int = _arg(512, "most tokens in one step (raised to max_model_len without chunking)")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts into chunks that share steps with decodes")
+    enable_prefix_caching: bool = _arg(True, "reuse KV blocks of prompts that share a prefix")
+    kv_cache_memory: int | str | None = _arg(
+        None, "KV cache size, e.g. 2GiB (default: a share of free memory, at most 1 GiB on the CPU)", type=str)
+    kv_cache_memory_fraction: float = _arg(0.5, "without --kv-cache-memory: share of the memory left after "
+                                                "the weights given to the KV cache")
+    block_size: int = _arg(16, "tokens per KV block")
+    num_kv_blocks: int | None = _arg(None, "exact number of KV blocks (overrides the memory budget)", type=int)
+    attention_backend: str = _arg("auto", "auto: cpu on the CPU, triton on CUDA",
+                                  choices=("auto", "reference", "cpu", "triton"))
+    quantization: str = _arg("auto", "auto (a GGUF file keeps its Q4_0/Q4_1/Q8_0 blocks on the CPU), none, "
+                                     "gguf, int8, int4[-g32|-g64|-g128]")
+    enforce_eager: bool = _arg(False, "no CUDA graphs (decode runs eagerly)")
+    fused_layers: bool = _arg(True, "CPU: run each decoder layer it can as one fused C call")
+    distributed_executor_backend: str = _arg("uni", "uni: the model runs in this process; mp: in worker "
+                                                    "processes", choices=EXECUTOR_BACKENDS)
+    tensor_parallel_size: int = _arg(1, "ranks a layer is split across", flags=("-tp", "--tensor-parallel-size"))
+    pipeline_parallel_size: int = _arg(1, "stages the layers are split into",
+                                       flags=("-pp", "--pipeline-parallel-size"))
+
+
+def engine_args(model: str | None = None, **kwargs: Any) -> EngineArgs:
+    """EngineArgs from keyword arguments; an unknown name is one clear TreadleError."""
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise TreadleError(f"unknown engine argument {unknown[0]!r}; known: {', '.join(sorted(names))}")
+    if model is not None:
+        kwargs["model"] = model
+    return EngineArgs(**kwargs)
+
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
+          "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """'2GiB', '512MB', '1e9' or an int -> bytes."""
+    if value is None or isinstance(value, int):
+        return value
+    s = value.strip().upper().replace(" ", "")
+    num = s.rstrip("KMGTIB")
+    unit = s[len(num):]
+    try:
+        if unit in _UNITS and num:
+            return int(float(num) * _UNITS[unit])
+    except ValueError:
+        pass
+    raise TreadleError(f"cannot read memory size {value!r}; write e.g. 2GiB or 512MiB")

@@ -1,0 +1,127 @@
+"""Start-up resolution: (EngineArgs, ModelSource, available memory) -> EngineConfig.
+
+``resolve_config`` is pure: it loads no weights and measures nothing (the free memory is
+passed in), so every default and every ``auto`` can be unit-tested from a checkpoint's config.
+It owns:
+
+    dtype             auto -> float32 (``loaders.parse_dtype``: the CPU kernels compute in it)
+    quantization      auto -> gguf for a .gguf file on the CPU, else none
+    max_model_len     None -> the model's max_position_embeddings; larger values are clamped
+    batched tokens    without chunked prefill, at least max_model_len (a prompt runs whole)
+    KV cache          blocks from num_kv_blocks, kv_cache_memory or a share of free memory
+    attention backend auto -> cpu on the CPU, triton (or reference) on CUDA
+    CUDA graphs       off unless the device is CUDA and enforce_eager is False
+
+``create_engine_config`` is the impure shell around it: it opens the checkpoint (once; the
+source is handed on to loading) and reads the device's free memory.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from treadle.config import (
+    CacheConfig,
+    EngineConfig,
+    LoadConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    TreadleError,
+)
+from treadle.engine.args import EXECUTOR_BACKENDS, EngineArgs, parse_bytes
+from treadle.engine.memory import available_memory, plan_kv_cache, weight_bytes
+from treadle.layers.attention.selector import resolve_backend_name
+from treadle.loaders import ModelSource, open_model_source, parse_dtype
+from treadle.quantization import resolve_quantization
+
+logger = logging.getLogger("treadle")
+
+
+def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> EngineConfig:
+    """The concrete engine configuration for ``args`` on ``source`` with ``available`` bytes free."""
+    _check_ranges(args)
+    device = _parse_device(args.device)
+    dtype = parse_dtype(args.dtype)
+    on_cpu = device.type == "cpu"
+    is_gguf = source.raw_weights is not None and source.tensor_types is not None
+    quantization = resolve_quantization(args.quantization, is_gguf, on_cpu)
+    scheduler = _scheduler_config(args, source.config.max_position_embeddings)
+    # native GGUF keeps the file's blocks: the file size is the weights' size
+    weights = source.path.stat().st_size if quantization == "gguf" else weight_bytes(source.config, dtype)
+    plan = plan_kv_cache(
+        source.config, dtype, scheduler.max_model_len, scheduler.max_num_seqs, available, weights,
+        block_size=args.block_size, kv_cache_memory=parse_bytes(args.kv_cache_memory),
+        memory_fraction=args.kv_cache_memory_fraction, num_blocks=args.num_kv_blocks, on_cpu=on_cpu,
+    )
+    return EngineConfig(
+        model=source.config,
+        load=LoadConfig(model_path=str(source.path), dtype=str(dtype).removeprefix("torch."),
+                        quantization=quantization, seed=args.seed),
+        cache=CacheConfig(block_size=plan.block_size, num_blocks=plan.num_blocks,
+                          bytes_per_block=plan.bytes_per_block, enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=scheduler,
+        parallel=_parallel_config(args),
+        device=str(device),
+        attention_backend=resolve_backend_name(args.attention_backend, device),
+        enforce_eager=args.enforce_eager or device.type != "cuda",
+        fused_layers=args.fused_layers,
+    )
+
+
+def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
+    """Open the checkpoint, read the free memory, resolve. The source goes on to loading."""
+    device = _parse_device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TreadleError(f"device {args.device!r}: CUDA is not available on this machine")
+    source = open_model_source(args.model)
+    return resolve_config(args, source, available_memory(device)), source
+
+
+def _check_ranges(args: EngineArgs) -> None:
+    checks = [
+        (args.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
+        (args.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
+        (args.block_size >= 1, "block_size must be at least 1"),
+        (args.max_model_len is None or args.max_model_len >= 1, "max_model_len must be at least 1"),
+        (args.num_kv_blocks is None or args.num_kv_blocks >= 1, "num_kv_blocks must be at least 1"),
+        (0.0 < args.kv_cache_memory_fraction <= 1.0, "kv_cache_memory_fraction must be in (0, 1]"),
+        (args.tensor_parallel_size >= 1, "tensor_parallel_size must be at least 1"),
+        (args.pipeline_parallel_size >= 1, "pipeline_parallel_size must be at least 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise TreadleError(message)
+
+
+def _parse_device(name: str) -> torch.device:
+    try:
+        return torch.device(name)
+    except (RuntimeError, ValueError):
+        raise TreadleError(f"device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+
+
+def _scheduler_config(args: EngineArgs, model_limit: int) -> SchedulerConfig:
+    max_model_len = model_limit if args.max_model_len is None else args.max_model_len
+    if max_model_len > model_limit:
+        logger.warning("max_model_len %d is longer than the model's %d positions; using %d",
+                       max_model_len, model_limit, model_limit)
+        max_model_len = model_limit
+    batched = args.max_num_batched_tokens
+    if not args.enable_chunked_prefill:
+        batched = max(batched, max_model_len)  # a whole prompt must fit one step
+    return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
+                           max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill)
+
+
+def _parallel_config(args: EngineArgs) -> ParallelConfig:
+    backend = args.distributed_executor_backend
+    if backend not in EXECUTOR_BACKENDS:
+        raise TreadleError(f"distributed_executor_backend {backend!r} is not one of {', '.join(EXECUTOR_BACKENDS)}")
+    if backend == "ray":
+        raise TreadleError("distributed_executor_backend 'ray' is not available yet; use 'uni' or 'mp'")
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        raise TreadleError("tensor and pipeline parallelism are not available yet; "
+                           "use tensor_parallel_size=1 and pipeline_parallel_size=1")
+    return ParallelConfig(distributed_executor_backend=backend, tensor_parallel_size=args.tensor_parallel_size,
+                          pipeline_parallel_size=args.pipeline_parallel_size)

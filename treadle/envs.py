@@ -1,0 +1,81 @@
+"""Every environment variable Treadle reads, with its default and meaning, in one table.
+
+Code never calls ``os.environ`` for these directly: it calls the typed reader below, which
+reads the variable at call time (so a test or a child process may set it first).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str | None
+    doc: str
+
+
+VARIABLES: tuple[EnvVar, ...] = (
+    EnvVar("TREADLE_CACHE_DIR", None, "where compiled C kernels are cached (default ~/.cache/treadle)"),
+    EnvVar("TREADLE_NATIVE_KERNELS", "1", "0: never compile or use Treadle's C kernels (torch fallbacks)"),
+    EnvVar("CC", None, "the C compiler for Treadle's kernels (default: gcc, else cc)"),
+    EnvVar("TREADLE_FUSED_OPS", "1", "0: RMSNorm+residual and RoPE run as separate torch ops, not fused"),
+    EnvVar("TREADLE_API_KEY", None, "default for `treadle serve --api-key`"),
+    EnvVar("TREADLE_EXECUTE_TIMEOUT_S", "300", "mp executor: seconds a step may take before the engine "
+                                               "declares its workers hung and dead"),
+    EnvVar("TREADLE_WORKER_START_TIMEOUT_S", "600", "mp executor: seconds workers may take to load the model"),
+    EnvVar("TRITON_INTERPRET", None, "1: Triton kernels run in the interpreter (the triton backend on a CPU, "
+                                     "for tests)"),
+)
+_BY_NAME = {v.name: v for v in VARIABLES}
+_FALSE = ("0", "false", "no", "off")
+
+
+def get(name: str) -> str | None:
+    """The variable's value, or its default when unset."""
+    return os.environ.get(name, _BY_NAME[name].default)
+
+
+def get_flag(name: str) -> bool:
+    value = get(name)
+    return value is not None and value.strip().lower() not in (*_FALSE, "")
+
+
+def get_seconds(name: str) -> float:
+    value = get(name)
+    try:
+        seconds = float(value) if value is not None else 0.0
+    except ValueError:
+        from treadle.config import TreadleError
+
+        raise TreadleError(f"{name}={value!r} is not a number of seconds") from None
+    return seconds
+
+
+def cache_dir() -> str:
+    return get("TREADLE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "treadle")
+
+
+def native_kernels() -> bool:
+    return get_flag("TREADLE_NATIVE_KERNELS")
+
+
+def fused_ops() -> bool:
+    return get_flag("TREADLE_FUSED_OPS")
+
+
+def api_key() -> str | None:
+    return get("TREADLE_API_KEY")
+
+
+def triton_interpret() -> bool:
+    return get("TRITON_INTERPRET") == "1"
+
+
+def execute_timeout_s() -> float:
+    return get_seconds("TREADLE_EXECUTE_TIMEOUT_S")
+
+
+def worker_start_timeout_s() -> float:
+    return get_seconds("TREADLE_WORKER_START_TIMEOUT_S")

@@ -1,0 +1,67 @@
+"""The Executor: the one door between the engine (scheduler + KV manager) and the workers.
+
+Contract::
+
+    executor = create_executor(config, source)    # EngineConfig from resolve_config; workers
+                                                 # load the model and allocate their KV cache
+    blocks, block_size = executor.kv_capacity()  # what every worker allocated: the scheduler's
+                                                 # KVCacheManager is built with exactly this
+    out = executor.execute(sched)                # SchedulerOutput -> ModelRunnerOutput, one step
+    executor.check_health()                      # raises EngineDeadError once a worker is lost
+    executor.shutdown()                          # idempotent; workers never outlive it
+
+- ``execute`` gets plain data and returns plain data (``core/outputs.py``); in other processes
+  it travels as msgpack frames. The step runs on every worker; the output is the last rank's.
+- A worker that dies, or does not answer within ``TREADLE_EXECUTE_TIMEOUT_S``, makes
+  ``execute`` raise ``EngineDeadError`` (a few hundred ms after a death, never a hang); from
+  then on the executor is dead: ``execute`` and ``check_health`` raise the same error.
+  Any other exception from a step (a bug in the model code) is raised as it is and the
+  executor stays usable: the engine decides what the step's requests get.
+- ``health()`` may be called from any thread; everything else from the engine's thread only.
+
+    engine process                                    worker processes (mp)
+    --------------                                    ---------------------
+    LLMEngine.step --> Executor.execute(sched) --push--> rank 0 .. rank N-1: Worker.execute
+                                  ^                     (torch.distributed gloo group)
+                                  +-----pull---- ok / ModelRunnerOutput (last rank) / error
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+from treadle.config import EngineConfig, EngineDeadError
+from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class KVCapacity(NamedTuple):
+    num_blocks: int  # per worker
+    block_size: int  # tokens per block
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def kv_capacity(self) -> KVCapacity:
+        """The KV blocks each worker allocated (the same on every worker)."""
+
+    @abstractmethod
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker and return the last rank's output. Raises
+        EngineDeadError when a worker is gone or hung (the executor is then dead)."""
+
+    @abstractmethod
+    def health(self) -> str | None:
+        """None while every worker is alive, else why not. Safe from any thread."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers and free their resources; idempotent, also after a death."""
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError when ``health()`` reports a problem."""
+        reason = self.health()
+        if reason is not None:
+            raise EngineDeadError(reason)

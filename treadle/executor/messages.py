@@ -1,0 +1,50 @@
+"""Frames between the engine process and worker processes (pyzmq multipart, msgpack bodies).
+
+    engine -> worker   [b"step", msgpack(SchedulerOutput)]  |  [b"stop", b""]
+    worker -> engine   [rank, b"ready", msgpack(KVCapacity)]        after loading
+                       [rank, b"ok", b""]                           a step done (ranks < last)
+                       [rank, b"out", msgpack(ModelRunnerOutput)]   a step done (last rank)
+                       [rank, b"err", msgpack(WorkerError)]         loading or a step failed
+
+The step input and output are the plain dataclasses of ``core/outputs.py``; msgspec encodes
+and decodes them (floats as float64, so logprobs cross unchanged).
+"""
+from __future__ import annotations
+
+import msgspec
+
+from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+STEP, STOP = b"step", b"stop"
+READY, OK, OUT, ERR = b"ready", b"ok", b"out", b"err"
+
+
+class WorkerError(msgspec.Struct):
+    message: str
+    user_error: bool  # a TreadleError (say it as it is) rather than a crash (include the type)
+
+
+class Codec:
+    """msgpack encoders and typed decoders for the frames above."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._sched = msgspec.msgpack.Decoder(SchedulerOutput)
+        self._output = msgspec.msgpack.Decoder(ModelRunnerOutput)
+        self._capacity = msgspec.msgpack.Decoder(tuple[int, int])
+        self._error = msgspec.msgpack.Decoder(WorkerError)
+
+    def encode(self, obj: object) -> bytes:
+        return self._encoder.encode(obj)
+
+    def decode_step(self, data: bytes) -> SchedulerOutput:
+        return self._sched.decode(data)
+
+    def decode_output(self, data: bytes) -> ModelRunnerOutput:
+        return self._output.decode(data)
+
+    def decode_capacity(self, data: bytes) -> tuple[int, int]:
+        return self._capacity.decode(data)
+
+    def decode_error(self, data: bytes) -> WorkerError:
+        return self._error.decode(data)

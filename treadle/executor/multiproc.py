@@ -1,0 +1,175 @@
+"""MultiprocExecutor (``"mp"``): one worker process per rank, started with torch.multiprocessing's
+spawn context, driven over pyzmq on 127.0.0.1 (frames in ``messages.py``).
+
+Each step's input is sent to every rank; every rank answers (the last with the output). While
+waiting, the executor checks the worker processes' sentinels every ``_POLL_MS``: a dead worker
+is an EngineDeadError within a fraction of a second, a silent one after
+``TREADLE_EXECUTE_TIMEOUT_S``. Workers are stopped by ``shutdown``, by a finalizer when the
+executor is collected or the interpreter exits, and stop themselves when the engine process dies.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import os
+import signal
+import socket
+import time
+import weakref
+from typing import Any
+
+import torch
+import torch.multiprocessing as torch_mp
+import zmq
+
+from treadle import envs
+from treadle.config import EngineConfig, EngineDeadError, TreadleError
+from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
+from treadle.executor.base import Executor, KVCapacity
+from treadle.executor.messages import ERR, STEP, STOP, Codec
+from treadle.executor.worker_proc import WorkerSpec, worker_main
+
+logger = logging.getLogger("treadle")
+
+_POLL_MS = 100
+_STOP_GRACE_S = 5.0
+_LOOPBACK = "tcp://127.0.0.1"
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.world_size = config.parallel.world_size
+        self._codec = Codec()
+        self._dead: str | None = None
+        self._zmq = zmq.Context()
+        self._results = self._zmq.socket(zmq.PULL)
+        result_port = self._results.bind_to_random_port(_LOOPBACK)
+        self._inputs = [self._zmq.socket(zmq.PUSH) for _ in range(self.world_size)]
+        input_ports = [s.bind_to_random_port(_LOOPBACK) for s in self._inputs]
+        self._procs: list[Any] = []
+        self._finalizer = weakref.finalize(self, _teardown, self._procs, self._inputs, self._results, self._zmq)
+        ctx = torch_mp.get_context("spawn")
+        dist_addr = f"tcp://127.0.0.1:{_free_port()}"
+        start_timeout = envs.worker_start_timeout_s()
+        for rank in range(self.world_size):
+            spec = WorkerSpec(config, rank, f"{_LOOPBACK}:{input_ports[rank]}", f"{_LOOPBACK}:{result_port}",
+                              dist_addr, torch.get_num_threads(), os.getpid(), start_timeout)
+            proc = ctx.Process(target=worker_main, args=(spec,), name=f"treadle-worker-{rank}", daemon=True)
+            proc.start()
+            self._procs.append(proc)
+        try:
+            replies = self._collect(start_timeout, "load the model")
+        except BaseException:
+            self.shutdown()
+            raise
+        first = self._codec.decode_capacity(replies[0])
+        self._capacity = KVCapacity(*first)
+        logger.info("mp executor: %d worker process(es) ready (pids %s)", self.world_size,
+                    ", ".join(str(p.pid) for p in self._procs))
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def kv_capacity(self) -> KVCapacity:
+        return self._capacity
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        payload = self._codec.encode(sched)
+        for sock in self._inputs:
+            try:
+                sock.send_multipart([STEP, payload], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self._die("a worker stopped taking steps (its input queue is full)")
+        replies = self._collect(envs.execute_timeout_s(), "finish a step")
+        return self._codec.decode_output(replies[self.world_size - 1])
+
+    def health(self) -> str | None:
+        if self._dead is not None:
+            return self._dead
+        lost = _dead_procs(self._procs)
+        return _death_message(lost[0]) if lost else None
+
+    def shutdown(self) -> None:
+        if self._dead is None:
+            self._dead = "the executor was shut down"
+        self._finalizer()
+
+    def _collect(self, timeout: float, doing: str) -> dict[int, bytes]:
+        """Every rank's answer (the payload of ready / ok / out), or raise. A rank that fails
+        to load raises at once; a failed step raises once every rank has answered, so no
+        stale answer is left for the next step."""
+        loading = doing == "load the model"
+        deadline = time.monotonic() + timeout
+        replies: dict[int, tuple[bytes, bytes]] = {}
+        while len(replies) < self.world_size:
+            if self._results.poll(_POLL_MS):
+                rank, kind, payload = self._results.recv_multipart()
+                replies[int(rank)] = (kind, payload)
+                if kind == ERR and loading:
+                    self._raise_worker_error(int(rank), payload, loading)
+                continue
+            lost = _dead_procs(self._procs)
+            if lost:
+                self._die(_death_message(lost[0]))
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - set(replies))
+                self._die(f"worker rank(s) {missing} did not {doing} within {timeout:.0f} s "
+                          f"(TREADLE_EXECUTE_TIMEOUT_S / TREADLE_WORKER_START_TIMEOUT_S); the engine stops")
+        for rank, (kind, payload) in sorted(replies.items()):
+            if kind == ERR:
+                self._raise_worker_error(rank, payload, loading)
+        return {rank: payload for rank, (_, payload) in replies.items()}
+
+    def _raise_worker_error(self, rank: int, payload: bytes, loading: bool) -> None:
+        err = self._codec.decode_error(payload)
+        if loading:  # a worker that cannot load is a start-up error, said as it is
+            raise TreadleError(err.message if err.user_error else f"worker rank {rank} failed to start: {err.message}")
+        raise RuntimeError(f"worker rank {rank}: {err.message}")  # the executor stays usable
+
+    def _die(self, reason: str) -> None:
+        self._dead = reason
+        logger.error("mp executor: %s", reason)
+        self._finalizer()
+        raise EngineDeadError(reason)
+
+
+def _dead_procs(procs: list[Any]) -> list[Any]:
+    """Processes that have exited; reads only their sentinels, so it is safe from any thread."""
+    sentinels = {p.sentinel: p for p in procs}
+    return [sentinels[s] for s in multiprocessing.connection.wait(list(sentinels), timeout=0)] if procs else []
+
+
+def _death_message(proc: Any) -> str:
+    code = proc.exitcode
+    how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
+           else f"exited with code {code}")
+    return f"worker process {proc.name} (pid {proc.pid}) {how}; the engine cannot continue"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _teardown(procs: list[Any], inputs: list[zmq.Socket], results: zmq.Socket, ctx: zmq.Context) -> None:
+    """Stop every worker (politely, then by force) and close the sockets. Idempotent."""
+    for sock in inputs:
+        if not sock.closed:
+            try:
+                sock.send_multipart([STOP, b""], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+    for sock in [*inputs, results]:
+        sock.close(linger=0)
+    ctx.term()

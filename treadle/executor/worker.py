@@ -1,0 +1,52 @@
+"""A Worker: one rank's model, KV cache and ModelRunner, built from the resolved EngineConfig.
+
+The same class runs in the engine's process (UniProcExecutor) and in each worker process
+(MultiprocExecutor, via ``worker_proc``). In-process it is handed the ModelSource the
+resolver already opened; in a worker process it opens ``config.load.model_path`` itself.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from treadle.config import EngineConfig
+from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
+from treadle.engine.memory import fmt_bytes
+from treadle.executor.base import KVCapacity
+from treadle.layers.attention.selector import select_backend
+from treadle.loaders import ModelSource, load_model, parse_dtype
+from treadle.worker.cuda_graph import maybe_graph_runner
+from treadle.worker.model_runner import ModelRunner, allocate_kv_cache
+
+logger = logging.getLogger("treadle")
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, source: ModelSource | None = None) -> None:
+        self.config, self.rank = config, rank
+        device = torch.device(config.device)
+        dtype = parse_dtype(config.load.dtype)
+        backend = select_backend(config.attention_backend, device)
+        torch.manual_seed(config.load.seed)
+        loaded = load_model(source if source is not None else config.load.model_path, backend, dtype, device,
+                            config.load.quantization)
+        cache, sched = config.cache, config.scheduler
+        kv = allocate_kv_cache(loaded.config, cache.num_blocks, cache.block_size, dtype, device)
+        logger.info("rank %d: KV cache %d blocks x %d tokens = %d tokens (%s), attention backend %s", rank,
+                    cache.num_blocks, cache.block_size, cache.num_tokens,
+                    fmt_bytes(cache.num_blocks * cache.bytes_per_block), backend.name)
+        graphs = maybe_graph_runner(config.enforce_eager, device, loaded.model, kv, sched.max_num_seqs,
+                                    -(-sched.max_model_len // cache.block_size), cache.block_size)
+        if graphs is not None:
+            graphs.capture()
+        # config.fused_layers reaches the runner with the fused-layer swap (issue 11, item 5)
+        self.runner = ModelRunner(loaded.model, kv, cache.block_size, sched.max_num_batched_tokens,
+                                  sched.max_model_len, device, config.load.seed, graphs)
+        self._capacity = KVCapacity(cache.num_blocks, cache.block_size)
+
+    def kv_capacity(self) -> KVCapacity:
+        return self._capacity
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(sched)

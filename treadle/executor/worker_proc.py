@@ -1,0 +1,94 @@
+"""The main loop of one worker process (started by MultiprocExecutor with the spawn context).
+
+    join the gloo process group (rank, world size) on 127.0.0.1
+    build the Worker (load the model, allocate the KV cache)  -> [rank, ready, capacity] or err
+    loop: [step, sched] -> Worker.execute -> [rank, out, output] (last rank) / [rank, ok] / err
+          [stop]        -> leave
+          nothing for a second and the parent process is gone -> leave (never an orphan)
+"""
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from treadle.config import EngineConfig, TreadleError
+from treadle.executor.messages import ERR, OK, OUT, READY, STEP, STOP, Codec, WorkerError
+from treadle.executor.worker import Worker
+
+_PARENT_CHECK_MS = 1000
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    config: EngineConfig
+    rank: int
+    input_addr: str  # zmq: this rank's step inputs (engine binds PUSH, worker connects PULL)
+    result_addr: str  # zmq: replies of every rank (engine binds PULL, workers connect PUSH)
+    dist_init_addr: str  # torch.distributed rendezvous, tcp://127.0.0.1:PORT
+    num_threads: int  # torch intra-op threads, carried over from the engine process
+    parent_pid: int
+    start_timeout_s: float
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it stops us
+    torch.set_num_threads(spec.num_threads)
+    ctx = zmq.Context()
+    inputs, results = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inputs.setsockopt(zmq.LINGER, 0)
+    results.setsockopt(zmq.LINGER, 2000)
+    inputs.connect(spec.input_addr)
+    results.connect(spec.result_addr)
+    codec, rank = Codec(), str(spec.rank).encode()
+    try:
+        worker = _start(spec)
+    except BaseException as e:  # noqa: BLE001 - every failure is reported to the engine
+        results.send_multipart([rank, ERR, codec.encode(_error(e))])
+    else:
+        results.send_multipart([rank, READY, codec.encode(tuple(worker.kv_capacity()))])
+        _serve(worker, spec, inputs, results, codec)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        inputs.close()
+        results.close()
+        ctx.term()
+
+
+def _start(spec: WorkerSpec) -> Worker:
+    world = spec.config.parallel.world_size
+    dist.init_process_group("gloo", init_method=spec.dist_init_addr, rank=spec.rank, world_size=world,
+                            timeout=timedelta(seconds=spec.start_timeout_s))
+    return Worker(spec.config, rank=spec.rank)
+
+
+def _serve(worker: Worker, spec: WorkerSpec, inputs: zmq.Socket, results: zmq.Socket, codec: Codec) -> None:
+    rank = str(spec.rank).encode()
+    last = spec.rank == spec.config.parallel.world_size - 1
+    while True:
+        if not inputs.poll(_PARENT_CHECK_MS):
+            if os.getppid() != spec.parent_pid:
+                return  # the engine process died without stopping us
+            continue
+        kind, payload = inputs.recv_multipart()
+        if kind == STOP:
+            return
+        assert kind == STEP, kind
+        try:
+            out = worker.execute(codec.decode_step(payload))
+        except Exception as e:  # noqa: BLE001 - reported; the engine decides
+            results.send_multipart([rank, ERR, codec.encode(_error(e))])
+            continue
+        results.send_multipart([rank, OUT, codec.encode(out)] if last else [rank, OK, b""])
+
+
+def _error(e: BaseException) -> WorkerError:
+    if isinstance(e, TreadleError):
+        return WorkerError(str(e), user_error=True)
+    return WorkerError(f"{type(e).__name__}: {e}", user_error=False)
