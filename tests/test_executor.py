@@ -1,0 +1,213 @@
+"""Executors with real worker processes: the mp executor is token-identical to the in-process
+one, a lost worker is a clear EngineDeadError and an unhealthy engine within seconds, and no
+worker outlives its engine."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from server_harness import ENGINE_KW, MODEL_NAME, ServerThread, wait_until
+
+from treadle import LLM, SamplingParams
+from treadle.config import EngineDeadError, ParallelConfig, TreadleError
+from treadle.core.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
+from treadle.engine.args import engine_args
+from treadle.engine.async_engine import AsyncLLM
+from treadle.engine.resolver import create_engine_config
+from treadle.executor.multiproc import MultiprocExecutor
+from treadle.loaders.resolve import resolve_model
+from treadle.server import build_app
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+KW = dict(num_kv_blocks=128, block_size=16, max_num_batched_tokens=48)  # chunked prompts, several steps
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=77, max_tokens=12, ignore_eos=True, logprobs=2)
+PROMPTS = ["Once upon a time", "The little dog ran to the", "Lily and Tom went to the park. They saw a big tree",
+           {"prompt_token_ids": [1, 40, 30, 200, 17, 90, 3, 55, 88, 120] * 7}]
+
+
+@pytest.fixture(autouse=True)
+def short_step_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hung worker fails a test in a minute, not in the default five."""
+    monkeypatch.setenv("TREADLE_EXECUTE_TIMEOUT_S", "60")
+    monkeypatch.setenv("TREADLE_WORKER_START_TIMEOUT_S", "120")
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (reaped, or a zombie waiting for a parent that is not ours)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+def spawned_children() -> set[int]:
+    """Processes this one started with multiprocessing's spawn (worker processes)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"spawn_main" in cmdline:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def new_worker(before: set[int]) -> int:
+    (pid,) = spawned_children() - before
+    return pid
+
+
+@pytest.fixture
+def mp_llm() -> Iterator[LLM]:
+    llm = LLM("stories260k", distributed_executor_backend="mp", **KW)
+    try:
+        yield llm
+    finally:
+        pids = llm.engine.executor.worker_pids
+        llm.shutdown()
+        assert all(gone(pid) for pid in pids)
+
+
+def outputs(llm: LLM, params: SamplingParams) -> list:
+    return [(o.prompt_logprobs, [(c.token_ids, c.logprobs) for c in o.outputs])
+            for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_mp_executor_is_token_identical_to_uni(mp_llm: LLM, tiny_llama: Path) -> None:
+    uni = LLM("stories260k", **KW)
+    for params in (GREEDY, SEEDED, dataclasses.replace(SEEDED, n=2, seed=5)):
+        expected = outputs(uni, params)
+        assert outputs(mp_llm, params) == expected  # tokens and logprobs, exactly
+        assert any(lp for _, comps in expected for _, lp in comps)
+    tiny_kw = dict(KW, max_num_batched_tokens=16)
+    tiny_uni = LLM(str(tiny_llama), **tiny_kw)
+    tiny_mp = LLM(str(tiny_llama), distributed_executor_backend="mp", **tiny_kw)
+    try:
+        assert outputs(tiny_mp, SEEDED) == outputs(tiny_uni, SEEDED)
+    finally:
+        tiny_mp.shutdown()
+    kv = mp_llm.engine.kv_manager
+    assert kv.num_free_blocks == kv.pool.num_blocks and mp_llm.engine.health() is None
+
+
+def test_killed_worker_is_a_clear_error_and_an_unhealthy_engine(mp_llm: LLM) -> None:
+    engine = mp_llm.engine
+    engine.add_request("a", "Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    engine.step()
+    pid = engine.executor.worker_pids[0]
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError, match="killed by SIGKILL") as info:
+        for _ in range(1000):
+            engine.step()
+    assert time.monotonic() - t0 < 5.0
+    assert "\n" not in str(info.value)
+    assert "SIGKILL" in (engine.health() or "")
+    with pytest.raises(EngineDeadError):  # stays dead
+        engine.step()
+    assert gone(pid)
+
+
+def test_mp_worker_load_error_is_one_line(tmp_path: Path) -> None:
+    config, _ = create_engine_config(engine_args("stories260k", num_kv_blocks=8, distributed_executor_backend="mp"))
+    moved = dataclasses.replace(config, load=dataclasses.replace(config.load, model_path=str(tmp_path / "gone")))
+    with pytest.raises(TreadleError, match="no such file or directory") as info:
+        MultiprocExecutor(moved)
+    assert "\n" not in str(info.value)
+
+
+def test_two_ranks_share_each_step() -> None:
+    """World size 2 (both ranks hold the whole model until tensor parallelism lands): the step
+    reaches both ranks, they rendezvous in one gloo group, the output comes from the last."""
+    config, _ = create_engine_config(engine_args("stories260k", num_kv_blocks=8, distributed_executor_backend="mp"))
+    two = dataclasses.replace(config, parallel=ParallelConfig("mp", 2, 1))
+    executor = MultiprocExecutor(two)
+    try:
+        prompt = [1, 400, 30, 200]
+        new = NewRequestData("r", prompt, SamplingParams(temperature=0.0, max_tokens=2), (2,))
+        out = executor.execute(SchedulerOutput([new], [ScheduledRequest("r", [0], 0, len(prompt))], []))
+        out2 = executor.execute(SchedulerOutput([], [ScheduledRequest("r", [0], len(prompt), 1)], []))
+        assert set(out.sampled) == {"r"} and set(out2.sampled) == {"r"}
+        assert executor.kv_capacity() == (8, 16) and executor.health() is None
+    finally:
+        pids = executor.worker_pids
+        executor.shutdown()
+    assert len(pids) == 2 and all(gone(pid) for pid in pids)
+
+
+def test_async_engine_and_health_endpoint_see_a_lost_worker() -> None:
+    before = spawned_children()
+    llm = AsyncLLM.from_args(str(resolve_model("stories260k")), distributed_executor_backend="mp", **ENGINE_KW)
+    pid = new_worker(before)
+    try:
+        with ServerThread(build_app(llm, MODEL_NAME)) as srv:
+            assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+
+            async def stream_then_kill() -> None:
+                params = SamplingParams(max_tokens=400, ignore_eos=True)
+                async for out in llm.generate("Once upon a time", params, "victim"):
+                    if len(out.outputs[0].token_ids) == 2:
+                        os.kill(pid, signal.SIGKILL)
+
+            with pytest.raises(EngineDeadError, match="SIGKILL"):
+                asyncio.run(asyncio.wait_for(stream_then_kill(), 30))
+            r = wait_until(lambda: (r := httpx.get(f"{srv.url}/health", timeout=10)).status_code == 503 and r,
+                           10, "/health to report the dead worker")
+            assert "SIGKILL" in r.text
+    finally:
+        llm.shutdown()
+    assert gone(pid)
+
+
+def test_idle_engine_reports_a_lost_worker() -> None:
+    before = spawned_children()
+    llm = AsyncLLM.from_args(str(resolve_model("stories260k")), distributed_executor_backend="mp", **ENGINE_KW)
+    pid = new_worker(before)
+    try:
+        assert llm.health() is None
+        os.kill(pid, signal.SIGKILL)
+        reason = wait_until(llm.health, 5, "health to notice the lost worker")
+        assert "SIGKILL" in reason
+    finally:
+        llm.shutdown()
+    assert gone(pid)
+
+
+ORPHAN_SCRIPT = """
+import os, sys, torch
+from treadle import LLM
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    llm = LLM("stories260k", num_kv_blocks=8, distributed_executor_backend="mp")
+    print(llm.engine.executor.worker_pids[0], flush=True)
+    os.kill(os.getpid(), 9)  # the engine process dies without shutting anything down
+"""
+
+
+def test_worker_of_a_killed_engine_exits_on_its_own(tmp_path: Path) -> None:
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    pid = int(proc.stdout.split()[0])
+    try:
+        wait_until(lambda: gone(pid), 10, "the orphaned worker to exit")
+    finally:
+        if not gone(pid):
+            os.kill(pid, signal.SIGKILL)
