@@ -190,3 +190,15 @@ def test_stories260k_text_stops_on_bos_and_stop_strings():
     streamed = "".join(o.outputs[0].new_text for o in llm.stream("Once upon a time", greedy))
     assert streamed == full.text
     assert_no_leaks(llm)
+
+
+def test_prefix_caching_can_be_turned_off(tiny_llama):
+    prompt = {"prompt_token_ids": random_prompts(1, 258, seed=4, lo=40, hi=41)[0]}
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    cached, uncached = (LLM(str(tiny_llama), num_kv_blocks=64, enable_prefix_caching=flag) for flag in (True, False))
+    for llm, hits in ((cached, 32), (uncached, 0)):
+        first = llm.generate([prompt], params, use_tqdm=False)[0]
+        again = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert again.metrics.num_cached_tokens == hits  # two full 16-token blocks, or nothing
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        assert_no_leaks(llm)

@@ -107,10 +107,10 @@ class MultiprocExecutor(Executor):
         replies: dict[int, tuple[bytes, bytes]] = {}
         while len(replies) < self.world_size:
             if self._results.poll(_POLL_MS):
-                rank, kind, payload = self._results.recv_multipart()
-                replies[int(rank)] = (kind, payload)
+                rank_frame, kind, payload = self._results.recv_multipart()
+                replies[int(rank_frame)] = (kind, payload)
                 if kind == ERR and loading:
-                    self._raise_worker_error(int(rank), payload, loading)
+                    self._raise_worker_error(int(rank_frame), payload, loading)
                 continue
             lost = _dead_procs(self._procs)
             if lost:
