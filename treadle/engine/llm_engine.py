@@ -7,6 +7,7 @@ reached only through an Executor. Synchronous; the async engine and the server d
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Any
 
@@ -16,12 +17,15 @@ from treadle.core.outputs import SchedulerOutput
 from treadle.core.request import Request, RequestStatus
 from treadle.core.scheduler import Scheduler
 from treadle.engine.args import EngineArgs, engine_args
+from treadle.engine.memory import fmt_bytes
 from treadle.engine.output_processor import OutputProcessor
 from treadle.engine.outputs import RequestOutput
 from treadle.engine.resolver import create_engine_config
 from treadle.executor import Executor, create_executor
 from treadle.loaders import ModelSource, open_model_source
 from treadle.sampling_params import SamplingParams
+
+logger = logging.getLogger("treadle")
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -36,6 +40,10 @@ class LLMEngine:
         self.scheduler_config = config.scheduler
         self.executor: Executor = create_executor(config, source)
         capacity = self.executor.kv_capacity()
+        logger.info("KV cache: %d blocks x %d tokens (%s), attention backend %s, executor %s",
+                    capacity.num_blocks, capacity.block_size,
+                    fmt_bytes(capacity.num_blocks * config.cache.bytes_per_block), config.attention_backend,
+                    config.parallel.distributed_executor_backend)
         self.kv_manager = KVCacheManager(capacity.num_blocks, capacity.block_size,
                                          config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)

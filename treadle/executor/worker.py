@@ -6,20 +6,15 @@ resolver already opened; in a worker process it opens ``config.load.model_path``
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from treadle.config import EngineConfig
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
-from treadle.engine.memory import fmt_bytes
 from treadle.executor.base import KVCapacity
 from treadle.layers.attention.selector import select_backend
 from treadle.loaders import ModelSource, load_model, parse_dtype
 from treadle.worker.cuda_graph import maybe_graph_runner
 from treadle.worker.model_runner import ModelRunner, allocate_kv_cache
-
-logger = logging.getLogger("treadle")
 
 
 class Worker:
@@ -33,9 +28,6 @@ class Worker:
                             config.load.quantization)
         cache, sched = config.cache, config.scheduler
         kv = allocate_kv_cache(loaded.config, cache.num_blocks, cache.block_size, dtype, device)
-        logger.info("rank %d: KV cache %d blocks x %d tokens = %d tokens (%s), attention backend %s", rank,
-                    cache.num_blocks, cache.block_size, cache.num_tokens,
-                    fmt_bytes(cache.num_blocks * cache.bytes_per_block), backend.name)
         graphs = maybe_graph_runner(config.enforce_eager, device, loaded.model, kv, sched.max_num_seqs,
                                     -(-sched.max_model_len // cache.block_size), cache.block_size)
         if graphs is not None:
