@@ -19,10 +19,11 @@ from server_harness import ENGINE_KW, MODEL_NAME, ServerThread, wait_until
 
 from treadle import LLM, SamplingParams
 from treadle.config import EngineDeadError, ParallelConfig, TreadleError
-from treadle.core.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
+from treadle.core.outputs import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from treadle.engine.args import engine_args
 from treadle.engine.async_engine import AsyncLLM
 from treadle.engine.resolver import create_engine_config
+from treadle.executor.messages import Codec
 from treadle.executor.multiproc import MultiprocExecutor
 from treadle.loaders.resolve import resolve_model
 from treadle.server import build_app
@@ -121,6 +122,51 @@ def test_killed_worker_is_a_clear_error_and_an_unhealthy_engine(mp_llm: LLM) -> 
     with pytest.raises(EngineDeadError):  # stays dead
         engine.step()
     assert gone(pid)
+
+
+def test_hung_worker_is_a_clear_error_after_the_step_timeout(mp_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TREADLE_EXECUTE_TIMEOUT_S", "2")
+    engine = mp_llm.engine
+    engine.add_request("a", "Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    pid = engine.executor.worker_pids[0]
+    os.kill(pid, signal.SIGSTOP)  # alive, but answers nothing
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineDeadError, match="did not finish a step within 2 s"):
+            engine.step()
+        assert time.monotonic() - t0 < 10.0
+        assert engine.health() is not None
+    finally:
+        if not gone(pid):
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_failed_step_on_a_worker_raises_and_the_executor_goes_on() -> None:
+    config, _ = create_engine_config(engine_args("stories260k", num_kv_blocks=8, distributed_executor_backend="mp"))
+    executor = MultiprocExecutor(config)
+    try:
+        unknown = SchedulerOutput([], [ScheduledRequest("never-sent", [0], 0, 1)], [])
+        with pytest.raises(RuntimeError, match="worker rank 0: KeyError"):
+            executor.execute(unknown)
+        assert executor.health() is None
+        prompt = [1, 400, 30, 200]
+        new = NewRequestData("r", prompt, SamplingParams(temperature=0.0, max_tokens=2), (2,))
+        out = executor.execute(SchedulerOutput([new], [ScheduledRequest("r", [0], 0, len(prompt))], []))
+        assert set(out.sampled) == {"r"}
+    finally:
+        executor.shutdown()
+
+
+def test_step_frames_round_trip() -> None:
+    codec = Codec()
+    params = SamplingParams(n=2, temperature=0.7, stop="x", stop_token_ids=[5], seed=3, logprobs=2, max_tokens=9)
+    sched = SchedulerOutput([NewRequestData("a", [1, 2, 3], params, (2, 1), seed_offset=1)],
+                            [ScheduledRequest("a", [4, 5], 16, 3)], ["gone"], num_preemptions=2)
+    assert codec.decode_step(codec.encode(sched)) == sched
+    out = ModelRunnerOutput({"a": 7}, {"a": TokenLogprobs(7, -0.1234567890123, 1, [(7, -0.1234567890123)])},
+                            {"a": [TokenLogprobs(2, -3.5, 4, [(9, -0.5)])]})
+    assert codec.decode_output(codec.encode(out)) == out  # float64: logprobs unchanged
 
 
 def test_mp_worker_load_error_is_one_line(tmp_path: Path) -> None:

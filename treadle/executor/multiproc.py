@@ -133,6 +133,9 @@ class MultiprocExecutor(Executor):
     def _die(self, reason: str) -> None:
         self._dead = reason
         logger.error("mp executor: %s", reason)
+        for proc in self._procs:  # the survivors of a dead group: no grace period
+            if proc.is_alive():
+                proc.kill()
         self._finalizer()
         raise EngineDeadError(reason)
 
