@@ -66,10 +66,10 @@ def plan_kv_cache(
     weights: int,
     *,
     block_size: int,
-    kv_cache_memory: int | None = None,
-    memory_fraction: float = 0.5,
-    num_blocks: int | None = None,
-    on_cpu: bool = True,
+    kv_cache_memory: int | None,
+    memory_fraction: float,
+    num_blocks: int | None,
+    on_cpu: bool,
 ) -> KVPlan:
     """How many blocks to allocate: ``num_blocks`` if given; else ``kv_cache_memory`` bytes
     (checked against ``available``); else ``memory_fraction`` of the memory left after the

@@ -52,13 +52,13 @@ class MultiprocExecutor(Executor):
         ctx = torch_mp.get_context("spawn")
         dist_addr = f"tcp://127.0.0.1:{_free_port()}"
         start_timeout = envs.worker_start_timeout_s()
-        for rank in range(self.world_size):
-            spec = WorkerSpec(config, rank, f"{_LOOPBACK}:{input_ports[rank]}", f"{_LOOPBACK}:{result_port}",
-                              dist_addr, torch.get_num_threads(), os.getpid(), start_timeout)
-            proc = ctx.Process(target=worker_main, args=(spec,), name=f"treadle-worker-{rank}", daemon=True)
-            proc.start()
-            self._procs.append(proc)
         try:
+            for rank in range(self.world_size):
+                spec = WorkerSpec(config, rank, f"{_LOOPBACK}:{input_ports[rank]}", f"{_LOOPBACK}:{result_port}",
+                                  dist_addr, torch.get_num_threads(), os.getpid(), start_timeout)
+                proc = ctx.Process(target=worker_main, args=(spec,), name=f"treadle-worker-{rank}", daemon=True)
+                proc.start()
+                self._procs.append(proc)
             replies = self._collect(start_timeout, "load the model")
         except BaseException:
             self.shutdown()
