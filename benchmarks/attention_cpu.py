@@ -30,6 +30,7 @@ def case(query_lens: list[int], seq_lens: list[int]):
     n = sum(query_lens)
     q, k, v = (torch.randn(n, h, D, generator=g) for h in (H, HKV, HKV))
     meta = build_attention_metadata(query_lens, seq_lens, tables, BS)
+    meta.plan = CPUBackend().plan(meta)  # once per step, as the runner does
     return q, k, v, kc, vc, meta, AttentionSpec(H, HKV, D, D**-0.5)
 
 

@@ -43,6 +43,7 @@ def main() -> None:
 
     with torch.no_grad():
         meta = build_attention_metadata([context], [context], table, BLOCK)
+        meta.plan = model.backend.plan(meta)
         forward(torch.arange(context) + 100, torch.arange(context), meta)
         compiled = torch.compile(forward, dynamic=True)
         pos = context
@@ -51,6 +52,7 @@ def main() -> None:
             nonlocal pos
             meta = build_attention_metadata([1], [pos + 1], table, BLOCK)
             t = time.perf_counter()
+            meta.plan = model.backend.plan(meta)  # once per step, as the runner does
             fn(torch.tensor([100]), torch.tensor([pos]), meta)
             pos += 1
             return time.perf_counter() - t

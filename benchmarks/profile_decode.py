@@ -18,6 +18,7 @@ import torch
 from treadle import LLM, SamplingParams
 from treadle.core.outputs import ModelRunnerOutput
 from treadle.core.request import RequestStatus
+from treadle.models.llama import LlamaAttention
 
 
 class TimedBackend:
@@ -47,7 +48,7 @@ def time_decode_step(eng, timed: TimedBackend) -> tuple[float, ...]:  # noqa: AN
     batch = runner._prepare(sched)
     t2 = time.perf_counter()
     with torch.inference_mode():
-        hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)
+        hidden = runner.forward(batch)
         index = torch.tensor([i for _, i in batch.sample_rows])
         logits = runner.model.compute_logits(hidden.index_select(0, index))
     t3 = time.perf_counter()
@@ -81,13 +82,14 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(args.model, quantization=args.quantization, dtype=args.dtype, kv_cache_memory="512MiB")
+    llm = LLM(args.model, quantization=args.quantization, dtype=args.dtype, kv_cache_memory="512MiB",
+              fused_layers=not args.module_path)
     eng = llm.engine
-    if args.module_path:
-        eng.executor.worker.runner.model._one_call_layers = False
-    timed = TimedBackend(eng.executor.worker.runner.model.layers[0].self_attn.backend)
-    for layer in eng.executor.worker.runner.model.layers:
-        layer.self_attn.backend = timed
+    runner = eng.executor.worker.runner
+    timed = TimedBackend(runner.backend)
+    for module in runner.model.modules():
+        if isinstance(module, LlamaAttention):  # the module path's attention calls (fused layers make none)
+            module.backend = timed
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
     for i in range(args.batch):
         eng.add_request(str(i), {"prompt_token_ids": [100 + (i + j) % 1000 for j in range(args.prompt_len)]}, params)

@@ -17,6 +17,7 @@ from treadle.layers.attention import build_attention_metadata
 from treadle.layers.attention.cpu import CPUBackend
 from treadle.layers.linear import Linear
 from treadle.loaders import LoadedModel, load_model
+from treadle.worker.fused_layers import fuse_decoder_layers
 
 MODEL = "smollm2-135m-instruct"
 TEXT = (
@@ -51,6 +52,7 @@ def fresh_cache(lm: LoadedModel, tokens: int) -> list[tuple[torch.Tensor, torch.
 def prompt_logits(lm: LoadedModel, ids: list[int]) -> torch.Tensor:  # [n, vocab]
     caches = fresh_cache(lm, len(ids))
     meta = build_attention_metadata([len(ids)], [len(ids)], [list(range(len(caches[0][0])))], BLOCK)
+    meta.plan = lm.model.backend.plan(meta)
     hidden = lm.model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
     return lm.model.compute_logits(hidden)
 
@@ -61,11 +63,13 @@ def decode_step_ms(lm: LoadedModel, context: int = 64, steps: int = 24) -> float
     caches = fresh_cache(lm, context + steps + 1)
     table = [list(range(len(caches[0][0])))]
     meta = build_attention_metadata([context], [context], table, BLOCK)
+    meta.plan = lm.model.backend.plan(meta)
     lm.model(torch.arange(context) + 100, torch.arange(context), caches, meta)
     times, token = [], 100
     for pos in range(context, context + steps):
         meta = build_attention_metadata([1], [pos + 1], table, BLOCK)
         t = time.perf_counter()
+        meta.plan = lm.model.backend.plan(meta)  # once per step, as the runner does
         logits = lm.model.compute_logits(lm.model(torch.tensor([token]), torch.tensor([pos]), caches, meta))
         times.append(time.perf_counter() - t)
         token = int(logits.argmax())
@@ -92,6 +96,7 @@ def main() -> None:
     for mode in modes:
         quant, _, dtype = mode.partition(":")  # e.g. "gguf:bfloat16" runs the whole model in bfloat16
         lm = models[mode] = load_model(MODEL, CPUBackend(), dtype=dtype or "float32", quantization=quant)
+        fuse_decoder_layers(lm.model)  # as the engine's runner does (GGUF-block layers only)
         logits = prompt_logits(lm, ids).float()
         err = (logits - ref_logits).abs()
         agree = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()) * 100

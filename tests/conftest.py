@@ -42,7 +42,13 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides)
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
+    if arch == "qwen3":
+        kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])  # Qwen3's default is 128
+    if arch == "phi3":
+        kw.setdefault("pad_token_id", None)  # Phi-3's default pad id (32000) is outside a tiny vocabulary
     model = model_cls(config_cls(**kw)).eval()
     with torch.no_grad():  # larger weights than the default init, so tokens vary
         for p in model.parameters():

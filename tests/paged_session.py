@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from treadle.layers.attention import build_attention_metadata
+from treadle.layers.attention import StepInputBuilder
 from treadle.loaders import LoadedModel
 
 
@@ -26,6 +26,7 @@ class PagedSession:
         dtype = lm.model.dtype  # the activations' dtype (weights may be quantized bytes)
         self.caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
         self.lens = [0] * num_seqs
+        self.inputs = StepInputBuilder(block_size)  # the runner's builder
 
     @torch.no_grad()
     def feed(self, new_tokens: list[list[int]]) -> list[torch.Tensor]:
@@ -33,8 +34,8 @@ class PagedSession:
         query_lens = [len(t) for t in new_tokens]
         seq_lens = [n + q for n, q in zip(self.lens, query_lens)]
         ids = torch.tensor([tok for toks in new_tokens for tok in toks], dtype=torch.long)
-        positions = torch.tensor([p for n, q in zip(self.lens, query_lens) for p in range(n, n + q)], dtype=torch.long)
-        meta = build_attention_metadata(query_lens, seq_lens, self.tables, self.block_size)
+        positions, meta = self.inputs.build(query_lens, seq_lens, self.tables)
+        meta.plan = self.model.backend.plan(meta)  # as the runner does, once per step
         logits = self.model.compute_logits(self.model(ids, positions, self.caches, meta))
         self.lens = seq_lens
         return list(logits.split(query_lens))

@@ -42,7 +42,9 @@ def run_both(
     spec = AttentionSpec(num_heads, num_kv_heads, head_dim, head_dim**-0.5, sliding_window)
     kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
     ref = ReferenceBackend().forward(q, k, v, kc_ref, vc_ref, meta, spec)
-    out = CPUBackend().forward(q, k, v, k_cache, v_cache, meta, spec)
+    backend = CPUBackend()
+    meta.plan = backend.plan(meta)  # as the runner does, once per step
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, spec)
     return out, ref, k_cache, kc_ref
 
 
@@ -128,8 +130,22 @@ def test_split_kv_with_fully_masked_chunks(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out, ref, **TOL[dtype])
     meta = build_attention_metadata([1, 1], seq_lens, [list(range(2)), list(range(2, 190))], 16)
     backend = CPUBackend()
-    plan = backend._step_plan(meta).decode
+    plan = backend.plan(meta).decode
     assert plan is not None
     from treadle.layers.attention.cpu import _split_layout
 
     assert _split_layout(plan, 16, 1, None, dtype).num_splits > 1
+
+
+def test_forward_without_a_plan_equals_planned() -> None:
+    """A caller that skips AttentionBackend.plan gets the same result (the plan worked out per call)."""
+    g = torch.Generator().manual_seed(7)
+    shape = (12, 16, 2, 8)
+    caches = [torch.randn(shape, generator=g) for _ in range(2)]
+    meta = build_attention_metadata([5, 1, 1], [5, 20, 33], [[0], [1, 2], [3, 4, 5]], 16)
+    q, k, v = (torch.randn(7, h, 8, generator=g) for h in (4, 2, 2))
+    spec = AttentionSpec(4, 2, 8, 8**-0.5)
+    backend = CPUBackend()
+    unplanned = backend.forward(q, k, v, *(c.clone() for c in caches), meta, spec)
+    meta.plan = backend.plan(meta)
+    assert torch.equal(backend.forward(q, k, v, *(c.clone() for c in caches), meta, spec), unplanned)

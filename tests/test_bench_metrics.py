@@ -5,8 +5,7 @@ import math
 
 import pytest
 
-from treadle.bench.backends import KVWaste
-from treadle.bench.metrics import RequestRecord, Spread, parse_goodput, peak_concurrency, summarize
+from treadle.bench.metrics import KVWaste, RequestRecord, Spread, parse_goodput, peak_concurrency, summarize
 from treadle.bench.roofline import MachinePeaks, ModelShape, Roofline
 from treadle.bench.serve_client import Traffic
 from treadle.bench.workloads import LengthRange, WorkloadSpec, make_workload

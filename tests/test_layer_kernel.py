@@ -1,6 +1,7 @@
-"""The one-call decoder layer (treadle/kernels/csrc/layer.c) on all-decode CPU steps gives
-exactly what the module path gives (the same kernels one by one), on tiny GGUF-block models
-of each architecture: GQA, Qwen2's qkv bias, Mistral's sliding window."""
+"""The fused decoder layer (one C call per layer, treadle/kernels/csrc/layer.c) on all-decode
+CPU steps gives exactly what the module path gives (the same kernels one by one), on tiny
+GGUF-block models of each architecture: GQA, Qwen2's qkv bias, Mistral's sliding window;
+and through the engine, ``fused_layers=False`` changes nothing but the path."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,12 +13,15 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 from paged_session import PagedSession
 
-from treadle.kernels import layer as layer_kernel
+from treadle import LLM, SamplingParams
 from treadle.kernels import native
+from treadle.kernels.layer import DecoderLayerKernel
 from treadle.layers.attention.cpu import CPUBackend
+from treadle.layers.fused_decoder import FusedDecoderLayer
 from treadle.loaders import LoadedModel, open_model_source
-from treadle.models.llama import LlamaForCausalLM
+from treadle.models.registry import model_class
 from treadle.quantization.gguf_native import GGUFBlockMethod, GGUFBlocks
+from treadle.worker.fused_layers import fuse_decoder_layers
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -30,12 +34,12 @@ FLOAT = ("model.embed_tokens", "lm_head")
 def gguf_block_model(path: Path, qtype: str) -> LoadedModel:
     """The checkpoint with every linear layer quantized to GGUF blocks (embedding float)."""
     src = open_model_source(str(path))
-    model = LlamaForCausalLM(src.config, CPUBackend(), torch.float32,
-                             method=lambda name: None if name in FLOAT else GGUFBlockMethod(qtype))
+    model = model_class(src.config.architecture)(
+        src.config, CPUBackend(), torch.float32, method=lambda name: None if name in FLOAT else GGUFBlockMethod(qtype))
 
     def weights():  # noqa: ANN202
         for name, t in src.weights():
-            if t.dim() == 2 and not name.startswith(("model.embed_tokens", "lm_head")):
+            if t.dim() == 2 and not name.startswith(FLOAT):
                 data = gguf_quantize(t.numpy(), GGMLQuantizationType[qtype])
                 yield name, GGUFBlocks(qtype, torch.from_numpy(data), tuple(t.shape))
             else:
@@ -57,26 +61,57 @@ def decode_logits(lm: LoadedModel, prompts: list[list[int]], steps: int) -> list
     return out
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    run = DecoderLayerKernel.__call__
+    monkeypatch.setattr(DecoderLayerKernel, "__call__", lambda self, *a: (calls.append(1), run(self, *a))[1])
+    return calls
+
+
 @pytest.mark.parametrize(
     "arch,qtype,overrides",
     [
         ("llama", "Q4_1", {}),
         ("qwen2", "Q8_0", {}),
         ("mistral", "Q4_0", {"sliding_window": 6}),
+        ("phi3", "Q8_0", {}),
     ],
 )
-def test_one_call_layer_equals_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str,
-                                           qtype: str, overrides: dict) -> None:
+def test_fused_layer_equals_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str,
+                                        qtype: str, overrides: dict) -> None:
     path = make_tiny_model(tmp_path / arch, arch, seed=3, hidden_size=64, intermediate_size=96,
                            num_attention_heads=4, num_key_value_heads=2, **overrides)
-    lm = gguf_block_model(path, qtype)
+    fused, modules = gguf_block_model(path, qtype), gguf_block_model(path, qtype)
+    assert fuse_decoder_layers(fused.model) == fused.config.num_layers
+    calls = count_calls(monkeypatch)
     prompts = [[5, 9, 13, 2, 7], [3] * 11, [8, 4]]
-    calls = []
-    run = layer_kernel.DecodeStep.run
-    monkeypatch.setattr(layer_kernel.DecodeStep, "run", lambda self, *a: (calls.append(1), run(self, *a))[1])
-    fused = decode_logits(lm, prompts, 9)
-    assert len(calls) == 9 * lm.config.num_layers  # every decode step, every layer
-    lm.model._one_call_layers = False  # the module path, kernel by kernel
-    modules = decode_logits(lm, prompts, 9)
-    for a, b in zip(fused, modules):
+    got = decode_logits(fused, prompts, 9)
+    assert len(calls) == 9 * fused.config.num_layers  # every decode step, every layer (prefill: module path)
+    for a, b in zip(got, decode_logits(modules, prompts, 9)):
         assert torch.equal(a, b)
+
+
+def test_qwen3_and_float_layers_are_not_fused(tmp_path: Path) -> None:
+    """q/k norms are not in the C layer; float weights have no block type: both keep modules."""
+    qwen3 = gguf_block_model(make_tiny_model(tmp_path / "qwen3", "qwen3"), "Q8_0")
+    assert fuse_decoder_layers(qwen3.model) == 0
+    src = open_model_source(str(make_tiny_model(tmp_path / "llama", "llama")))
+    model = model_class(src.config.architecture)(src.config, CPUBackend())
+    assert fuse_decoder_layers(model) == 0
+
+
+def test_engine_switch_selects_the_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = make_tiny_model(tmp_path / "llama", "llama", seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 9, 13, 2, 7]}, {"prompt_token_ids": [3] * 11}]
+    outs = {}
+    for fused in (True, False):
+        llm = LLM(str(path), quantization="int4", fused_layers=fused, num_kv_blocks=64, block_size=4)
+        layers = llm.engine.executor.worker.runner.model.layers  # the in-process worker
+        assert all(isinstance(layer, FusedDecoderLayer) == fused for layer in layers)
+        calls = count_calls(monkeypatch)
+        outs[fused] = llm.generate(prompts, params, use_tqdm=False)
+        assert bool(calls) == fused
+    for a, b in zip(outs[True], outs[False]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

@@ -15,8 +15,9 @@ import torch
 from paged_session import PagedSession, greedy
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
+from treadle import LLM, SamplingParams
 from treadle.layers.attention import ReferenceBackend
 from treadle.loaders import load_model
 
@@ -41,6 +42,10 @@ VARIANTS = {
     ),
     "mistral-sliding-8": MistralConfig(**_COMMON, num_key_value_heads=2, sliding_window=8),
     "qwen2-qkv-bias": Qwen2Config(**_COMMON, num_key_value_heads=2),
+    # per-head q/k RMSNorm before RoPE; head_dim 32 while hidden / heads is 16
+    "qwen3-qk-norm": Qwen3Config(**_COMMON, num_key_value_heads=2, head_dim=32),
+    # q/k/v and gate/up stacked in the checkpoint itself
+    "phi3-packed": Phi3Config(**_COMMON, num_key_value_heads=2, pad_token_id=None),
 }
 PROMPT_LENS = (1, 7, 19)
 NEW_TOKENS = 32
@@ -81,6 +86,7 @@ def test_config_read_from_directory(pair) -> None:
     assert (cfg.num_heads, cfg.num_kv_heads) == (hf.config.num_attention_heads, hf.config.num_key_value_heads)
     assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
     assert cfg.qkv_bias == (cfg.architecture == "Qwen2ForCausalLM")
+    assert cfg.head_dim == (getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads)
     assert cfg.sliding_window == (8 if cfg.architecture == "MistralForCausalLM" else None)
 
 
@@ -120,3 +126,21 @@ def test_greedy_continuations_match_generate(pair) -> None:
         expected = out[0, len(prompt) :].tolist()
         assert len(expected) == NEW_TOKENS
         assert got == expected
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_engine_greedy_and_logprobs_match_transformers(pair, backend: str) -> None:
+    """Through the engine (scheduler, runner, paged cache): greedy tokens identical,
+    logprobs of the chosen tokens close to transformers' full forward."""
+    hf, lm = pair
+    llm = LLM(str(lm.path), attention_backend=backend, num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1, ignore_eos=True)
+    prompts = _prompts(4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        got = out.outputs[0].token_ids
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt + got])).logits[0].log_softmax(-1)
+        assert got == ref[len(prompt) - 1 : -1].argmax(-1).tolist()
+        for i, (tok, lp) in enumerate(zip(got, out.outputs[0].logprobs)):
+            assert abs(lp[tok].logprob - float(ref[len(prompt) - 1 + i, tok])) < 1e-4

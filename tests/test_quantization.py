@@ -2,6 +2,8 @@
 dequantized weight, plus exact packing round-trips."""
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from gguf.quants import quantize as gguf_quantize
 from treadle.config import ModelConfig, TreadleError
 from treadle.kernels import native
 from treadle.layers.linear import Linear, UnquantizedLinearMethod
+from treadle.models.llama import LLAMA_LAYOUT
 from treadle.quantization import weight_only_factory
 from treadle.quantization.gguf_native import (
     GGUFBlockMethod,
@@ -174,7 +177,7 @@ def test_gguf_plan_picks_layers_by_type(monkeypatch: pytest.MonkeyPatch) -> None
         "model.layers.0.mlp.down_proj.weight": ("F32", (64, 96)),
         "lm_head.weight": ("Q6_K", (256, 64)),
     }
-    plan = GGUFNativePlan(t)
+    plan = GGUFNativePlan(t, LLAMA_LAYOUT.shard_names)
     monkeypatch.setattr(native, "available", lambda: True)
     methods = {name: plan.method(name) for name in (
         "model.embed_tokens", "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
@@ -187,27 +190,28 @@ def test_gguf_plan_picks_layers_by_type(monkeypatch: pytest.MonkeyPatch) -> None
     assert plan.keeps_raw("model.layers.0.self_attn.k_proj.weight")
     assert not plan.keeps_raw("model.layers.0.mlp.up_proj.weight")
     monkeypatch.setattr(native, "available", lambda: False)  # no C compiler: everything float
-    assert GGUFNativePlan(t).method("model.layers.0.self_attn.qkv_proj") is None
+    assert GGUFNativePlan(t, LLAMA_LAYOUT.shard_names).method("model.layers.0.self_attn.qkv_proj") is None
 
 
 def test_weight_only_factory_names(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
                                "intermediate_size": 172, "num_hidden_layers": 1, "num_attention_heads": 4})
+    widths = partial(LLAMA_LAYOUT.in_features, cfg)  # what the loader hands over
     monkeypatch.setattr(native, "available", lambda: True)
-    int8, int4 = weight_only_factory("int8", cfg), weight_only_factory("int4", cfg)
+    int8, int4 = weight_only_factory("int8", widths), weight_only_factory("int4", widths)
     assert int8("model.layers.0.self_attn.qkv_proj").qtype == "Q8_0"  # C kernels: GGUF blocks
     assert int4("model.layers.0.mlp.gate_up_proj").qtype == "Q4_1"
     assert isinstance(int8("model.layers.0.mlp.down_proj"), Int8WeightOnlyMethod)  # 172 inputs: torch's kernel
     assert isinstance(int4("model.layers.0.mlp.down_proj"), Int4WeightOnlyMethod)
     for name, group in (("int4-g64", 64), ("int4-g128", 128)):
-        method = weight_only_factory(name, cfg)("model.layers.1.self_attn.o_proj")
+        method = weight_only_factory(name, widths)("model.layers.1.self_attn.o_proj")
         assert isinstance(method, Int4WeightOnlyMethod) and method.group_size == group
     assert int4("lm_head") is None and int8("model.embed_tokens") is None
     monkeypatch.setattr(native, "available", lambda: False)
-    method = weight_only_factory("int4", cfg)("model.layers.1.self_attn.o_proj")
+    method = weight_only_factory("int4", widths)("model.layers.1.self_attn.o_proj")
     assert isinstance(method, Int4WeightOnlyMethod) and method.group_size == 32
     with pytest.raises(TreadleError):
-        weight_only_factory("int3", cfg)
+        weight_only_factory("int3", widths)
 
 
 @needs_kernels

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_tiny_model
 from paged_session import PagedSession, greedy
 
 from treadle.config import TreadleError
@@ -66,6 +67,22 @@ def test_weight_only_modes_on_tiny_llama(tiny_llama: Path, mode: str, cls: type)
     tolerance = 1e-3 if mode in BLOCKS else 0.03
     assert float((got - expect).abs().max()) < tolerance * float(expect.abs().max())
     assert float((got.argmax(-1) == expect.argmax(-1)).float().mean()) >= 0.9
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4-g64"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_weight_only_modes_on_layout_variants(tmp_path: Path, arch: str, mode: str) -> None:
+    """Qwen3 (o_proj input = heads x head_dim, not hidden) and Phi-3 (packed checkpoint tensors
+    quantized whole): the layout gives the widths and shards the methods see."""
+    path = make_tiny_model(tmp_path / arch, arch, head_dim=32) if arch == "qwen3" else make_tiny_model(
+        tmp_path / arch, arch)
+    quant = load_model(str(path), CPUBackend(), quantization=mode)
+    assert quant.model.layers[0].self_attn.o_proj.in_features == (128 if arch == "qwen3" else 64)
+    text = "a quick brown fox jumps over the lazy dog"
+    expect = prompt_logits(dequantized_reference(path, mode), text)
+    got = prompt_logits(quant, text)
+    tolerance = 1e-3 if mode in BLOCKS else 0.03
+    assert float((got - expect).abs().max()) < tolerance * float(expect.abs().max())
 
 
 def test_gguf_mode_needs_a_gguf_file(tiny_llama: Path) -> None:

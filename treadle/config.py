@@ -28,7 +28,10 @@ _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
+_SLIDING_WHEN_ENABLED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # sliding_window only with use_sliding_window
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,10 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         sliding = cfg.get("sliding_window")
-        if archs[0] == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        if archs[0] in _SLIDING_WHEN_ENABLED and not cfg.get("use_sliding_window", False):
             sliding = None
+        if float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise TreadleError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
         return ModelConfig(
             architecture=archs[0],
             vocab_size=int(cfg["vocab_size"]),

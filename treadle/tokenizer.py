@@ -152,7 +152,7 @@ class Tokenizer:
     @staticmethod
     def from_gguf_metadata(metadata: Mapping[str, Any], extra_eos_token_ids: Iterable[int] = ()) -> Tokenizer:
         """From decoded GGUF key/values (``tokenizer.ggml.*``, ``tokenizer.chat_template``)."""
-        from treadle.loaders.vocab import byte_level_bpe, sentencepiece_bpe
+        from treadle.vocab import byte_level_bpe, sentencepiece_bpe
 
         kind = metadata.get("tokenizer.ggml.model")
         pieces: list[str] = list(metadata.get("tokenizer.ggml.tokens", []))

@@ -14,44 +14,17 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from treadle.bench.metrics import RequestRecord
+from treadle.bench.metrics import KVWaste, RequestRecord, RunResult
 from treadle.bench.roofline import decode_weight_bytes
 from treadle.bench.workloads import BenchRequest
 
 Progress = Callable[[int], Any] | None  # called with the number of requests just finished
 
 BACKENDS = ("treadle", "static", "hf", "llamacpp")
-
-
-@dataclass
-class KVWaste:
-    """KV slots allocated to running requests vs slots holding a token, at the
-    step where the allocation peaked."""
-
-    peak_allocated_slots: int = 0
-    used_slots_at_peak: int = 0
-    total_slots: int = 0
-
-    @property
-    def waste_fraction(self) -> float:
-        alloc = self.peak_allocated_slots
-        return (alloc - self.used_slots_at_peak) / alloc if alloc else 0.0
-
-    def observe(self, allocated: int, used: int) -> None:
-        if allocated > self.peak_allocated_slots:
-            self.peak_allocated_slots, self.used_slots_at_peak = allocated, used
-
-
-@dataclass
-class RunResult:
-    records: list[RequestRecord]
-    duration_s: float
-    kv: KVWaste | None = None
 
 
 class Backend(Protocol):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from treadle.bench.metrics import RequestRecord
+from treadle.bench.metrics import RequestRecord, RunResult
 from treadle.bench.workloads import BenchRequest
 
 N_BATCH = 512
@@ -70,8 +70,6 @@ class LlamaCppBackend:
         return ctx
 
     def run(self, reqs: list[BenchRequest], concurrency: int, progress=None):  # noqa: ANN001, ANN201
-        from treadle.bench.backends import RunResult
-
         L = self.lib
         ctx = self._new_context(concurrency)
         batch = L.llama_batch_init(N_BATCH, 0, 1)

@@ -69,6 +69,32 @@ class RequestRecord:
 
 
 @dataclass
+class KVWaste:
+    """KV slots allocated to running requests vs slots holding a token, at the
+    step where the allocation peaked."""
+
+    peak_allocated_slots: int = 0
+    used_slots_at_peak: int = 0
+    total_slots: int = 0
+
+    @property
+    def waste_fraction(self) -> float:
+        alloc = self.peak_allocated_slots
+        return (alloc - self.used_slots_at_peak) / alloc if alloc else 0.0
+
+    def observe(self, allocated: int, used: int) -> None:
+        if allocated > self.peak_allocated_slots:
+            self.peak_allocated_slots, self.used_slots_at_peak = allocated, used
+
+
+@dataclass
+class RunResult:
+    records: list[RequestRecord]
+    duration_s: float
+    kv: KVWaste | None = None
+
+
+@dataclass
 class Distribution:
     """Mean, median, std and chosen percentiles of one latency, in milliseconds."""
 

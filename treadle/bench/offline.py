@@ -11,8 +11,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from treadle.bench.backends import Backend, KVWaste, make_backend
-from treadle.bench.metrics import RequestRecord, ServeMetrics, Spread, summarize
+from treadle.bench.backends import Backend, make_backend
+from treadle.bench.metrics import KVWaste, RequestRecord, ServeMetrics, Spread, summarize
 from treadle.bench.report import fmt_pct, fmt_ratio, markdown_table
 from treadle.bench.roofline import MachinePeaks, ModelShape, Roofline, remeasure
 from treadle.bench.workloads import BenchRequest, LengthRange, WorkloadSpec, make_workload

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from treadle.config import ModelConfig, TreadleError
+from treadle.models.registry import model_layout
 
 GiB = 1 << 30
 CPU_DEFAULT_CAP = 1 * GiB  # default KV budget on the CPU when none is given (--kv-cache-memory to change)
@@ -23,10 +24,8 @@ def available_memory(device: torch.device) -> int:
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size + 2 * h
-    embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return (cfg.num_layers * per_layer + embed + h) * torch.tensor([], dtype=dtype).element_size()
+    """The model's weights held unquantized in ``dtype`` (every tensor its layout lists)."""
+    return model_layout(cfg.architecture).weight_bytes(cfg, torch.tensor([], dtype=dtype).element_size())
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

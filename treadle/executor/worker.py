@@ -32,9 +32,8 @@ class Worker:
                                     -(-sched.max_model_len // cache.block_size), cache.block_size)
         if graphs is not None:
             graphs.capture()
-        # config.fused_layers reaches the runner with the fused-layer swap (issue 11, item 5)
         self.runner = ModelRunner(loaded.model, kv, cache.block_size, sched.max_num_batched_tokens,
-                                  sched.max_model_len, device, config.load.seed, graphs)
+                                  sched.max_model_len, device, config.load.seed, graphs, config.fused_layers)
         self._capacity = KVCapacity(cache.num_blocks, cache.block_size)
 
     def kv_capacity(self) -> KVCapacity:

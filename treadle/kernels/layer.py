@@ -1,16 +1,17 @@
-"""One C call per Llama decoder layer on all-decode CPU steps (``csrc/layer.c``).
+"""One C call per Llama-style decoder layer on all-decode CPU steps (``csrc/layer.c``).
 
 ``layer.c`` chains the kernels the layer's modules would call one by one (same kernels,
 same order, same values), so the only difference from the module path is the Python it
-skips. A model qualifies (``layer_qtypes``, checked once) with GGUF-block linear layers
-(``GGUFBlockMethod``), float32 activations, fused ops on and the kernels built; a step
-(checked by the model each step) when the cache is float32 and the attention backend hands
-over the step's decode arguments (the CPU backend on an all-decode step).
+skips. Everything it reads is handed over explicitly: the layer's weights as GGUF-block
+tensors with their block type names (``DecoderLayerWeights``), the step's decode index
+tensors, the KV cache and a scratch buffer. Which layers qualify is decided by the caller
+(``treadle.worker.fused_layers``); this module knows no model or quantization classes.
 """
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -19,50 +20,65 @@ from treadle.kernels import native
 _SIGNATURE = "PPCPPFPPPPPPPPPPPPPIIIIIIIIIFP"
 
 
-def layer_qtypes(layer: Any) -> ctypes.Array | None:
-    """The block types of one LlamaDecoderLayer's qkv / o / gate_up / down weights as the
-    kernel's int array, or None when the layer cannot go to it (methods, biases, dtypes)."""
-    from treadle.quantization.gguf_native import GGUFBlockMethod
-
-    attn, mlp = layer.self_attn, layer.mlp
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    supported = (
-        native.available()
-        and all(isinstance(m.method, GGUFBlockMethod) for m in linears)
-        and (attn.qkv_proj.bias is None or attn.qkv_proj.bias.dtype == torch.float32)
-        and all(m.bias is None for m in linears[1:])
-        and layer.input_layernorm.fused and attn.rotary.fused
-        and layer.input_layernorm.weight.dtype == layer.post_attention_layernorm.weight.dtype == torch.float32
-        and attn.rotary.cos_sin.dtype == torch.float32
-    )
-    return (ctypes.c_int * 4)(*(native.QTYPES[m.method.qtype] for m in linears)) if supported else None
+def block_types(names: Sequence[str]) -> ctypes.Array:
+    """GGUF block type names ("Q4_1", ...) of qkv / o / gate_up / down as the kernel's int[4]."""
+    return (ctypes.c_int * 4)(*(native.QTYPES[n] for n in names))
 
 
-class DecodeStep:
-    """The per-step arguments (batch, block tables, scratch) shared by every layer."""
+class DecoderLayerWeights(NamedTuple):
+    """One decoder layer's tensors and shapes, as the C layer reads them."""
 
-    def __init__(self, kernel_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor], block_size: int,
-                 positions: torch.Tensor, hidden: int, qkv: int, q_size: int, inter: int) -> None:
-        self.slots, self.tables, self.seq_lens = kernel_args
-        self.batch = self.seq_lens.shape[0]
-        self.block_size = block_size
-        self.positions = positions.to(torch.int64).contiguous()
-        self.scratch = torch.empty(self.batch * (2 * hidden + qkv + q_size + 3 * inter), dtype=torch.float32)
-        self.fn = native.kernel("tq_llama_layer_decode", _SIGNATURE)
+    qtypes: ctypes.Array  # int[4], from block_types
+    input_norm: torch.Tensor  # [H] float32
+    post_norm: torch.Tensor  # [H] float32
+    eps: float
+    qkv: torch.Tensor  # [q + 2 kv, H / 32 * block bytes] uint8
+    qkv_bias: torch.Tensor | None  # [q + 2 kv] float32
+    o: torch.Tensor  # [H, q / 32 * block bytes] uint8
+    gate_up: torch.Tensor  # [2 I, H / 32 * block bytes] uint8
+    down: torch.Tensor  # [H, I / 32 * block bytes] uint8
+    cos_sin: torch.Tensor  # [max_positions, head_dim] float32 (RoPE table)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    sliding_window: int | None
+    scale: float
 
-    def run(self, layer: Any, qtypes: ctypes.Array, first: bool, x: torch.Tensor, residual: torch.Tensor,
-            kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """x [B, H] (overwritten with the layer's MLP output) and residual [B, H], in place;
-        ``qtypes`` from ``layer_qtypes``."""
-        attn, mlp, spec = layer.self_attn, layer.mlp, layer.self_attn.spec
-        qkv, o, gu, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-        self.fn(
-            x.data_ptr(), residual.data_ptr(), int(first), layer.input_layernorm.weight.data_ptr(),
-            layer.post_attention_layernorm.weight.data_ptr(), layer.input_layernorm.eps, ctypes.addressof(qtypes),
-            qkv.weight.data_ptr(), None if qkv.bias is None else qkv.bias.data_ptr(), o.weight.data_ptr(),
-            gu.weight.data_ptr(), down.weight.data_ptr(), attn.rotary.cos_sin.data_ptr(), self.positions.data_ptr(),
-            kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), self.slots.data_ptr(), self.tables.data_ptr(),
-            self.seq_lens.data_ptr(), self.batch, self.tables.shape[1], self.block_size, x.shape[1],
-            spec.num_heads, spec.num_kv_heads, spec.head_dim, down.in_features, spec.sliding_window or 0,
-            spec.scale, self.scratch.data_ptr(),
+    def scratch_floats(self, batch: int, hidden: int) -> int:
+        q = self.num_heads * self.head_dim
+        qkv = q + 2 * self.num_kv_heads * self.head_dim
+        return batch * (2 * hidden + qkv + q + 3 * self.intermediate)
+
+
+class DecoderLayerKernel:
+    """The C layer bound to one layer's weights: their pointers and shapes are read once here
+    (the weights must neither move nor be freed while this lives; it holds them)."""
+
+    def __init__(self, w: DecoderLayerWeights) -> None:
+        self.weights = w
+        self._fn = native.kernel("tq_llama_layer_decode", _SIGNATURE)
+        bias = None if w.qkv_bias is None else w.qkv_bias.data_ptr()
+        self._norms = (w.input_norm.data_ptr(), w.post_norm.data_ptr(), w.eps, ctypes.addressof(w.qtypes),
+                       w.qkv.data_ptr(), bias, w.o.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr(),
+                       w.cos_sin.data_ptr())
+        self._shape = (w.num_heads, w.num_kv_heads, w.head_dim, w.intermediate, w.sliding_window or 0, w.scale)
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [B, H] float32 contiguous; overwritten with the layer's MLP output
+        residual: torch.Tensor,  # [B, H] float32 contiguous; the residual stream, updated in place
+        first: bool,  # residual is set to x (the first layer), else x is added into it
+        positions: torch.Tensor,  # [B] int64 contiguous
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, kv_heads, D] f32 contiguous
+        slots: torch.Tensor,  # [B] int64, cache slot of each new K/V row
+        block_tables: torch.Tensor,  # [B, max_blocks] int32 contiguous
+        seq_lens: torch.Tensor,  # [B] int32, new token included
+        scratch: torch.Tensor,  # >= weights.scratch_floats(B, H) float32
+    ) -> None:
+        k_cache, v_cache = kv_cache
+        self._fn(
+            x.data_ptr(), residual.data_ptr(), int(first), *self._norms, positions.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+            seq_lens.shape[0], block_tables.shape[1], k_cache.shape[1], x.shape[1], *self._shape, scratch.data_ptr(),
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -11,22 +12,11 @@ import torch
 
 from treadle.config import ModelConfig, TreadleError
 from treadle.layers.attention import AttentionBackend
-from treadle.models.registry import model_class
+from treadle.loaders.source import ModelSource
+from treadle.models.registry import model_class, model_layout
 
 if TYPE_CHECKING:
     from treadle.tokenizer import Tokenizer
-
-
-@dataclass
-class ModelSource:
-    path: Path
-    config: ModelConfig
-    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # HF-named tensors, streamed
-    tokenizer: Tokenizer
-    # GGUF only: HF weight name -> (GGUF type name, HF shape), and a stream that hands the
-    # tensors ``keep_raw`` names over still quantized (GGUFBlocks), the rest as floats
-    tensor_types: dict[str, tuple[str, tuple[int, ...]]] | None = None
-    raw_weights: Callable[[Callable[[str], bool]], Iterator[tuple[str, Any]]] | None = None
 
 
 @dataclass
@@ -77,6 +67,7 @@ def quantization_plan(
     from treadle.quantization import resolve_quantization, weight_only_factory
     from treadle.quantization.gguf_native import GGUFNativePlan
 
+    layout = model_layout(source.config.architecture)
     on_cpu = torch.device(device).type == "cpu"
     is_gguf = source.raw_weights is not None and source.tensor_types is not None
     try:
@@ -87,9 +78,9 @@ def quantization_plan(
         return None, source.weights
     if quantization == "gguf":
         assert source.raw_weights is not None and source.tensor_types is not None
-        plan, raw_weights = GGUFNativePlan(source.tensor_types), source.raw_weights
+        plan, raw_weights = GGUFNativePlan(source.tensor_types, layout.shard_names), source.raw_weights
         return plan.method, lambda: raw_weights(plan.keeps_raw)
-    return weight_only_factory(quantization, source.config), source.weights
+    return weight_only_factory(quantization, partial(layout.in_features, source.config)), source.weights
 
 
 def load_model(

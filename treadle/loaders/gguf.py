@@ -22,9 +22,9 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from treadle.config import ModelConfig, RopeScaling, TreadleError
-from treadle.loaders import ModelSource
 from treadle.loaders.expected import check_tensors
 from treadle.loaders.rotary_layout import interleaved_to_rotate_half
+from treadle.loaders.source import ModelSource
 from treadle.quantization.gguf_native import GGUFBlocks
 from treadle.tokenizer import Tokenizer
 

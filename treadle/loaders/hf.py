@@ -15,8 +15,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from treadle.config import ModelConfig, TreadleError
-from treadle.loaders import ModelSource
 from treadle.loaders.expected import check_tensors, is_ignored
+from treadle.loaders.source import ModelSource
 from treadle.models.registry import supported_architectures
 from treadle.tokenizer import Tokenizer, read_json_object
 

@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 
 from treadle.config import TreadleError
 from treadle.loaders.rotary_layout import interleaved_to_rotate_half
-from treadle.loaders.vocab import SPACE_MARK, TokenType, sentencepiece_bpe
 from treadle.tokenizer import Tokenizer
+from treadle.vocab import SPACE_MARK, TokenType, sentencepiece_bpe
 
 _HEADER = struct.Struct("<7i")
 _UNK, _BOS, _EOS = 0, 1, 2

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, SmolLM): one decoder, configured.
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM): one decoder, configured by its layout.
 
 Forward takes flat token ids and positions of a whole batch, the per-layer paged
 KV cache and the step's attention metadata, all as explicit arguments.
@@ -6,26 +6,33 @@ KV cache and the step's attention metadata, all as explicit arguments.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from treadle.config import ModelConfig
-from treadle.kernels.layer import DecodeStep, layer_qtypes
 from treadle.layers.activation import silu_and_mul
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from treadle.layers.linear import Linear, LinearMethod
 from treadle.layers.norm import RMSNorm
 from treadle.layers.rotary import RotaryEmbedding
+from treadle.models.layout import LLAMA_NORMS, LinearLayout, ModelLayout, llama_linears
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 MethodFactory = Callable[[str], LinearMethod | None]
+
+
+def make_linear(lin: LinearLayout, cfg: ModelConfig, dtype: torch.dtype, method: MethodFactory, prefix: str) -> Linear:
+    """The Linear module a layout row describes, named ``{prefix}.{lin.name}`` for the method factory."""
+    return Linear(lin.in_features(cfg), lin.output_sizes(cfg), lin.bias(cfg), dtype, method(f"{prefix}.{lin.name}"))
 
 
 class LlamaAttention(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
+        layout: ModelLayout,
         backend: AttentionBackend,
         dtype: torch.dtype,
         method: MethodFactory,
@@ -42,13 +49,14 @@ class LlamaAttention(nn.Module):
             sliding_window=cfg.sliding_window,
         )
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.qkv_proj = Linear(
-            cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias, dtype,
-            method(f"{prefix}.qkv_proj"),
-        )
-        self.o_proj = Linear(self.q_size, [cfg.hidden_size], False, dtype, method(f"{prefix}.o_proj"))
+        self.qkv_proj = make_linear(layout.linear("self_attn.qkv_proj"), cfg, dtype, method, prefix)
+        self.o_proj = make_linear(layout.linear("self_attn.o_proj"), cfg, dtype, method, prefix)
         self.rotary = rotary  # one table shared by every layer
         self.backend = backend
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q/k transform before RoPE: none here (Qwen3 normalizes them)."""
+        return q, k
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -58,37 +66,29 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, spec.num_heads, spec.head_dim)
         k = k.view(-1, spec.num_kv_heads, spec.head_dim)
         v = v.view(-1, spec.num_kv_heads, spec.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, *self.normalize_qk(q, k))
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, spec)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, method: MethodFactory, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, layout: ModelLayout, dtype: torch.dtype, method: MethodFactory,
+                 prefix: str) -> None:
         super().__init__()
-        inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], False, dtype, method(f"{prefix}.gate_up_proj"))
-        self.down_proj = Linear(inter, [cfg.hidden_size], False, dtype, method(f"{prefix}.down_proj"))
+        self.gate_up_proj = make_linear(layout.linear("mlp.gate_up_proj"), cfg, dtype, method, prefix)
+        self.down_proj = make_linear(layout.linear("mlp.down_proj"), cfg, dtype, method, prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        backend: AttentionBackend,
-        dtype: torch.dtype,
-        method: MethodFactory,
-        prefix: str,
-        rotary: RotaryEmbedding,
-    ) -> None:
+    def __init__(self, attention: LlamaAttention, mlp: LlamaMLP, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, backend, dtype, method, f"{prefix}.self_attn", rotary)
+        self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, dtype, method, f"{prefix}.mlp")
+        self.mlp = mlp
 
     def forward(
         self,
@@ -98,23 +98,23 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream); ``residual`` None on the first layer (x is the stream)."""
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(positions, h, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
-# Hugging Face checkpoint name -> (our fused parameter name, shard index)
-_STACKED = (
-    (".q_proj.", ".qkv_proj.", 0),
-    (".k_proj.", ".qkv_proj.", 1),
-    (".v_proj.", ".qkv_proj.", 2),
-    (".gate_proj.", ".gate_up_proj.", 0),
-    (".up_proj.", ".gate_up_proj.", 1),
-)
+LLAMA_LAYOUT = ModelLayout(linears=llama_linears(), norms=LLAMA_NORMS)
 
 
 class LlamaForCausalLM(nn.Module):
+    """Llama, Mistral (sliding window), Qwen2 (qkv bias), SmolLM; subclasses change the
+    layout and the attention class (Qwen3, Phi-3)."""
+
+    layout: ClassVar[ModelLayout] = LLAMA_LAYOUT
+    attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -127,22 +127,23 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.dtype = dtype
         self.backend = backend
-        self._one_call_layers: list | bool | None = None  # per-layer block types for the C layer, or False
+        layout = self.layout
         # [vocab, hidden]: looked up by ids, and the lm_head too when tied
-        self.embed_tokens = Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype, method("model.embed_tokens"))
+        self.embed_tokens = Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype, method(layout.embed))
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, dtype, method, f"model.layers.{i}", rotary) for i in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList()
+        for i in range(cfg.num_layers):
+            p = f"{layout.layer_prefix}.{i}"
+            attn = self.attention_cls(cfg, layout, backend, dtype, method, p, rotary)
+            self.layers.append(LlamaDecoderLayer(attn, LlamaMLP(cfg, layout, dtype, method, p), cfg))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.norm.weight.data = self.norm.weight.data.to(dtype)
-        for layer in self.layers:
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                norm.weight.data = norm.weight.data.to(dtype)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.data = module.weight.data.to(dtype)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype, method("lm_head"))
+            self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype, method(layout.lm_head))
 
     def forward(
         self,
@@ -152,34 +153,11 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         x = self.embed_tokens.method.embedding(self.embed_tokens, input_ids, self.dtype)
-        step = self._one_call_decode(positions, kv_caches, meta)
-        if step is not None:  # all-decode CPU step on GGUF blocks: one C call per layer
-            residual = torch.empty_like(x)
-            for i, (layer, qtypes, cache) in enumerate(zip(self.layers, self._one_call_layers, kv_caches)):
-                step.run(layer, qtypes, i == 0, x, residual, cache)
-        else:
-            residual = None
-            for layer, cache in zip(self.layers, kv_caches):
-                x, residual = layer(positions, x, residual, cache, meta)
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, cache, meta)
         x, _ = self.norm(x, residual)
         return x
-
-    def _one_call_decode(self, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata) -> DecodeStep | None:
-        """The per-step state for ``treadle.kernels.layer`` when this model and step qualify."""
-        if self._one_call_layers is None:  # decided once, after the weights are loaded
-            qtypes = [layer_qtypes(layer) for layer in self.layers]
-            self._one_call_layers = qtypes if all(q is not None for q in qtypes) else False
-        decode_args = getattr(self.backend, "decode_kernel_args", None)
-        if not self._one_call_layers or decode_args is None:
-            return None
-        kernel_args = decode_args(meta)
-        k_cache = kv_caches[0][0]
-        if kernel_args is None or k_cache.dtype != torch.float32 or not k_cache.is_contiguous():
-            return None
-        cfg = self.config
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return DecodeStep(kernel_args, meta.block_size, positions, cfg.hidden_size, q_size + 2 * kv_size, q_size,
-                          cfg.intermediate_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         head = self.embed_tokens if self.lm_head is None else self.lm_head
@@ -190,15 +168,9 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
-            if "rotary_emb.inv_freq" in hf_name:
+            if self.layout.is_ignored(hf_name, self.config):
                 continue
-            if hf_name == "lm_head.weight" and self.lm_head is None:
-                continue
-            name, shard = hf_name.removeprefix("model."), None
-            for old, new, idx in _STACKED:
-                if old in name:
-                    name, shard = name.replace(old, new), idx
-                    break
+            name, shard = self.layout.parameter_for(hf_name)
             if name not in params:
                 raise KeyError(f"unexpected tensor {hf_name!r} in checkpoint")
             param = params[name]

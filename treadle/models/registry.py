@@ -1,15 +1,20 @@
-"""Hugging Face architecture name -> model class."""
+"""Hugging Face architecture name -> model class (each class carries its ``layout``)."""
 from __future__ import annotations
 
 from torch import nn
 
 from treadle.config import TreadleError
+from treadle.models.layout import ModelLayout
 from treadle.models.llama import LlamaForCausalLM
+from treadle.models.phi3 import Phi3ForCausalLM
+from treadle.models.qwen3 import Qwen3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
@@ -24,3 +29,8 @@ def model_class(architecture: str) -> type[nn.Module]:
         raise TreadleError(
             f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}"
         ) from None
+
+
+def model_layout(architecture: str) -> ModelLayout:
+    """The parameter table of ``architecture`` (see treadle.models.layout)."""
+    return model_class(architecture).layout  # type: ignore[attr-defined]

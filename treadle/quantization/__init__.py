@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from treadle.config import ModelConfig, TreadleError
+from treadle.config import TreadleError
 from treadle.kernels import native
 from treadle.layers.linear import LinearMethod
 from treadle.quantization.gguf_native import GGUFBlockMethod
@@ -57,17 +57,9 @@ def _keep_float(layer_name: str) -> bool:
     return layer_name in ("lm_head", "model.embed_tokens")
 
 
-def in_features(cfg: ModelConfig, layer_name: str) -> int:
-    """The input width of a Llama-family linear layer, from its name."""
-    if layer_name.endswith(".o_proj"):
-        return cfg.num_heads * cfg.head_dim
-    if layer_name.endswith(".down_proj"):
-        return cfg.intermediate_size
-    return cfg.hidden_size
-
-
-def weight_only_factory(name: str, cfg: ModelConfig) -> MethodFactory:
-    """The factory for one of WEIGHT_ONLY_NAMES."""
+def weight_only_factory(name: str, in_features: Callable[[str], int]) -> MethodFactory:
+    """The factory for one of WEIGHT_ONLY_NAMES; ``in_features`` gives a layer's input width
+    from its name (the model layout's ``in_features``, bound to the config)."""
     if name == "int4":
         name = "int4-g32"
     if name not in WEIGHT_ONLY_NAMES:
@@ -79,7 +71,7 @@ def weight_only_factory(name: str, cfg: ModelConfig) -> MethodFactory:
     def method(layer: str) -> LinearMethod | None:
         if _keep_float(layer):
             return None
-        if blocks is not None and native.available() and in_features(cfg, layer) % 32 == 0:
+        if blocks is not None and native.available() and in_features(layer) % 32 == 0:
             return GGUFBlockMethod(blocks)
         return Int8WeightOnlyMethod() if name == "int8" else Int4WeightOnlyMethod(int(name.removeprefix("int4-g")))
 

@@ -15,6 +15,7 @@ lm_head (a matmul over the same bytes).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -103,25 +104,17 @@ class GGUFBlockMethod(LinearMethod):
         return native.gather_rows(self.qtype, layer.weight, ids, layer.in_features).to(dtype)
 
 
-_FUSED = {".qkv_proj": (".q_proj", ".k_proj", ".v_proj"), ".gate_up_proj": (".gate_proj", ".up_proj")}
-
-
 class GGUFNativePlan:
     """Which layers of a GGUF model stay quantized, decided from the file's tensor types:
     every linear layer, the embedding and lm_head whose shards are all one of Q4_0, Q4_1,
     Q8_0; anything else is dequantized to float at load. Without Treadle's C kernels
     (no C compiler, or ``TREADLE_NATIVE_KERNELS=0``) everything is dequantized."""
 
-    def __init__(self, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    def __init__(self, tensors: dict[str, tuple[str, tuple[int, ...]]],
+                 shard_names: Callable[[str], list[str]]) -> None:
         self.tensors = tensors  # HF weight name -> (GGUF type name, HF shape)
+        self.shard_names = shard_names  # layer name -> its checkpoint weights (the model layout's)
         self._raw: set[str] = set()
-
-    def shard_names(self, layer_name: str) -> list[str]:
-        for fused, parts in _FUSED.items():
-            if layer_name.endswith(fused):
-                stem = layer_name.removesuffix(fused)
-                return [f"{stem}{p}.weight" for p in parts]
-        return [f"{layer_name}.weight"]
 
     def method(self, layer_name: str) -> LinearMethod | None:
         """The factory handed to the model: ``Callable[[str], LinearMethod | None]``."""

@@ -2,6 +2,10 @@
 (token ids, positions, block tables, slot mapping), the model runs once, and
 the rows that reached their end are sampled.
 
+After loading, the runner swaps in fused decoder layers where it can (CPU fast path,
+``fused_layers``); each step it builds the inputs with one ``StepInputBuilder`` and asks the
+attention backend for its per-step plan once (``AttentionBackend.plan``).
+
 The runner keeps a copy of each live request's tokens (sent once, when new)
 and appends what it samples, so the scheduler sends only progress and blocks.
 """
@@ -14,8 +18,9 @@ import torch
 
 from treadle.config import ModelConfig
 from treadle.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
-from treadle.layers.attention import AttentionMetadata
+from treadle.layers.attention import AttentionBackend, AttentionMetadata, StepInputBuilder
 from treadle.worker.cuda_graph import CUDAGraphRunner
+from treadle.worker.fused_layers import fuse_decoder_layers
 from treadle.worker.sampler import Sampler, SamplingRow, logprobs_at
 
 
@@ -60,6 +65,9 @@ def allocate_kv_cache(
 
 
 class ModelRunner:
+    """Owns the model, its KV cache and the step-input buffers. ``fused_layers`` (CPU): swap
+    the decoder layers the one-call C layer can run (``treadle.worker.fused_layers``)."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -70,6 +78,7 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         seed: int = 0,
         graphs: CUDAGraphRunner | None = None,
+        fused_layers: bool = True,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -78,59 +87,44 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.graphs = graphs  # replays captured decode steps on CUDA
         self.requests: dict[str, CachedRequestState] = {}
+        self.backend: AttentionBackend = model.backend
+        if fused_layers and self.device.type == "cpu":
+            fuse_decoder_layers(model)
         # persistent host buffers, reused every step
+        self.inputs = StepInputBuilder(block_size, max_num_batched_tokens, self.device)
         self._ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
-        self._pos = np.zeros(max_num_batched_tokens, dtype=np.int64)
-        self._slots = np.zeros(max_num_batched_tokens, dtype=np.int64)
 
     def _prepare(self, sched: SchedulerOutput) -> BatchInputs:
         n_tok = sched.total_num_scheduled_tokens
         if n_tok > self._ids.shape[0]:
             self._ids = np.zeros(n_tok, dtype=np.int64)
-            self._pos = np.zeros(n_tok, dtype=np.int64)
-            self._slots = np.zeros(n_tok, dtype=np.int64)
-        query_lens, seq_lens = [], []
-        tables = np.zeros((len(sched.scheduled), max(len(s.block_ids) for s in sched.scheduled)), dtype=np.int64)
+        query_lens, seq_lens, tables = [], [], []
         sample_rows: list[tuple[str, int]] = []
         prompt_rows: list[tuple[str, int, int, int]] = []
         cursor = 0
-        for i, s in enumerate(sched.scheduled):
+        for s in sched.scheduled:
             state = self.requests[s.request_id]
             start, n = s.num_computed_tokens, s.num_scheduled_tokens
             self._ids[cursor : cursor + n] = state.token_slice(start, start + n)
-            pos = np.arange(start, start + n)
-            self._pos[cursor : cursor + n] = pos
-            tables[i, : len(s.block_ids)] = s.block_ids
-            bs = self.block_size
-            self._slots[cursor : cursor + n] = tables[i, pos // bs] * bs + pos % bs
             query_lens.append(n)
             seq_lens.append(start + n)
+            tables.append(s.block_ids)
             if start + n == state.num_tokens:
                 sample_rows.append((s.request_id, cursor + n - 1))
             n_prompt = len(state.data.prompt_token_ids)
             if state.data.sampling_params.prompt_logprobs is not None and start < n_prompt:
                 prompt_rows.append((s.request_id, cursor, start, min(n, n_prompt - start)))
             cursor += n
-        ql = torch.tensor(query_lens, dtype=torch.int64)
-        sl = torch.tensor(seq_lens, dtype=torch.int64)
-        bt = torch.from_numpy(tables)
-        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(ql, 0)
-        dev = self.device
-        meta = AttentionMetadata(
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            query_start_loc=qsl.to(dev),
-            seq_lens_tensor=sl.to(torch.int32).to(dev),
-            block_tables=bt.to(torch.int32).to(dev),
-            slot_mapping=torch.from_numpy(self._slots[:cursor].copy()).to(dev),
-            block_size=self.block_size,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
-        input_ids = torch.from_numpy(self._ids[:cursor]).to(dev)
-        positions = torch.from_numpy(self._pos[:cursor]).to(dev)
+        positions, meta = self.inputs.build(query_lens, seq_lens, tables)
+        meta.plan = self.backend.plan(meta)  # once per step, read by every layer
+        input_ids = torch.from_numpy(self._ids[:cursor]).to(self.device)
         return BatchInputs(input_ids, positions, meta, sample_rows, prompt_rows)
+
+    def forward(self, batch: BatchInputs) -> torch.Tensor:  # [num_tokens, hidden_size]
+        """Run the model over a prepared step (a captured CUDA graph when one fits)."""
+        if self.graphs is not None and self.graphs.can_run(batch.meta):
+            return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
@@ -144,10 +138,7 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput(sampled={})
         batch = self._prepare(sched)
-        if self.graphs is not None and self.graphs.can_run(batch.meta):
-            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        hidden = self.forward(batch)
         result = ModelRunnerOutput(sampled={})
         if batch.prompt_rows:
             result.prompt_logprobs = self._prompt_logprobs(hidden, batch)

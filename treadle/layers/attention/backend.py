@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treadle.layers.attention.metadata import AttentionMetadata
+from treadle.layers.attention.metadata import AttentionMetadata, StepPlan
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,19 @@ class AttentionSpec:
 
 
 class AttentionBackend(ABC):
+    """Attention over the paged KV cache. Per step, the runner builds the metadata, calls
+    ``plan`` once and stores the result in ``meta.plan``, then runs the model, whose
+    attention layers call ``forward`` once each with that same metadata."""
+
     name: str = "abstract"
+
+    def plan(self, meta: AttentionMetadata) -> StepPlan | None:
+        """The layer-independent work of a step (splitting decode and prefill rows, index
+        tensors for kernels), done once before any layer runs; the runner stores it in
+        ``meta.plan``. Must not write the KV cache. Default: nothing to plan (None).
+        ``forward`` must also accept metadata whose ``plan`` is None (a caller that did not
+        plan): it then works the plan out itself, per call."""
+        return None
 
     @abstractmethod
     def forward(

@@ -1,9 +1,9 @@
 """CPU attention backend: FlashAttention prefill (torch SDPA's flash CPU kernel) and
 FlashDecoding split-KV decode over the paged cache, batched across sequences.
 
-A step's flat batch is split once into a *plan* (cached for the step, reused by every
-layer): decode sequences (one new token) and prefill sequences (a chunk of new tokens,
-possibly after cached context).
+A step's flat batch is split once into a *plan* (``plan``, called by the runner once per
+step and stored in the metadata, read by every layer): decode sequences (one new token)
+and prefill sequences (a chunk of new tokens, possibly after cached context).
 
 Decode (FlashDecoding). Each decode sequence's block table is padded to
 ``num_splits * blocks_per_split`` blocks and gathered (``index_select``); the context is
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from treadle.kernels import native
 from treadle.kernels.attention import paged_decode
 from treadle.layers.attention.backend import AttentionBackend, AttentionSpec
-from treadle.layers.attention.metadata import AttentionMetadata
+from treadle.layers.attention.metadata import AttentionMetadata, DecodeKernelArgs, StepPlan
 
 _SPLIT_MIN_TOKENS = 256  # decode contexts up to this long are not split
 _WORK_PER_THREAD = 4  # split so that (seqs x KV heads x chunks) >= this many per thread
@@ -65,8 +65,8 @@ class _DecodePlan:
     block_tables: torch.Tensor  # [B, max_blocks] int64 (metadata's, padded with 0)
     max_blocks: int
     all_tokens: bool  # every token of the step is a decode token, in order
-    # (slots int64, block tables int32, seq_lens int32) for the C kernel, on all-decode CPU steps
-    kernel_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # index tensors for the C kernel, on CPU steps (all-decode: the real slots; mixed: -1, already written)
+    kernel_args: DecodeKernelArgs | None = None
     layouts: dict[tuple[int, int | None, torch.dtype], _SplitLayout] = field(default_factory=dict)
 
 
@@ -111,11 +111,16 @@ def _split_layout(
 
 
 @dataclass
-class _StepPlan:
+class _StepPlan(StepPlan):
     decode: _DecodePlan | None
     prefill: list[_PrefillSeq]
     write_slots: torch.Tensor  # [num_written] int64 slots (skipped ones removed)
     write_rows: torch.Tensor | None  # [num_written] int64 rows of k/v, None = all rows
+
+    @property
+    def decode_kernel_args(self) -> DecodeKernelArgs | None:
+        dec = self.decode
+        return dec.kernel_args if dec is not None and dec.all_tokens else None
 
 
 def build_plan(meta: AttentionMetadata) -> _StepPlan:
@@ -144,7 +149,8 @@ def build_plan(meta: AttentionMetadata) -> _StepPlan:
             # all-decode: the kernel writes the new K/V itself; mixed: _write_kv writes every row first
             slots = meta.slot_mapping.to(torch.int64).contiguous() if decode.all_tokens else torch.full(
                 (len(lens),), -1, dtype=torch.int64)
-            decode.kernel_args = (slots, tables.to(torch.int32).contiguous(), torch.tensor(lens, dtype=torch.int32))
+            decode.kernel_args = DecodeKernelArgs(slots, tables.to(torch.int32).contiguous(),
+                                                  torch.tensor(lens, dtype=torch.int32))
     slots, rows = meta.slot_mapping, None
     if bool((slots < 0).any()):
         rows = torch.nonzero(slots >= 0).flatten()
@@ -242,25 +248,13 @@ def _gather(
 
 
 class CPUBackend(AttentionBackend):
-    """Same contract as ReferenceBackend; fast on CPU. The step plan is cached on the
-    identity of the metadata object, so it is built once per step, not once per layer."""
+    """Same contract as ReferenceBackend; fast on CPU. Stateless: the step's split into
+    decode and prefill rows comes from ``plan`` through ``meta.plan``."""
 
     name = "cpu"
 
-    def __init__(self) -> None:
-        self._plan_meta: AttentionMetadata | None = None
-        self._plan: _StepPlan | None = None
-
-    def _step_plan(self, meta: AttentionMetadata) -> _StepPlan:
-        if self._plan is None or self._plan_meta is not meta:
-            self._plan, self._plan_meta = build_plan(meta), meta
-        return self._plan
-
-    def decode_kernel_args(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(slots int64, block tables int32, seq_lens int32) when the step is all-decode and the
-        C kernels can take it (see treadle.kernels.layer), else None."""
-        dec = self._step_plan(meta).decode
-        return None if dec is None or not dec.all_tokens else dec.kernel_args
+    def plan(self, meta: AttentionMetadata) -> _StepPlan:
+        return build_plan(meta)
 
     def forward(
         self,
@@ -272,7 +266,7 @@ class CPUBackend(AttentionBackend):
         meta: AttentionMetadata,
         spec: AttentionSpec,
     ) -> torch.Tensor:
-        plan = self._step_plan(meta)
+        plan = meta.plan if isinstance(meta.plan, _StepPlan) else build_plan(meta)
         dec = plan.decode
         if dec is not None and dec.all_tokens and dec.kernel_args is not None:  # all-decode step: the C kernel
             out = paged_decode(q, k, v, k_cache, v_cache, *dec.kernel_args, spec.scale, spec.sliding_window)

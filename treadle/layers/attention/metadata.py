@@ -14,14 +14,37 @@ Position ``p`` of sequence ``i`` lives in physical slot
     block_table[i] = [7,       2,       9]      (physical block ids)
     position 37 with block_size 16 -> logical 2, offset 5 -> slot 9*16+5 = 149
 
-Metadata is built once per step and passed to every attention layer as an
-argument; nothing is read from module globals.
+Metadata is built once per step (``StepInputBuilder``: the runner's and the tests' one
+builder) and passed to every attention layer as an argument; nothing is read from module
+globals. The attention backend's per-step plan (``AttentionBackend.plan``) rides along in
+``plan``.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
+
+
+class DecodeKernelArgs(NamedTuple):
+    """The index tensors the C decode kernels read on an all-decode CPU step."""
+
+    slots: torch.Tensor  # [B] int64 contiguous, cache slot of each new K/V row
+    block_tables: torch.Tensor  # [B, max_blocks] int32 contiguous
+    seq_lens: torch.Tensor  # [B] int32 contiguous, new token included
+
+
+class StepPlan:
+    """What an attention backend works out once per step for every layer (its own
+    subclass adds the rest). ``decode_kernel_args`` is set on all-decode CPU steps the
+    one-call C decoder layer can take (``treadle.layers.fused_decoder``), else None."""
+
+    @property
+    def decode_kernel_args(self) -> DecodeKernelArgs | None:
+        return None
 
 
 @dataclass
@@ -35,6 +58,7 @@ class AttentionMetadata:
     block_size: int
     max_query_len: int
     max_seq_len: int
+    plan: StepPlan | None = None  # the backend's, set by the runner from AttentionBackend.plan
 
     @property
     def num_seqs(self) -> int:
@@ -49,20 +73,50 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
-def compute_slot_mapping(
-    query_lens: torch.Tensor,  # [num_seqs] int64
-    seq_lens: torch.Tensor,  # [num_seqs] int64
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
-    block_size: int,
-) -> torch.Tensor:
-    """Physical slot for every new token, vectorised (no Python loop over tokens)."""
-    num_seqs = query_lens.shape[0]
-    seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens)
-    starts = torch.cumsum(query_lens, 0) - query_lens
-    offset_in_query = torch.arange(int(query_lens.sum())) - starts[seq_index]
-    positions = (seq_lens - query_lens)[seq_index] + offset_in_query
-    blocks = block_tables[seq_index, positions // block_size]
-    return blocks * block_size + positions % block_size
+class StepInputs(NamedTuple):
+    positions: torch.Tensor  # [num_tokens] int64; on the CPU a view of the builder's buffer (valid until next build)
+    meta: AttentionMetadata
+
+
+class StepInputBuilder:
+    """Positions, slot mapping and block tables of a step's flat batch, written into
+    persistent numpy buffers (reused every step; grown when a step is larger)."""
+
+    def __init__(self, block_size: int, max_num_tokens: int = 0, device: torch.device | str = "cpu") -> None:
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self._pos = np.zeros(max_num_tokens, dtype=np.int64)
+        self._slots = np.zeros(max_num_tokens, dtype=np.int64)
+
+    def build(self, query_lens: list[int], seq_lens: list[int], block_tables: Sequence[Sequence[int]]) -> StepInputs:
+        """Sequence i's ``query_lens[i]`` new tokens end at position ``seq_lens[i]``; its
+        blocks are ``block_tables[i]`` (physical ids, in logical order)."""
+        n_tok, bs = sum(query_lens), self.block_size
+        if n_tok > self._pos.shape[0]:
+            self._pos, self._slots = np.zeros(n_tok, dtype=np.int64), np.zeros(n_tok, dtype=np.int64)
+        tables = np.zeros((len(block_tables), max((len(b) for b in block_tables), default=0) or 1), dtype=np.int64)
+        cursor = 0
+        for i, (q, s, row) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
+            tables[i, : len(row)] = row
+            pos = np.arange(s - q, s)
+            self._pos[cursor : cursor + q] = pos
+            self._slots[cursor : cursor + q] = tables[i, pos // bs] * bs + pos % bs
+            cursor += q
+        qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=qsl[1:])
+        dev = self.device
+        meta = AttentionMetadata(
+            query_lens=list(query_lens),
+            seq_lens=list(seq_lens),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
+            slot_mapping=torch.from_numpy(self._slots[:cursor].copy()).to(dev),
+            block_size=bs,
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )
+        return StepInputs(torch.from_numpy(self._pos[:cursor]).to(dev), meta)
 
 
 def build_attention_metadata(
@@ -72,24 +126,6 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
-    """Build metadata from host-side lists (used by tests and simple callers)."""
-    max_blocks = max((len(b) for b in block_tables), default=0) or 1
-    bt = torch.zeros((len(block_tables), max_blocks), dtype=torch.int64)
-    for i, row in enumerate(block_tables):
-        bt[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
-    ql = torch.tensor(query_lens, dtype=torch.int64)
-    sl = torch.tensor(seq_lens, dtype=torch.int64)
-    slots = compute_slot_mapping(ql, sl, bt, block_size)
-    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(ql, 0)
-    return AttentionMetadata(
-        query_lens=list(query_lens),
-        seq_lens=list(seq_lens),
-        query_start_loc=qsl.to(device),
-        seq_lens_tensor=sl.to(torch.int32).to(device),
-        block_tables=bt.to(torch.int32).to(device),
-        slot_mapping=slots.to(device),
-        block_size=block_size,
-        max_query_len=max(query_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
-    )
+    """One step's metadata from host-side lists (tests and simple callers; the runner
+    keeps one ``StepInputBuilder``)."""
+    return StepInputBuilder(block_size, sum(query_lens), device).build(query_lens, seq_lens, block_tables).meta

@@ -1,0 +1,151 @@
+"""The package's layering, checked on its source with ``ast``: every import (top-level,
+lazy inside functions, or for type checking) points to a lower layer, and no group of
+modules imports itself in a circle. A new package must be placed in LAYERS."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "treadle"
+
+# lower number = lower layer; a module may import its own unit and units of a lower number
+# (units with the same number are independent of each other)
+LAYERS: dict[str, int] = {
+    "treadle": -1,  # the package root: __version__ and lazy re-exports, imports nothing itself
+    "treadle.config": 0,
+    "treadle.sampling_params": 1,
+    "treadle.core": 2,  # scheduler, KV block manager: torch-free
+    "treadle.kernels": 2,  # C kernels and their ctypes faces
+    "treadle.vocab": 2,
+    "treadle.layers": 3,  # linear, norms, RoPE, attention backends, fused decoder layer
+    "treadle.tokenizer": 3,
+    "treadle.quantization": 4,  # linear methods
+    "treadle.models": 4,  # model files and their layouts
+    "treadle.loaders": 5,
+    "treadle.worker": 6,  # model runner, fused-layer planner, CUDA graphs, sampler
+    "treadle.engine": 7,
+    "treadle.entrypoints.engine_args": 8,
+    "treadle.entrypoints.llm": 8,
+    "treadle.server": 9,
+    "treadle.bench": 9,
+    "treadle.entrypoints": 10,
+}
+TORCH_FREE = ("treadle.core", "treadle.config", "treadle.sampling_params")
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _owner(name: str) -> str:
+    """The longest module name that ``name`` (a module or a name inside one) starts with."""
+    while name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def imports(module: str) -> set[str]:
+    """The package's modules (and outside top-level packages) that ``module`` imports."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # "from pkg import sub" imports the submodule sub; "from mod import name", mod
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                     for a in node.names]
+        else:
+            continue
+        out |= {_owner(n) if n.split(".")[0] == "treadle" else n.split(".")[0] for n in names}
+    out.discard(module)
+    return out
+
+
+def unit(module: str) -> str:
+    name = module
+    while name not in LAYERS or (name == "treadle" and module != "treadle"):
+        if "." not in name:
+            raise AssertionError(f"{module} belongs to no layer: add its package to LAYERS in {__file__}")
+        name = name.rpartition(".")[0]
+    return name
+
+
+def test_every_import_points_down() -> None:
+    upward = []
+    for module in sorted(MODULES):
+        for target in sorted(imports(module)):
+            if not target.startswith("treadle"):
+                continue
+            src, dst = unit(module), unit(target)
+            if src != dst and LAYERS[dst] >= LAYERS[src]:
+                upward.append(f"{module} -> {target} ({src} {LAYERS[src]} -> {dst} {LAYERS[dst]})")
+    assert not upward, "imports that do not point to a lower layer:\n" + "\n".join(upward)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Groups of more than one module that reach each other (Tarjan's strongly connected
+    components, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def enter(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+
+    for start in graph:
+        if start in index:
+            continue
+        enter(start)
+        work = [(start, iter(sorted(graph[start])))]
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    enter(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while not comp or comp[-1] != v:
+                    comp.append(stack.pop())
+                    on_stack.discard(comp[-1])
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_no_import_cycles() -> None:
+    graph = {m: {t for t in imports(m) if t in MODULES} for m in MODULES}
+    assert _cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("package", TORCH_FREE)
+def test_torch_free_layers(package: str) -> None:
+    heavy = {m: sorted(imports(m) & {"torch", "numpy"}) for m in MODULES if unit(m) == package}
+    assert heavy and not any(heavy.values()), heavy

@@ -1,0 +1,69 @@
+"""A decoder layer that runs as one C call on all-decode CPU steps (``treadle.kernels.layer``)
+and hands every other step to the module it replaced.
+
+Swapped in after loading by the runner's planner (``treadle.worker.fused_layers``), which
+gives it the layer's weights explicitly. The C layer chains the same kernels the module
+path calls one by one, so both give the same bits; the swap only removes Python::
+
+    step (meta.plan)                     FusedDecoderLayer.forward
+    all-decode, CPU kernels, float32 --> DecoderLayerKernel(x, residual, ...)  (in place)
+    anything else                    --> self.module(positions, x, residual, kv_cache, meta)
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from treadle.kernels.layer import DecoderLayerKernel, DecoderLayerWeights
+from treadle.layers.attention.metadata import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+class Workspace:
+    """One float32 scratch buffer shared by a model's fused layers (they run one at a time)."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0, dtype=torch.float32)
+
+    def get(self, numel: int) -> torch.Tensor:
+        if self._buf.numel() < numel:
+            self._buf = torch.empty(numel, dtype=torch.float32)
+        return self._buf
+
+
+def _takes(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.is_contiguous()
+
+
+class FusedDecoderLayer(nn.Module):
+    """Same ``forward`` contract as the decoder layer it wraps: (positions, x, residual,
+    kv_cache, meta) -> (MLP output, residual stream), residual None on the first layer."""
+
+    def __init__(self, module: nn.Module, weights: DecoderLayerWeights, workspace: Workspace) -> None:
+        super().__init__()
+        self.module = module  # the module path, for steps the C layer does not take
+        self.kernel = DecoderLayerKernel(weights)
+        self.workspace = workspace
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        x: torch.Tensor,  # [num_tokens, hidden]
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        args = None if meta.plan is None else meta.plan.decode_kernel_args
+        if (
+            args is None
+            or not (_takes(x) and _takes(kv_cache[0]) and _takes(kv_cache[1]))
+            or (residual is not None and not _takes(residual))
+        ):
+            return self.module(positions, x, residual, kv_cache, meta)
+        first = residual is None
+        if residual is None:
+            residual = torch.empty_like(x)
+        scratch = self.workspace.get(self.kernel.weights.scratch_floats(x.shape[0], x.shape[1]))
+        self.kernel(x, residual, first, positions.to(torch.int64).contiguous(), kv_cache, *args, scratch)
+        return x, residual

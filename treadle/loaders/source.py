@@ -1,0 +1,26 @@
+"""What a loader hands over: a checkpoint opened but not yet read (``ModelSource``)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from treadle.config import ModelConfig
+
+if TYPE_CHECKING:
+    from treadle.tokenizer import Tokenizer
+
+
+@dataclass
+class ModelSource:
+    path: Path
+    config: ModelConfig
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # HF-named tensors, streamed
+    tokenizer: Tokenizer
+    # GGUF only: HF weight name -> (GGUF type name, HF shape), and a stream that hands the
+    # tensors ``keep_raw`` names over still quantized (GGUFBlocks), the rest as floats
+    tensor_types: dict[str, tuple[str, tuple[int, ...]]] | None = None
+    raw_weights: Callable[[Callable[[str], bool]], Iterator[tuple[str, Any]]] | None = None

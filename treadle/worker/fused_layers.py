@@ -1,0 +1,63 @@
+"""The runner's planner for the CPU fast path: after loading, each decoder layer the C
+decode layer can run is replaced by a ``FusedDecoderLayer`` holding its weights.
+
+A layer qualifies when its architecture has the standard Llama block (its layout says so:
+no extra norms such as Qwen3's q/k norms), its four linear layers hold GGUF blocks
+(``GGUFBlockMethod``: a GGUF file, or ``--quantization int8|int4``), only qkv has a bias
+(float32), the norms and RoPE are float32 with fused ops on, and the C kernels are built.
+Nothing here runs per step: the fused layers check each step themselves.
+"""
+from __future__ import annotations
+
+import torch
+
+from treadle.kernels import native
+from treadle.kernels.layer import DecoderLayerWeights, block_types
+from treadle.layers.fused_decoder import FusedDecoderLayer, Workspace
+from treadle.layers.linear import Linear
+from treadle.models.layout import STANDARD_LINEARS
+from treadle.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from treadle.quantization.gguf_native import GGUFBlockMethod
+
+
+def layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | None:
+    """The C layer's view of one Llama-style decoder layer, or None when it cannot take it."""
+    linears = [layer.get_submodule(name) for name in STANDARD_LINEARS]
+    assert all(isinstance(m, Linear) for m in linears)
+    qkv, o, gate_up, down = linears
+    attn, in_norm, post_norm = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+    f32 = torch.float32
+    if not (
+        all(isinstance(m.method, GGUFBlockMethod) for m in linears)
+        and (qkv.bias is None or qkv.bias.dtype == f32)
+        and all(m.bias is None for m in linears[1:])
+        and in_norm.fused and post_norm.fused and attn.rotary.fused
+        and in_norm.weight.dtype == post_norm.weight.dtype == attn.rotary.cos_sin.dtype == f32
+    ):
+        return None
+    spec = attn.spec
+    return DecoderLayerWeights(
+        qtypes=block_types([m.method.qtype for m in linears]),
+        input_norm=in_norm.weight.data, post_norm=post_norm.weight.data, eps=in_norm.eps,
+        qkv=qkv.weight.data, qkv_bias=None if qkv.bias is None else qkv.bias.data, o=o.weight.data,
+        gate_up=gate_up.weight.data, down=down.weight.data, cos_sin=attn.rotary.cos_sin,
+        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        intermediate=down.in_features, sliding_window=spec.sliding_window, scale=spec.scale,
+    )
+
+
+def fuse_decoder_layers(model: LlamaForCausalLM) -> int:
+    """Swap ``model.layers[i]`` for a FusedDecoderLayer wherever it qualifies; returns how
+    many were swapped (0 for architectures without the standard block or without kernels)."""
+    if not (native.available() and model.layout.has_standard_block):
+        return 0
+    workspace = Workspace()
+    swapped = 0
+    for i, layer in enumerate(model.layers):
+        if not isinstance(layer, LlamaDecoderLayer):  # already swapped
+            continue
+        weights = layer_weights(layer)
+        if weights is not None:
+            model.layers[i] = FusedDecoderLayer(layer, weights, workspace)
+            swapped += 1
+    return swapped
