@@ -16,6 +16,7 @@ LAYERS: dict[str, int] = {
     "treadle": -1,  # the package root: __version__ and lazy re-exports, imports nothing itself
     "treadle.config": 0,
     "treadle.sampling_params": 1,
+    "treadle.envs": 1,  # the registry of environment variables
     "treadle.core": 2,  # scheduler, KV block manager: torch-free
     "treadle.kernels": 2,  # C kernels and their ctypes faces
     "treadle.vocab": 2,
@@ -25,12 +26,13 @@ LAYERS: dict[str, int] = {
     "treadle.models": 4,  # model files and their layouts
     "treadle.loaders": 5,
     "treadle.worker": 6,  # model runner, fused-layer planner, CUDA graphs, sampler
-    "treadle.engine": 7,
-    "treadle.entrypoints.engine_args": 8,
-    "treadle.entrypoints.llm": 8,
-    "treadle.server": 9,
-    "treadle.bench": 9,
-    "treadle.entrypoints": 10,
+    "treadle.executor": 7,  # drives the workers (in process or in worker processes)
+    "treadle.engine": 8,
+    "treadle.entrypoints.engine_args": 9,
+    "treadle.entrypoints.llm": 9,
+    "treadle.server": 10,
+    "treadle.bench": 10,
+    "treadle.entrypoints": 11,
 }
 TORCH_FREE = ("treadle.core", "treadle.config", "treadle.sampling_params")
 
