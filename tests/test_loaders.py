@@ -13,6 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
+from gguf_files import finish, gguf_name, to_interleaved, write_llama_metadata
 from paged_session import PagedSession
 from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
@@ -135,72 +136,24 @@ def test_chat_template_is_sandboxed(model_dir: Path, tmp_path: Path) -> None:
 
 
 # --- GGUF files written with gguf's own writer ---------------------------------------------
-def _to_interleaved(rows: np.ndarray, heads: int) -> np.ndarray:
-    """What llama.cpp's converter does to q/k rows (rotate-half -> adjacent pairs)."""
-    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
-_GGUF_NAMES = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
-
-
-def _gguf_name(hf_name: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    if hf_name in top:
-        return top[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_NAMES[module]}.{suffix}"
-
-
-def _write_llama_metadata(w: GGUFWriter, tokenizer: str) -> None:
-    w.add_block_count(CONFIG.num_hidden_layers)
-    w.add_context_length(CONFIG.max_position_embeddings)
-    w.add_embedding_length(CONFIG.hidden_size)
-    w.add_feed_forward_length(CONFIG.intermediate_size)
-    w.add_head_count(CONFIG.num_attention_heads)
-    w.add_head_count_kv(CONFIG.num_key_value_heads)
-    w.add_layer_norm_rms_eps(CONFIG.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    if tokenizer == "llama":  # the stories260K vocabulary, SentencePiece style
-        tok = json.loads((STORIES / "tokenizer.json").read_text())
-        vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-        w.add_tokenizer_model("llama")
-        w.add_token_list([p for p, _ in vocab])
-        w.add_token_scores([-float(i) for _, i in vocab])  # tok512.bin scores pieces by -(rank)
-        w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(vocab) - 259))
-        w.add_unk_token_id(0)
-        w.add_chat_template("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
-
-
 def write_gguf(path: Path, hf_model: torch.nn.Module, qtype: Q, tokenizer: str = "llama", arch: str = "llama") -> Path:
     """A GGUF of hf_model: 2-D weights in qtype, norms in F32, q/k rows interleaved."""
     w = GGUFWriter(path, arch)
-    _write_llama_metadata(w, tokenizer)
+    write_llama_metadata(w, CONFIG, tokenizer)
     heads = {"q_proj": CONFIG.num_attention_heads, "k_proj": CONFIG.num_key_value_heads}
     for name, tensor in hf_model.state_dict().items():
         data = tensor.numpy().astype(np.float32)
         for proj, n in heads.items():
             if proj in name:
-                data = _to_interleaved(data, n)
+                data = to_interleaved(data, n)
         if data.ndim == 2 and qtype != Q.F32:
-            w.add_tensor(_gguf_name(name), quantize(data, qtype), raw_dtype=qtype)
+            w.add_tensor(gguf_name(name), quantize(data, qtype), raw_dtype=qtype)
         else:
-            w.add_tensor(_gguf_name(name), data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+            w.add_tensor(gguf_name(name), data)
+    return finish(w, path)
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
 def test_gguf_tensor_types_dequantize_to_the_original_layout(hf_model, qtype: Q, tmp_path: Path) -> None:
     source = open_gguf(write_gguf(tmp_path / "m.gguf", hf_model, qtype))
     assert not source.config.tie_word_embeddings
@@ -303,10 +256,10 @@ def test_damaged_gguf(hf_model, tmp_path: Path, damage: str) -> None:
 
 
 def test_unsupported_gguf_tensor_type(hf_model, tmp_path: Path) -> None:
-    path = write_gguf(tmp_path / "m.gguf", hf_model, Q.Q5_0)
+    path = write_gguf(tmp_path / "m.gguf", hf_model, Q.MXFP4)
     assert _one_line_error(open_gguf, path) == (
-        f"{path}: tensor 'token_embd.weight' has type Q5_0, which is not supported "
-        "(supported: BF16, F16, F32, Q4_0, Q4_1, Q8_0)"
+        f"{path}: tensor 'token_embd.weight' has type MXFP4, which is not supported "
+        "(supported: BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0)"
     )
 
 

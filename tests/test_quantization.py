@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from gguf_files import random_blocks
 
 from treadle.config import ModelConfig, TreadleError
 from treadle.kernels import native
@@ -18,6 +19,7 @@ from treadle.layers.linear import Linear, UnquantizedLinearMethod
 from treadle.models.llama import LLAMA_LAYOUT
 from treadle.quantization import weight_only_factory
 from treadle.quantization.gguf_native import (
+    NATIVE_TYPES,
     GGUFBlockMethod,
     GGUFBlocks,
     GGUFNativePlan,
@@ -28,7 +30,7 @@ from treadle.quantization.int4pack import dequantize_int4, int4_mm, pack_int4, q
 from treadle.quantization.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
 
 SHARDS = [64, 32, 32]  # a fused qkv-like layer, loaded shard by shard
-IN = 256
+IN = 512  # two K-quant super-blocks per row
 
 
 def rand(*shape: int, seed: int) -> torch.Tensor:
@@ -98,13 +100,6 @@ def gguf_blocks(w: torch.Tensor, qtype: str) -> GGUFBlocks:
     return GGUFBlocks(qtype, torch.from_numpy(np.ascontiguousarray(data)), tuple(w.shape))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_block_decoding_equals_gguf_package(qtype: str) -> None:
-    b = gguf_blocks(rand(16, 128, seed=40), qtype)
-    expect = gguf_dequantize(b.data.numpy(), GGMLQuantizationType[qtype])
-    assert torch.equal(dequantize_blocks(b), torch.from_numpy(expect))
-
-
 def q16_activations(x: torch.Tensor) -> torch.Tensor:
     """x rounded as the GGUF kernels round it: 16 bits per block of 32, scale max|x| / 32767."""
     b = x.reshape(*x.shape[:-1], -1, 32)
@@ -114,15 +109,44 @@ def q16_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 needs_kernels = pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)")
+# the kernels as built for this machine (AVX2 where it has it) and the plain-C reference build
+BUILDS = pytest.mark.parametrize("plain", [False, True], ids=["native", "plain-c"])
+MIXES = [("Q4_K", "Q4_K", "Q6_K"), ("Q5_0", "Q8_0", "Q5_1"), ("Q2_K", "Q3_K", "Q5_K")]  # per-shard block types
+
+
+class PlainBlockMethod(GGUFBlockMethod):
+    """GGUFBlockMethod on the plain-C build of the kernels."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return native.qmatmul(self.segments, layer.weight, x, layer.bias, plain=True)
+
+
+def block_layer(qtypes: str | tuple[str, ...], seed: int, plain: bool = False) -> tuple[Linear, torch.Tensor]:
+    """A fused layer of SHARDS loaded from random blocks, and its exact dequantized weight."""
+    types = [qtypes] * len(SHARDS) if isinstance(qtypes, str) else list(qtypes)
+    shards = [random_blocks(t, n, IN, seed=seed + i) for i, (t, n) in enumerate(zip(types, SHARDS))]
+    layer = load_linear((PlainBlockMethod if plain else GGUFBlockMethod)(qtypes), shards)
+    assert layer.weight.dtype == torch.uint8 and layer.weight.numel() == sum(b.data.numel() for b in shards)
+    return layer, torch.cat([dequantize_blocks(b) for b in shards])
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_native_matches_dequantized_linear(qtype: str) -> None:
-    shards = [gguf_blocks(rand(n, IN, seed=50 + i), qtype) for i, n in enumerate(SHARDS)]
-    layer = load_linear(GGUFBlockMethod(qtype), shards)
-    assert layer.weight.dtype == torch.uint8 and layer.weight.numel() == sum(b.data.numel() for b in shards)
-    w_deq = torch.cat([dequantize_blocks(b) for b in shards])  # exact GGUF values
+@BUILDS
+@pytest.mark.parametrize("qtype", NATIVE_TYPES)
+def test_gguf_kernel_dequantize_equals_gguf_package(qtype: str, plain: bool) -> None:
+    """Random bytes (every field and bit pattern) decode to exactly the gguf package's values."""
+    b = random_blocks(qtype, 40, IN, seed=40)
+    expect = torch.from_numpy(gguf_dequantize(b.data.numpy(), GGMLQuantizationType[qtype]))
+    assert torch.equal(native.dequantize(qtype, b.data, 40, IN, plain=plain), expect)
+    ids = torch.tensor([[3, 0, 39], [3, 7, 12]])
+    assert torch.equal(native.gather_rows(qtype, b.data, ids, IN, plain=plain), expect[ids])
+
+
+@needs_kernels
+@BUILDS
+@pytest.mark.parametrize("qtypes", [*NATIVE_TYPES, *MIXES], ids=str)
+def test_gguf_native_matches_dequantized_linear(qtypes: str | tuple[str, ...], plain: bool) -> None:
+    layer, w_deq = block_layer(qtypes, seed=50, plain=plain)
     for rows in (1, 3, 4, 9):  # the kernel's row-count cases
         x = rand(rows, IN, seed=60 + rows)
         y = layer(x)
@@ -135,9 +159,10 @@ def test_gguf_native_matches_dequantized_linear(qtype: str) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_native_rows_do_not_depend_on_the_batch(qtype: str) -> None:
-    layer = load_linear(GGUFBlockMethod(qtype), [gguf_blocks(rand(n, IN, seed=90 + i), qtype) for i, n in enumerate(SHARDS)])
+@BUILDS
+@pytest.mark.parametrize("qtypes", [*NATIVE_TYPES, MIXES[0]], ids=str)
+def test_gguf_native_rows_do_not_depend_on_the_batch(qtypes: str | tuple[str, ...], plain: bool) -> None:
+    layer, _ = block_layer(qtypes, seed=90, plain=plain)
     x = rand(11, IN, seed=91)
     together = layer(x)
     for i in range(11):
@@ -146,15 +171,13 @@ def test_gguf_native_rows_do_not_depend_on_the_batch(qtype: str) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_embedding_rows_and_dequantize_are_exact(qtype: str) -> None:
-    b = gguf_blocks(rand(40, IN, seed=95), qtype)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K"])
+def test_gguf_embedding_rows_are_exact(qtype: str) -> None:
+    b = random_blocks(qtype, 40, IN, seed=95)
     layer = Linear(IN, [40], False, torch.float32, GGUFBlockMethod(qtype))
     layer.weight.weight_loader(layer.weight, b, None)
-    w_deq = dequantize_blocks(b)
     ids = torch.tensor([[3, 0, 39], [3, 7, 12]])
-    assert torch.equal(layer.method.embedding(layer, ids, torch.float32), w_deq[ids])
-    assert torch.equal(native.dequantize(qtype, b.data, IN), w_deq)
+    assert torch.equal(layer.method.embedding(layer, ids, torch.float32), dequantize_blocks(b)[ids])
 
 
 def test_gguf_block_method_rejects_wrong_shards() -> None:
@@ -163,19 +186,25 @@ def test_gguf_block_method_rejects_wrong_shards() -> None:
         layer.weight.weight_loader(layer.weight, gguf_blocks(rand(32, IN, seed=1), "Q8_0"), None)
     with pytest.raises(ValueError, match="shape mismatch"):
         layer.weight.weight_loader(layer.weight, gguf_blocks(rand(16, IN, seed=1), "Q4_1"), None)
+    with pytest.raises(ValueError, match="Q4_K blocks need in_features divisible by 256, not 96"):
+        Linear(96, [32], False, torch.float32, GGUFBlockMethod("Q4_K"))
+    mixed = Linear(IN, [32, 16], False, torch.float32, GGUFBlockMethod(("Q4_K", "Q6_K")))
+    assert mixed.method.segments == (("Q4_K", 32), ("Q6_K", 16))
+    with pytest.raises(ValueError, match="expected Q6_K blocks, got Q4_K"):
+        mixed.weight.weight_loader(mixed.weight, random_blocks("Q4_K", 16, IN, seed=2), 1)
 
 
 def test_gguf_plan_picks_layers_by_type(monkeypatch: pytest.MonkeyPatch) -> None:
     t = {
-        "model.embed_tokens.weight": ("Q8_0", (256, 64)),
-        "model.layers.0.self_attn.q_proj.weight": ("Q4_1", (64, 64)),
-        "model.layers.0.self_attn.k_proj.weight": ("Q4_1", (32, 64)),
-        "model.layers.0.self_attn.v_proj.weight": ("Q4_1", (32, 64)),
-        "model.layers.0.self_attn.o_proj.weight": ("Q8_0", (64, 64)),
-        "model.layers.0.mlp.gate_proj.weight": ("Q4_1", (96, 64)),
-        "model.layers.0.mlp.up_proj.weight": ("Q4_0", (96, 64)),  # mixed types: float
-        "model.layers.0.mlp.down_proj.weight": ("F32", (64, 96)),
-        "lm_head.weight": ("Q6_K", (256, 64)),
+        "model.embed_tokens.weight": ("Q8_0", (256, 256)),
+        "model.layers.0.self_attn.q_proj.weight": ("Q4_K", (256, 256)),
+        "model.layers.0.self_attn.k_proj.weight": ("Q4_K", (128, 256)),
+        "model.layers.0.self_attn.v_proj.weight": ("Q6_K", (128, 256)),  # mixed: segments
+        "model.layers.0.self_attn.o_proj.weight": ("Q5_0", (256, 256)),
+        "model.layers.0.mlp.gate_proj.weight": ("Q4_1", (96, 256)),
+        "model.layers.0.mlp.up_proj.weight": ("F16", (96, 256)),  # a float shard: float
+        "model.layers.0.mlp.down_proj.weight": ("Q4_K", (256, 96)),  # rows of 96 are no Q4_K blocks
+        "lm_head.weight": ("IQ4_NL", (256, 256)),  # a type the kernels do not read
     }
     plan = GGUFNativePlan(t, LLAMA_LAYOUT.shard_names)
     monkeypatch.setattr(native, "available", lambda: True)
@@ -183,12 +212,13 @@ def test_gguf_plan_picks_layers_by_type(monkeypatch: pytest.MonkeyPatch) -> None
         "model.embed_tokens", "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
         "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj", "lm_head",
     )}
-    assert {n: getattr(m, "qtype", None) for n, m in methods.items()} == {
-        "model.embed_tokens": "Q8_0", "model.layers.0.self_attn.qkv_proj": "Q4_1", "model.layers.0.self_attn.o_proj": "Q8_0",
+    assert {n: getattr(m, "qtypes", None) for n, m in methods.items()} == {
+        "model.embed_tokens": ("Q8_0",), "model.layers.0.self_attn.qkv_proj": ("Q4_K", "Q4_K", "Q6_K"),
+        "model.layers.0.self_attn.o_proj": ("Q5_0",),
         "model.layers.0.mlp.gate_up_proj": None, "model.layers.0.mlp.down_proj": None, "lm_head": None,
     }
-    assert plan.keeps_raw("model.layers.0.self_attn.k_proj.weight")
-    assert not plan.keeps_raw("model.layers.0.mlp.up_proj.weight")
+    assert plan.keeps_raw("model.layers.0.self_attn.v_proj.weight")
+    assert not plan.keeps_raw("model.layers.0.mlp.gate_proj.weight")
     monkeypatch.setattr(native, "available", lambda: False)  # no C compiler: everything float
     assert GGUFNativePlan(t, LLAMA_LAYOUT.shard_names).method("model.layers.0.self_attn.qkv_proj") is None
 
@@ -199,8 +229,8 @@ def test_weight_only_factory_names(monkeypatch: pytest.MonkeyPatch) -> None:
     widths = partial(LLAMA_LAYOUT.in_features, cfg)  # what the loader hands over
     monkeypatch.setattr(native, "available", lambda: True)
     int8, int4 = weight_only_factory("int8", widths), weight_only_factory("int4", widths)
-    assert int8("model.layers.0.self_attn.qkv_proj").qtype == "Q8_0"  # C kernels: GGUF blocks
-    assert int4("model.layers.0.mlp.gate_up_proj").qtype == "Q4_1"
+    assert int8("model.layers.0.self_attn.qkv_proj").qtypes == ("Q8_0",)  # C kernels: GGUF blocks
+    assert int4("model.layers.0.mlp.gate_up_proj").qtypes == ("Q4_1",)
     assert isinstance(int8("model.layers.0.mlp.down_proj"), Int8WeightOnlyMethod)  # 172 inputs: torch's kernel
     assert isinstance(int4("model.layers.0.mlp.down_proj"), Int4WeightOnlyMethod)
     for name, group in (("int4-g64", 64), ("int4-g128", 128)):
@@ -220,7 +250,7 @@ def test_float_shards_become_gguf_blocks_on_arrival(qtype: str) -> None:
     shards = [rand(n, IN, seed=80 + i) for i, n in enumerate(SHARDS)]
     layer = load_linear(GGUFBlockMethod(qtype), shards)
     blocks = [quantize_blocks(w, qtype) for w in shards]
-    assert torch.equal(layer.weight, torch.cat([b.data for b in blocks]))
+    assert torch.equal(layer.weight, torch.cat([b.data.reshape(-1) for b in blocks]))
     w_deq = torch.cat([dequantize_blocks(b) for b in blocks])
     x = rand(3, IN, seed=81)
     expect = F.linear(q16_activations(x), w_deq, layer.bias)

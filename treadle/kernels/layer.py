@@ -20,23 +20,24 @@ from treadle.kernels import native
 _SIGNATURE = "PPCPPFPPPPPPPPPPPPPIIIIIIIIIFP"
 
 
-def block_types(names: Sequence[str]) -> ctypes.Array:
-    """GGUF block type names ("Q4_1", ...) of qkv / o / gate_up / down as the kernel's int[4]."""
-    return (ctypes.c_int * 4)(*(native.QTYPES[n] for n in names))
+def block_layouts(segments: Sequence[native.Segments]) -> ctypes.Array:
+    """The block-type segments of qkv / o / gate_up / down ((type name, rows) runs, e.g.
+    (("Q4_K", 384), ("Q6_K", 128)) for a q/k/v of mixed types) as the kernel's tq_layout[4]."""
+    return (native.Layout * 4)(*(native.layout(s) for s in segments))
 
 
 class DecoderLayerWeights(NamedTuple):
     """One decoder layer's tensors and shapes, as the C layer reads them."""
 
-    qtypes: ctypes.Array  # int[4], from block_types
+    layouts: ctypes.Array  # tq_layout[4], from block_layouts
     input_norm: torch.Tensor  # [H] float32
     post_norm: torch.Tensor  # [H] float32
     eps: float
-    qkv: torch.Tensor  # [q + 2 kv, H / 32 * block bytes] uint8
+    qkv: torch.Tensor  # [bytes] uint8: q + 2 kv rows of H inputs, in the layout's segments
     qkv_bias: torch.Tensor | None  # [q + 2 kv] float32
-    o: torch.Tensor  # [H, q / 32 * block bytes] uint8
-    gate_up: torch.Tensor  # [2 I, H / 32 * block bytes] uint8
-    down: torch.Tensor  # [H, I / 32 * block bytes] uint8
+    o: torch.Tensor  # [bytes] uint8: H rows of q inputs
+    gate_up: torch.Tensor  # [bytes] uint8: 2 I rows of H inputs
+    down: torch.Tensor  # [bytes] uint8: H rows of I inputs
     cos_sin: torch.Tensor  # [max_positions, head_dim] float32 (RoPE table)
     num_heads: int
     num_kv_heads: int
@@ -59,7 +60,7 @@ class DecoderLayerKernel:
         self.weights = w
         self._fn = native.kernel("tq_llama_layer_decode", _SIGNATURE)
         bias = None if w.qkv_bias is None else w.qkv_bias.data_ptr()
-        self._norms = (w.input_norm.data_ptr(), w.post_norm.data_ptr(), w.eps, ctypes.addressof(w.qtypes),
+        self._norms = (w.input_norm.data_ptr(), w.post_norm.data_ptr(), w.eps, ctypes.addressof(w.layouts),
                        w.qkv.data_ptr(), bias, w.o.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr(),
                        w.cos_sin.data_ptr())
         self._shape = (w.num_heads, w.num_kv_heads, w.head_dim, w.intermediate, w.sliding_window or 0, w.scale)

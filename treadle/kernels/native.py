@@ -9,6 +9,9 @@ threads and ``torch.set_num_threads``.
 
 ``TREADLE_NATIVE_KERNELS=0`` turns the kernels off; so does a machine without a C
 compiler (one warning, then callers fall back to plain torch).
+
+``plain=True`` (tests) builds and calls the same sources with ``-DTQ_PLAIN_C``: the plain-C
+reference paths, even where the machine has the SIMD ones.
 """
 from __future__ import annotations
 
@@ -46,12 +49,12 @@ def _cache_dir() -> Path:
     return Path(envs.cache_dir()) / "kernels"
 
 
-def _build(compiler: str, sources: list[Path], target: Path) -> None:
+def _build(compiler: str, flags: tuple[str, ...], sources: list[Path], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *_FLAGS, *map(str, sources), "-o", tmp, "-lm"]
+        cmd = [compiler, *flags, *map(str, sources), "-o", tmp, "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -62,7 +65,7 @@ def _build(compiler: str, sources: list[Path], target: Path) -> None:
 
 
 @cache
-def library() -> ctypes.CDLL | None:
+def library(plain: bool = False) -> ctypes.CDLL | None:
     """The compiled kernels, or None when they are turned off or cannot be built."""
     if not envs.native_kernels():
         return None
@@ -72,13 +75,14 @@ def library() -> ctypes.CDLL | None:
         return None
     csrc = Path(__file__).parent / "csrc"
     sources = sorted(csrc.glob("*.c"))
+    flags = (*_FLAGS, "-DTQ_PLAIN_C") if plain else _FLAGS
     digest = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in sorted(csrc.glob("*.[ch]"))), " ".join(_FLAGS).encode(), compiler.encode(), _cpu_id().encode()):
+    for part in (*(p.read_bytes() for p in sorted(csrc.glob("*.[ch]"))), " ".join(flags).encode(), compiler.encode(), _cpu_id().encode()):
         digest.update(part)
     target = _cache_dir() / f"treadle_kernels_{digest.hexdigest()[:16]}.so"
     try:
         if not target.exists():
-            _build(compiler, sources, target)
+            _build(compiler, flags, sources, target)
         return ctypes.CDLL(str(target))
     except (OSError, RuntimeError) as exc:
         logger.warning("Treadle's CPU kernels could not be built (plain torch is used): %s", exc)
@@ -91,9 +95,9 @@ _ARG = {"P": ctypes.c_void_p, "I": ctypes.c_int64, "C": ctypes.c_int, "F": ctype
 
 
 @cache
-def kernel(name: str, signature: str):  # noqa: ANN201
+def kernel(name: str, signature: str, plain: bool = False):  # noqa: ANN201
     """The C function ``name`` with ctypes argument types from ``signature`` (e.g. "CPPI")."""
-    lib = library()
+    lib = library(plain)
     assert lib is not None, "Treadle's CPU kernels are not available"
     fn = getattr(lib, name)
     fn.argtypes = [_ARG[c] for c in signature]
@@ -105,34 +109,55 @@ def available() -> bool:
     return library() is not None
 
 
-QTYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+# the block types the kernels read, by GGML's own type numbers (csrc/qblocks.h)
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+MAX_SEGMENTS = 4
+
+Segments = tuple[tuple[str, int], ...]  # a weight's rows as (block type, row count) runs, in row order
 
 
-def qmatmul(qtype: str, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] float32 @ W^T -> [..., N] float32, W as GGUF blocks ``weight`` [N, K/32 * block bytes]."""
+class Layout(ctypes.Structure):
+    """csrc/tq.h's ``tq_layout``: the segments of one weight."""
+
+    _fields_ = [("count", ctypes.c_int32), ("qtype", ctypes.c_int32 * MAX_SEGMENTS), ("rows", ctypes.c_int64 * MAX_SEGMENTS)]
+
+
+@cache
+def layout(segments: Segments) -> Layout:
+    """The C description of ``segments`` (built once per distinct layout)."""
+    if not 0 < len(segments) <= MAX_SEGMENTS:
+        raise ValueError(f"a weight has 1 to {MAX_SEGMENTS} segments, not {len(segments)}")
+    return Layout(len(segments), tuple(QTYPES[t] for t, _ in segments), tuple(n for _, n in segments))
+
+
+def qmatmul(segments: Segments, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
+            plain: bool = False) -> torch.Tensor:
+    """x [..., K] float32 @ W^T -> [..., N] float32, W the GGUF blocks ``weight`` (uint8, the
+    segments' rows back to back)."""
     k = x.shape[-1]
     flat = x.reshape(-1, k)
     if flat.dtype != torch.float32 or not flat.is_contiguous():
         flat = flat.float().contiguous()
-    n = weight.shape[0]
+    n = sum(rows for _, rows in segments)
     y = torch.empty(flat.shape[0], n, dtype=torch.float32)
-    kernel("tq_matmul", "CPPPPIII")(
-        QTYPES[qtype], weight.data_ptr(), flat.data_ptr(), y.data_ptr(),
+    kernel("tq_matmul", "PPPPPIII", plain)(
+        ctypes.addressof(layout(segments)), weight.data_ptr(), flat.data_ptr(), y.data_ptr(),
         None if bias is None else bias.data_ptr(), flat.shape[0], n, k,
     )
     return y.view(*x.shape[:-1], n)
 
 
-def gather_rows(qtype: str, weight: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """Rows ``ids`` of GGUF-block weight [N, K/32 * block bytes] -> [*ids.shape, K] float32."""
+def gather_rows(qtype: str, weight: torch.Tensor, ids: torch.Tensor, k: int, plain: bool = False) -> torch.Tensor:
+    """Rows ``ids`` of GGUF-block weight (rows of K inputs) -> [*ids.shape, K] float32."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(flat.shape[0], k, dtype=torch.float32)
-    kernel("tq_gather_rows", "CPPIIP")(QTYPES[qtype], weight.data_ptr(), flat.data_ptr(), flat.shape[0], k, out.data_ptr())
+    kernel("tq_gather_rows", "CPPIIP", plain)(QTYPES[qtype], weight.data_ptr(), flat.data_ptr(), flat.shape[0], k,
+                                              out.data_ptr())
     return out.view(*ids.shape, k)
 
 
-def dequantize(qtype: str, weight: torch.Tensor, k: int) -> torch.Tensor:
-    """GGUF-block weight [N, K/32 * block bytes] -> [N, K] float32."""
-    out = torch.empty(weight.shape[0], k, dtype=torch.float32)
-    kernel("tq_dequantize", "CPIIP")(QTYPES[qtype], weight.data_ptr(), weight.shape[0], k, out.data_ptr())
+def dequantize(qtype: str, weight: torch.Tensor, n: int, k: int, plain: bool = False) -> torch.Tensor:
+    """GGUF-block weight of ``n`` rows of ``k`` inputs -> [n, k] float32."""
+    out = torch.empty(n, k, dtype=torch.float32)
+    kernel("tq_dequantize", "CPIIP", plain)(QTYPES[qtype], weight.data_ptr(), n, k, out.data_ptr())
     return out

@@ -36,6 +36,13 @@ SUPPORTED_TYPES = frozenset(
         GGMLQuantizationType.Q8_0,
         GGMLQuantizationType.Q4_0,
         GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
+        GGMLQuantizationType.Q2_K,
+        GGMLQuantizationType.Q3_K,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
     }
 )
 
@@ -166,7 +173,7 @@ def dequantize_ref(ref: GGUFTensorRef) -> torch.Tensor:
     t = ref.tensor
     if t.tensor_type == GGMLQuantizationType.F32:
         array = np.array(t.data, dtype=np.float32)  # copy out of the memory map
-    else:  # F16, BF16, Q8_0, Q4_0, Q4_1 -> a new float32 array
+    else:  # F16, BF16 and the block types -> a new float32 array
         array = dequantize(t.data, t.tensor_type)
     tensor = torch.from_numpy(array)
     tensor = tensor.reshape(ref.shape)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from treadle.kernels import native
-from treadle.kernels.layer import DecoderLayerWeights, block_types
+from treadle.kernels.layer import DecoderLayerWeights, block_layouts
 from treadle.layers.fused_decoder import FusedDecoderLayer, Workspace
 from treadle.layers.linear import Linear
 from treadle.models.layout import STANDARD_LINEARS
@@ -37,7 +37,7 @@ def layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | None:
         return None
     spec = attn.spec
     return DecoderLayerWeights(
-        qtypes=block_types([m.method.qtype for m in linears]),
+        layouts=block_layouts([m.method.segments for m in linears]),
         input_norm=in_norm.weight.data, post_norm=post_norm.weight.data, eps=in_norm.eps,
         qkv=qkv.weight.data, qkv_bias=None if qkv.bias is None else qkv.bias.data, o=o.weight.data,
         gate_up=gate_up.weight.data, down=down.weight.data, cos_sin=attn.rotary.cos_sin,

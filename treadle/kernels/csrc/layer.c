@@ -15,7 +15,7 @@
 #include "tq.h"
 
 void tq_llama_layer_decode(float *x, float *residual, int first, const float *in_norm, const float *post_norm,
-                           float eps, const int *qtypes, const uint8_t *qkv_w, const float *qkv_bias,
+                           float eps, const tq_layout *layouts, const uint8_t *qkv_w, const float *qkv_bias,
                            const uint8_t *o_w, const uint8_t *gate_up_w, const uint8_t *down_w,
                            const float *cos_sin, const int64_t *positions, float *k_cache, float *v_cache,
                            const int64_t *slots, const int32_t *block_tables, const int32_t *seq_lens, int64_t B,
@@ -31,14 +31,14 @@ void tq_llama_layer_decode(float *x, float *residual, int first, const float *in
     } else {
         tq_rms_norm(x, residual, in_norm, h, B, H, H, eps);
     }
-    tq_matmul(qtypes[0], qkv_w, h, qkv_out, qkv_bias, B, qkv, H);
+    tq_matmul(&layouts[0], qkv_w, h, qkv_out, qkv_bias, B, qkv, H);
     tq_rope(qkv_out, cos_sin, positions, B, num_heads + num_kv_heads, head_dim, qkv); /* q and k heads */
     tq_paged_decode(qkv_out, qkv_out + q_size, qkv_out + q_size + kv_size, qkv, qkv, qkv, k_cache, v_cache, slots,
                     block_tables, seq_lens, B, max_blocks, block_size, num_heads, num_kv_heads, head_dim, window,
                     scale, attn);
-    tq_matmul(qtypes[1], o_w, attn, o, NULL, B, H, q_size);
+    tq_matmul(&layouts[1], o_w, attn, o, NULL, B, H, q_size);
     tq_rms_norm(o, residual, post_norm, h, B, H, H, eps);
-    tq_matmul(qtypes[2], gate_up_w, h, gate_up, NULL, B, 2 * inter, H);
+    tq_matmul(&layouts[2], gate_up_w, h, gate_up, NULL, B, 2 * inter, H);
     tq_silu_mul(gate_up, act, B, inter, 2 * inter);
-    tq_matmul(qtypes[3], down_w, act, x, NULL, B, H, inter);
+    tq_matmul(&layouts[3], down_w, act, x, NULL, B, H, inter);
 }

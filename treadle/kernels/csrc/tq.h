@@ -5,7 +5,8 @@
 
 #include <stdint.h>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* TQ_PLAIN_C: build the plain-C reference paths even where the CPU has SIMD (tests compare both) */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(TQ_PLAIN_C)
 #include <immintrin.h>
 #define TQ_AVX2 1
 
@@ -18,8 +19,16 @@ static inline float hsum(__m256 v) { /* the sum of 8 floats */
 #endif
 
 /* qmatmul.c */
-void tq_matmul(int qtype, const uint8_t *w, const float *x, float *y, const float *bias, int64_t M, int64_t N,
-               int64_t K);
+#define TQ_MAX_SEGMENTS 4
+/* A weight's rows as runs of one GGUF block type each, stored back to back (a fused q/k/v layer
+ * whose shards differ in type, as llama.cpp's K-quant mixes write them). */
+typedef struct {
+    int32_t count;
+    int32_t qtype[TQ_MAX_SEGMENTS]; /* GGML type numbers (qblocks.h) */
+    int64_t rows[TQ_MAX_SEGMENTS];
+} tq_layout;
+void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float *y, const float *bias, int64_t M,
+               int64_t N, int64_t K);
 void tq_gather_rows(int qtype, const uint8_t *w, const int64_t *ids, int64_t n, int64_t K, float *out);
 void tq_dequantize(int qtype, const uint8_t *w, int64_t N, int64_t K, float *out);
 /* ops.c */
@@ -36,7 +45,7 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
                      float scale, float *out);
 /* layer.c */
 void tq_llama_layer_decode(float *x, float *residual, int first, const float *in_norm, const float *post_norm,
-                           float eps, const int *qtypes, const uint8_t *qkv_w, const float *qkv_bias,
+                           float eps, const tq_layout *layouts, const uint8_t *qkv_w, const float *qkv_bias,
                            const uint8_t *o_w, const uint8_t *gate_up_w, const uint8_t *down_w,
                            const float *cos_sin, const int64_t *positions, float *k_cache, float *v_cache,
                            const int64_t *slots, const int32_t *block_tables, const int32_t *seq_lens, int64_t B,

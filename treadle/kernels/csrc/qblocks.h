@@ -1,0 +1,278 @@
+/* GGUF block types as qmatmul.c reads them: sizes, scales, and the integers of one block of 32.
+ *
+ * A weight row is a run of units: one block of 32 inputs for the legacy types, a super-block of
+ * 256 (8 blocks of 32) for the K-quants. qmatmul.c walks every row one block of 32 at a time and
+ * needs, per block, its 32 integers q (block_ints / block_weights) and, from the unit's header
+ * (unit_scales), the scale of each half of 16 and the coefficients of the activation sums:
+ *
+ *   w[j] = dh[j / 16] * q[j]  +  m          (legacy types, Q4_K, Q5_K: m per block of 32)
+ *   w[j] = dh[j / 16] * q[j]  +  mh[j / 16] (Q2_K: a minimum per half)
+ *
+ * Every product dh * q is exact in float32 (at most 23 significant bits), so w is the value
+ * the gguf package's reference dequantizer computes, bit for bit.
+ *
+ * Layouts (little-endian; d, dmin, m float16; element e of a super-block, l = e % 32, b = e / 32,
+ * h = b / 4, r = b % 4; sub-scales of 16 elements are indexed by e / 16, of 32 by b):
+ *   Q4_0  (18 B / 32): d | qs[16]               q = qs[l%16] nibble (low: l < 16)      w = d (q - 8)
+ *   Q4_1  (20 B / 32): d | m | qs[16]           as Q4_0                                w = d q + m
+ *   Q5_0  (22 B / 32): d | qh[4] | qs[16]       as Q4_0, bit l of qh is bit 4          w = d (q - 16)
+ *   Q5_1  (24 B / 32): d | m | qh[4] | qs[16]   as Q5_0                                w = d q + m
+ *   Q8_0  (34 B / 32): d | qs[32] int8                                                 w = d q
+ *   Q2_K  (84 B / 256): sc[16] | qs[64] | d | dmin     q = qs[32h + l] >> 2r & 3
+ *                       w = d (sc & 15) q - dmin (sc >> 4)
+ *   Q3_K (110 B / 256): hm[32] | qs[64] | sc[12] | d   q = (qs[32h + l] >> 2r & 3) - (hm[l] bit b ? 0 : 4)
+ *                       w = d (sc - 32) q, sc 6-bit: low 4 in sc[i % 8] (>> 4 for i >= 8),
+ *                       high 2 in sc[8 + i % 4] >> 2 (i / 4)
+ *   Q4_K (144 B / 256): d | dmin | sc[12] | qs[128]    q = qs[32 (b/2) + l] >> 4 (b%2) & 15
+ *                       w = d sc_b q - dmin mn_b, 6-bit sc/mn packed as in k4_scale_min
+ *   Q5_K (176 B / 256): d | dmin | sc[12] | qh[32] | qs[128]   as Q4_K, bit b of qh[l] is bit 4
+ *   Q6_K (210 B / 256): ql[128] | qh[64] | sc[16] int8 | d
+ *                       q = (ql[64h + 32 (r%2) + l] >> 4 (r/2) & 15 | (qh[32h + l] >> 2r & 3) << 4) - 32
+ *                       w = d sc q
+ */
+#ifndef TQ_QBLOCKS_H
+#define TQ_QBLOCKS_H
+
+#include <stdint.h>
+#include <string.h>
+#include "tq.h"
+
+/* inlined into qmatmul.c's tiles, where the block type is a constant: the switches fold away */
+#define TQ_INLINE static inline __attribute__((always_inline))
+
+/* GGML's own type numbers (the gguf package's GGMLQuantizationType), as native.QTYPES */
+enum { TQ_Q4_0 = 2, TQ_Q4_1 = 3, TQ_Q5_0 = 6, TQ_Q5_1 = 7, TQ_Q8_0 = 8,
+       TQ_Q2_K = 10, TQ_Q3_K = 11, TQ_Q4_K = 12, TQ_Q5_K = 13, TQ_Q6_K = 14 };
+#define QK 32
+
+TQ_INLINE int is_k_quant(int t) { return t >= TQ_Q2_K; }
+TQ_INLINE int unit_blocks(int t) { return is_k_quant(t) ? 8 : 1; } /* blocks of 32 per unit */
+
+TQ_INLINE int unit_bytes(int t) {
+    switch (t) {
+        case TQ_Q4_0: return 18;
+        case TQ_Q4_1: return 20;
+        case TQ_Q5_0: return 22;
+        case TQ_Q5_1: return 24;
+        case TQ_Q8_0: return 34;
+        case TQ_Q2_K: return 84;
+        case TQ_Q3_K: return 110;
+        case TQ_Q4_K: return 144;
+        case TQ_Q5_K: return 176;
+        default: return 210; /* Q6_K */
+    }
+}
+
+TQ_INLINE int64_t row_bytes(int t, int64_t K) { return K / (QK * unit_blocks(t)) * unit_bytes(t); }
+TQ_INLINE int split_scales(int t) { return t == TQ_Q2_K || t == TQ_Q3_K || t == TQ_Q6_K; } /* dh per 16 */
+TQ_INLINE int min_per_block(int t) { return t != TQ_Q8_0 && t != TQ_Q2_K && t != TQ_Q3_K && t != TQ_Q6_K; }
+TQ_INLINE int min_per_half(int t) { return t == TQ_Q2_K; }
+
+TQ_INLINE float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef TQ_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal */
+            exp = 127 - 15 + 1;
+            while (!(man & 1024)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 1023) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* A unit's scales: dh per half of 16 elements, m per block of 32, mh per half (Q2_K). */
+typedef struct {
+    float dh[16], m[8], mh[16];
+} unit_scales_t;
+
+/* Q4_K / Q5_K: the 6-bit scale and minimum of block j from the 12 packed bytes. */
+TQ_INLINE void k4_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+TQ_INLINE void unit_scales(int t, const uint8_t *u, unit_scales_t *s) {
+    switch (t) {
+        case TQ_Q4_0: case TQ_Q5_0: case TQ_Q8_0: {
+            const float d = half_to_float(u);
+            s->dh[0] = s->dh[1] = d;
+            s->m[0] = t == TQ_Q4_0 ? -8.0f * d : t == TQ_Q5_0 ? -16.0f * d : 0.0f;
+            return;
+        }
+        case TQ_Q4_1: case TQ_Q5_1:
+            s->dh[0] = s->dh[1] = half_to_float(u);
+            s->m[0] = half_to_float(u + 2);
+            return;
+        case TQ_Q2_K: {
+            const float d = half_to_float(u + 80), dmin = half_to_float(u + 82);
+            for (int i = 0; i < 16; i++) {
+                s->dh[i] = d * (float)(u[i] & 15);
+                s->mh[i] = -(dmin * (float)(u[i] >> 4));
+            }
+            return;
+        }
+        case TQ_Q3_K: {
+            const float d = half_to_float(u + 108);
+            const uint8_t *sc = u + 96;
+            for (int i = 0; i < 16; i++) {
+                const int lo = (i < 8 ? sc[i] : sc[i - 8] >> 4) & 15, hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+                s->dh[i] = d * (float)((lo | (hi << 4)) - 32);
+            }
+            return;
+        }
+        case TQ_Q4_K: case TQ_Q5_K: {
+            const float d = half_to_float(u), dmin = half_to_float(u + 2);
+            for (int j = 0; j < 8; j++) {
+                int sc, mn;
+                k4_scale_min(u + 4, j, &sc, &mn);
+                s->dh[2 * j] = s->dh[2 * j + 1] = d * (float)sc;
+                s->m[j] = -(dmin * (float)mn);
+            }
+            return;
+        }
+        default: { /* Q6_K */
+            const float d = half_to_float(u + 208);
+            for (int i = 0; i < 16; i++) s->dh[i] = d * (float)((const int8_t *)(u + 192))[i];
+            return;
+        }
+    }
+}
+
+/* The 32 integers of block b (0 .. unit_blocks - 1) of unit u: the plain-C reference. */
+TQ_INLINE void block_ints(int t, const uint8_t *u, int b, int q[QK]) {
+    const int h = b / 4, r = b % 4;
+    switch (t) {
+        case TQ_Q8_0:
+            for (int l = 0; l < QK; l++) q[l] = ((const int8_t *)(u + 2))[l];
+            return;
+        case TQ_Q4_0: case TQ_Q4_1: case TQ_Q5_0: case TQ_Q5_1: {
+            const int five = t == TQ_Q5_0 || t == TQ_Q5_1;
+            const uint8_t *qs = u + (t == TQ_Q4_0 ? 2 : t == TQ_Q4_1 ? 4 : t == TQ_Q5_0 ? 6 : 8);
+            uint32_t qh = 0;
+            if (five) memcpy(&qh, qs - 4, 4);
+            for (int l = 0; l < 16; l++) {
+                q[l] = (qs[l] & 15) | (int)((qh >> l) & 1) << 4;
+                q[l + 16] = (qs[l] >> 4) | (int)((qh >> (l + 16)) & 1) << 4;
+            }
+            return;
+        }
+        case TQ_Q2_K:
+            for (int l = 0; l < QK; l++) q[l] = (u[16 + 32 * h + l] >> (2 * r)) & 3;
+            return;
+        case TQ_Q3_K:
+            for (int l = 0; l < QK; l++) q[l] = ((u[32 + 32 * h + l] >> (2 * r)) & 3) - ((u[l] >> b) & 1 ? 0 : 4);
+            return;
+        case TQ_Q4_K: case TQ_Q5_K: {
+            const uint8_t *qs = u + (t == TQ_Q4_K ? 16 : 48) + 32 * (b / 2);
+            for (int l = 0; l < QK; l++) {
+                q[l] = (qs[l] >> (4 * (b % 2))) & 15;
+                if (t == TQ_Q5_K) q[l] |= ((u[16 + l] >> b) & 1) << 4;
+            }
+            return;
+        }
+        default: /* Q6_K */
+            for (int l = 0; l < QK; l++) {
+                const int lo = (u[64 * h + 32 * (r % 2) + l] >> (4 * (r / 2))) & 15, hi = (u[128 + 32 * h + l] >> (2 * r)) & 3;
+                q[l] = (lo | (hi << 4)) - 32;
+            }
+            return;
+    }
+}
+
+#ifdef TQ_AVX2
+/* 32 bytes, 0xff where bit i of `bits` is set */
+TQ_INLINE __m256i bits_to_bytes(uint32_t bits) {
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+/* 32 bytes, 0xff where bit b of byte l is set */
+TQ_INLINE __m256i bit_of_bytes(const uint8_t *p, int b) {
+    const __m256i bit = _mm256_set1_epi8((char)(1 << b));
+    return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)p), bit), bit);
+}
+
+/* (p[l] >> shift) & mask for 32 bytes */
+TQ_INLINE __m256i bits_at(const uint8_t *p, int shift, int mask) {
+    const __m256i v = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)p), _mm_cvtsi32_si128(shift));
+    return _mm256_and_si256(v, _mm256_set1_epi8((char)mask));
+}
+
+TQ_INLINE void widen(__m256i q, int is_signed, __m256i w[2]) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    w[0] = is_signed ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo);
+    w[1] = is_signed ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
+}
+
+/* block_ints, widened to 16 bits: w[0] = elements 0..15, w[1] = 16..31. */
+TQ_INLINE void block_weights(int t, const uint8_t *u, int b, __m256i w[2]) {
+    const int h = b / 4, r = b % 4;
+    switch (t) {
+        case TQ_Q8_0:
+            w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u + 2)));
+            w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u + 18)));
+            return;
+        case TQ_Q4_0: case TQ_Q4_1: {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(u + (t == TQ_Q4_0 ? 2 : 4)));
+            const __m128i mask = _mm_set1_epi8(15);
+            w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
+            w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+            return;
+        }
+        case TQ_Q5_0: case TQ_Q5_1: {
+            const uint8_t *qs = u + (t == TQ_Q5_0 ? 6 : 8);
+            const __m128i raw = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(15);
+            uint32_t qh;
+            memcpy(&qh, qs - 4, 4);
+            __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+            q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(16)));
+            widen(q, 0, w);
+            return;
+        }
+        case TQ_Q2_K:
+            widen(bits_at(u + 16 + 32 * h, 2 * r, 3), 0, w);
+            return;
+        case TQ_Q3_K: {
+            const __m256i hi = _mm256_and_si256(bit_of_bytes(u, b), _mm256_set1_epi8(4));
+            widen(_mm256_sub_epi8(_mm256_or_si256(bits_at(u + 32 + 32 * h, 2 * r, 3), hi), _mm256_set1_epi8(4)), 1, w);
+            return;
+        }
+        case TQ_Q4_K: case TQ_Q5_K: {
+            __m256i q = bits_at(u + (t == TQ_Q4_K ? 16 : 48) + 32 * (b / 2), 4 * (b % 2), 15);
+            if (t == TQ_Q5_K) q = _mm256_or_si256(q, _mm256_and_si256(bit_of_bytes(u + 16, b), _mm256_set1_epi8(16)));
+            widen(q, 0, w);
+            return;
+        }
+        default: { /* Q6_K */
+            const __m256i lo = bits_at(u + 64 * h + 32 * (r % 2), 4 * (r / 2), 15);
+            const __m256i hi = _mm256_slli_epi16(bits_at(u + 128 + 32 * h, 2 * r, 3), 4);
+            widen(_mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32)), 1, w);
+            return;
+        }
+    }
+}
+#endif
+
+#endif
