@@ -61,7 +61,7 @@ def quantization_plan(
     source: ModelSource, quantization: str | None, device: str | torch.device = "cpu"
 ) -> tuple[Callable[[str], Any] | None, Callable[[], Iterator[tuple[str, Any]]]]:
     """(linear-method factory, weight stream) for a quantization name: None/"none" (float),
-    "auto" ("gguf" for a GGUF file on the CPU, else none), "gguf" (keep Q4_0/Q4_1/Q8_0
+    "auto" ("gguf" for a GGUF file on the CPU, else none), "gguf" (keep Q4_0..Q8_0 and K-quant
     blocks quantized; CPU kernels), or a weight-only name such as "int8" or "int4-g64"
     (see treadle.quantization)."""
     from treadle.quantization import resolve_quantization, weight_only_factory

@@ -9,8 +9,9 @@ Names (``--quantization``):
     int4-g64|g128        weight-only int4 with that group size on torch's packed int4 kernel
     (int8 and int4-g32 fall back to torch's kernels -- int8 then with one scale per output
     channel -- for a layer whose input width is not a multiple of 32, or without the C kernels)
-    gguf                 keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks quantized (see gguf_native);
-                         built by the GGUF loader from the file's tensor types
+    gguf                 keep a GGUF file's blocks quantized (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and the
+                         K-quants Q2_K..Q6_K; see gguf_native); built by the GGUF loader from
+                         the file's tensor types
     none / None          no quantization
 
 Embeddings and lm_head stay unquantized (GGUF blocks excepted). A method factory maps a layer's name

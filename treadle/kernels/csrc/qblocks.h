@@ -3,12 +3,13 @@
  * A weight row is a run of units: one block of 32 inputs for the legacy types, a super-block of
  * 256 (8 blocks of 32) for the K-quants. qmatmul.c walks every row one block of 32 at a time and
  * needs, per block, its 32 integers q (block_ints / block_weights) and, from the unit's header
- * (unit_scales), the scale of each half of 16 and the coefficients of the activation sums:
+ * (unit_scales), the scale of the block (of each half of 16 for Q2_K, Q3_K, Q6_K) and the
+ * coefficients of the activation sums:
  *
- *   w[j] = dh[j / 16] * q[j]  +  m          (legacy types, Q4_K, Q5_K: m per block of 32)
- *   w[j] = dh[j / 16] * q[j]  +  mh[j / 16] (Q2_K: a minimum per half)
+ *   w[j] = d * q[j]  +  m                  (legacy types, Q4_K, Q5_K: m per block of 32)
+ *   w[j] = d[j / 16] * q[j]  +  mh[j / 16] (Q2_K: a minimum per half)
  *
- * Every product dh * q is exact in float32 (at most 23 significant bits), so w is the value
+ * Every product d * q is exact in float32 (at most 23 significant bits), so w is the value
  * the gguf package's reference dequantizer computes, bit for bit.
  *
  * Layouts (little-endian; d, dmin, m float16; element e of a super-block, l = e % 32, b = e / 32,
@@ -94,64 +95,79 @@ TQ_INLINE float half_to_float(const uint8_t *p) {
 #endif
 }
 
-/* A unit's scales: dh per half of 16 elements, m per block of 32, mh per half (Q2_K). */
+/* A unit's scales: d per block of 32 (per half of 16 for split_scales types: d[2b], d[2b + 1]),
+ * m per block of 32, mh per half (Q2_K). */
 typedef struct {
-    float dh[16], m[8], mh[16];
+    float d[16], m[8], mh[16];
 } unit_scales_t;
 
-/* Q4_K / Q5_K: the 6-bit scale and minimum of block j from the 12 packed bytes. */
-TQ_INLINE void k4_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
+TQ_INLINE int scale_index(int t, int b, int half) { return split_scales(t) ? 2 * b + half : b; }
+
+/* Q4_K / Q5_K: the 6-bit scales (bytes 0..7) and minimums (8..15) of the 8 blocks, from the 12
+ * packed bytes: block j < 4 in the low 6 bits of s[j] (s[j + 4]); j >= 4 in the low (high)
+ * nibble of s[j + 4] with its top 2 bits in the top bits of s[j - 4] (s[j]). */
+TQ_INLINE void k4_scales_mins(const uint8_t *s, uint8_t out[16]) {
+    uint32_t a[3], v[4];
+    memcpy(a, s, 12);
+    v[0] = a[0] & 0x3f3f3f3fu;
+    v[1] = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 2) & 0x30303030u);
+    v[2] = a[1] & 0x3f3f3f3fu;
+    v[3] = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 2) & 0x30303030u);
+    memcpy(out, v, 16);
+}
+
+/* Q3_K: the 16 6-bit scales (biased by 32): low 4 bits in the nibbles of s[0..8), high 2 bits
+ * in s[8..12). */
+TQ_INLINE void q3k_scales(const uint8_t *s, uint8_t out[16]) {
+    uint32_t a[3], v[4];
+    memcpy(a, s, 12);
+    v[0] = a[0] & 0x0f0f0f0fu;
+    v[1] = a[1] & 0x0f0f0f0fu;
+    v[2] = (a[0] >> 4) & 0x0f0f0f0fu;
+    v[3] = (a[1] >> 4) & 0x0f0f0f0fu;
+    for (int g = 0; g < 4; g++) v[g] |= ((a[2] >> (2 * g)) & 0x03030303u) << 4;
+    memcpy(out, v, 16);
 }
 
 TQ_INLINE void unit_scales(int t, const uint8_t *u, unit_scales_t *s) {
+    uint8_t b[16];
     switch (t) {
         case TQ_Q4_0: case TQ_Q5_0: case TQ_Q8_0: {
             const float d = half_to_float(u);
-            s->dh[0] = s->dh[1] = d;
+            s->d[0] = d;
             s->m[0] = t == TQ_Q4_0 ? -8.0f * d : t == TQ_Q5_0 ? -16.0f * d : 0.0f;
             return;
         }
         case TQ_Q4_1: case TQ_Q5_1:
-            s->dh[0] = s->dh[1] = half_to_float(u);
+            s->d[0] = half_to_float(u);
             s->m[0] = half_to_float(u + 2);
             return;
         case TQ_Q2_K: {
-            const float d = half_to_float(u + 80), dmin = half_to_float(u + 82);
+            const float d = half_to_float(u + 80), nmin = -half_to_float(u + 82);
             for (int i = 0; i < 16; i++) {
-                s->dh[i] = d * (float)(u[i] & 15);
-                s->mh[i] = -(dmin * (float)(u[i] >> 4));
+                s->d[i] = d * (float)(u[i] & 15);
+                s->mh[i] = nmin * (float)(u[i] >> 4);
             }
             return;
         }
         case TQ_Q3_K: {
             const float d = half_to_float(u + 108);
-            const uint8_t *sc = u + 96;
-            for (int i = 0; i < 16; i++) {
-                const int lo = (i < 8 ? sc[i] : sc[i - 8] >> 4) & 15, hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
-                s->dh[i] = d * (float)((lo | (hi << 4)) - 32);
-            }
+            q3k_scales(u + 96, b);
+            for (int i = 0; i < 16; i++) s->d[i] = d * (float)((int)b[i] - 32);
             return;
         }
         case TQ_Q4_K: case TQ_Q5_K: {
-            const float d = half_to_float(u), dmin = half_to_float(u + 2);
+            const float d = half_to_float(u), nmin = -half_to_float(u + 2);
+            k4_scales_mins(u + 4, b);
             for (int j = 0; j < 8; j++) {
-                int sc, mn;
-                k4_scale_min(u + 4, j, &sc, &mn);
-                s->dh[2 * j] = s->dh[2 * j + 1] = d * (float)sc;
-                s->m[j] = -(dmin * (float)mn);
+                s->d[j] = d * (float)b[j];
+                s->m[j] = nmin * (float)b[8 + j];
             }
             return;
         }
         default: { /* Q6_K */
             const float d = half_to_float(u + 208);
-            for (int i = 0; i < 16; i++) s->dh[i] = d * (float)((const int8_t *)(u + 192))[i];
+            for (int i = 0; i < 16; i++) s->d[i] = d * (float)((const int8_t *)(u + 192))[i];
             return;
         }
     }

@@ -10,7 +10,7 @@
  * to 16 bits, two madd for 32 multiply-adds), scaled once per block of 32 -- or once per
  * half of 16 for the K-quants whose sub-scales cover 16 elements (Q2_K, Q3_K, Q6_K):
  *
- *   y[m, n] = sum_b  xd_b (dh_b0 (q . xq)[0:16] + dh_b1 (q . xq)[16:32])  +  m_b xs_b  (+ mh xh)
+ *   y[m, n] = sum_b  xd_b (d_b0 (q . xq)[0:16] + d_b1 (q . xq)[16:32])  +  m_b xs_b  (+ mh xh)
  *
  *   xs_b = xd_b * sum(xq_b), xh_b = xd_b * (sum of each half): the minimum terms (qblocks.h).
  *
@@ -63,7 +63,7 @@ typedef struct { /* one quantized activation matrix */
 
 /* A tile of NW weight rows (at most 2) times NX activation rows (at most MR):
  * out[i * ostride + r] = row r . (x row i) + bias[r]. Every output is accumulated the same
- * way whatever the tile's shape (per block: t = float(q . xq) * dh, acc += t * xd; the
+ * way whatever the tile's shape (per block: t = float(q . xq) * d, acc += t * xd; the
  * minimum terms summed apart), so results do not depend on M or on where a row falls in a tile. */
 static inline __attribute__((always_inline)) void tile(int qtype, const uint8_t *row, int64_t rbytes, int64_t nb,
                                                         qacts x, const int NW, const int NX, const float *bias,
@@ -91,8 +91,8 @@ static inline __attribute__((always_inline)) void tile(int qtype, const uint8_t 
             __m256 d0[2], d1[2];
             for (int r = 0; r < NW; r++) {
                 block_weights(qtype, unit[r], s, w[r]);
-                d0[r] = _mm256_set1_ps(sc[r].dh[2 * s]);
-                d1[r] = _mm256_set1_ps(sc[r].dh[2 * s + 1]);
+                d0[r] = _mm256_set1_ps(sc[r].d[scale_index(qtype, s, 0)]);
+                d1[r] = _mm256_set1_ps(sc[r].d[scale_index(qtype, s, 1)]);
             }
 #else
             int q[2][QK];
@@ -118,8 +118,8 @@ static inline __attribute__((always_inline)) void tile(int qtype, const uint8_t 
                         lo += q[r][j] * xq[j];
                         hi += q[r][j + 16] * xq[j + 16];
                     }
-                    const float t = split_scales(qtype) ? (float)lo * sc[r].dh[2 * s] + (float)hi * sc[r].dh[2 * s + 1]
-                                                        : (float)(lo + hi) * sc[r].dh[2 * s];
+                    const float d0 = sc[r].d[scale_index(qtype, s, 0)], d1 = sc[r].d[scale_index(qtype, s, 1)];
+                    const float t = split_scales(qtype) ? (float)lo * d0 + (float)hi * d1 : (float)(lo + hi) * d0;
                     acc[i][r] += t * x.d[xb];
 #endif
                     if (min_per_block(qtype)) msum[i][r] += sc[r].m[s] * x.s[xb];
@@ -224,7 +224,7 @@ static void dequant_row(int qtype, const uint8_t *row, float *out, int64_t K) {
             block_ints(qtype, row, b, q);
             for (int j = 0; j < QK; j++) {
                 const float m = min_per_block(qtype) ? sc.m[b] : min_per_half(qtype) ? sc.mh[2 * b + j / 16] : 0.0f;
-                out[j] = sc.dh[2 * b + j / 16] * (float)q[j] + m;
+                out[j] = sc.d[scale_index(qtype, b, j / 16)] * (float)q[j] + m;
             }
         }
     }
