@@ -129,6 +129,18 @@ TQ_INLINE void q3k_scales(const uint8_t *s, uint8_t out[16]) {
     memcpy(out, v, 16);
 }
 
+/* out[i] = scale * (b[i] - bias) for 8 bytes (int8 when is_signed, else uint8) */
+TQ_INLINE void scale_bytes8(const uint8_t *b, int is_signed, int bias, float scale, float *out) {
+#ifdef TQ_AVX2
+    const __m128i raw = _mm_loadl_epi64((const __m128i *)b);
+    const __m256i v = _mm256_sub_epi32(is_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw),
+                                       _mm256_set1_epi32(bias));
+    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(v)));
+#else
+    for (int i = 0; i < 8; i++) out[i] = scale * (float)((is_signed ? (int)(int8_t)b[i] : (int)b[i]) - bias);
+#endif
+}
+
 TQ_INLINE void unit_scales(int t, const uint8_t *u, unit_scales_t *s) {
     uint8_t b[16];
     switch (t) {
@@ -143,31 +155,38 @@ TQ_INLINE void unit_scales(int t, const uint8_t *u, unit_scales_t *s) {
             s->m[0] = half_to_float(u + 2);
             return;
         case TQ_Q2_K: {
-            const float d = half_to_float(u + 80), nmin = -half_to_float(u + 82);
-            for (int i = 0; i < 16; i++) {
-                s->d[i] = d * (float)(u[i] & 15);
-                s->mh[i] = nmin * (float)(u[i] >> 4);
+            uint32_t a[4], lo[4], hi[4];
+            memcpy(a, u, 16);
+            for (int i = 0; i < 4; i++) {
+                lo[i] = a[i] & 0x0f0f0f0fu;
+                hi[i] = (a[i] >> 4) & 0x0f0f0f0fu;
             }
+            memcpy(b, lo, 16);
+            const float d = half_to_float(u + 80), nmin = -half_to_float(u + 82);
+            scale_bytes8(b, 0, 0, d, s->d);
+            scale_bytes8(b + 8, 0, 0, d, s->d + 8);
+            memcpy(b, hi, 16);
+            scale_bytes8(b, 0, 0, nmin, s->mh);
+            scale_bytes8(b + 8, 0, 0, nmin, s->mh + 8);
             return;
         }
         case TQ_Q3_K: {
             const float d = half_to_float(u + 108);
             q3k_scales(u + 96, b);
-            for (int i = 0; i < 16; i++) s->d[i] = d * (float)((int)b[i] - 32);
+            scale_bytes8(b, 0, 32, d, s->d);
+            scale_bytes8(b + 8, 0, 32, d, s->d + 8);
             return;
         }
         case TQ_Q4_K: case TQ_Q5_K: {
-            const float d = half_to_float(u), nmin = -half_to_float(u + 2);
             k4_scales_mins(u + 4, b);
-            for (int j = 0; j < 8; j++) {
-                s->d[j] = d * (float)b[j];
-                s->m[j] = nmin * (float)b[8 + j];
-            }
+            scale_bytes8(b, 0, 0, half_to_float(u), s->d);
+            scale_bytes8(b + 8, 0, 0, -half_to_float(u + 2), s->m);
             return;
         }
         default: { /* Q6_K */
             const float d = half_to_float(u + 208);
-            for (int i = 0; i < 16; i++) s->d[i] = d * (float)((const int8_t *)(u + 192))[i];
+            scale_bytes8(u + 192, 1, 0, d, s->d);
+            scale_bytes8(u + 200, 1, 0, d, s->d + 8);
             return;
         }
     }

@@ -159,12 +159,10 @@ static inline __attribute__((always_inline)) void row_pair(const int qtype, cons
                 case 3: TILE_CASE(2, 3); break;
                 default: TILE_CASE(2, MR); break;
             }
-        } else {
-            switch (nx) {
-                case 1: TILE_CASE(1, 1); break;
-                case 2: TILE_CASE(1, 2); break;
-                case 3: TILE_CASE(1, 3); break;
-                default: TILE_CASE(1, MR); break;
+        } else { /* a segment's odd last row: one activation row at a time (same sums, less code) */
+            for (int i = 0; i < nx; i++) {
+                const qacts xi = {xm.q + i * K, xm.d + i * nb, xm.s + i * nb, xm.h + 2 * i * nb};
+                tile(qtype, row, rbytes, nb, xi, 1, 1, bias, out + i * ldy, ldy);
             }
         }
     }
