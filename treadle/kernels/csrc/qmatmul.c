@@ -103,11 +103,12 @@ static inline __attribute__((always_inline)) void tile(int qtype, const uint8_t 
                 const int16_t *xq = x.q + xb * QK;
 #ifdef TQ_AVX2
                 const __m256 vx = _mm256_broadcast_ss(x.d + xb);
-                const __m256i x0 = _mm256_loadu_si256((const __m256i *)xq), x1 = _mm256_loadu_si256((const __m256i *)(xq + 16));
 #endif
                 for (int r = 0; r < NW; r++) {
 #ifdef TQ_AVX2
-                    const __m256i lo = _mm256_madd_epi16(w[r][0], x0), hi = _mm256_madd_epi16(w[r][1], x1);
+                    /* activations loaded per use: madd's memory operand, no registers held (8 accumulators) */
+                    const __m256i lo = _mm256_madd_epi16(w[r][0], _mm256_loadu_si256((const __m256i *)xq));
+                    const __m256i hi = _mm256_madd_epi16(w[r][1], _mm256_loadu_si256((const __m256i *)(xq + 16)));
                     const __m256 t = split_scales(qtype)
                         ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), d1[r], _mm256_mul_ps(_mm256_cvtepi32_ps(lo), d0[r]))
                         : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), d0[r]);
