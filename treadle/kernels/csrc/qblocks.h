@@ -6,9 +6,10 @@
  * (unit_scales), the scale of the block (of each half of 16 for Q2_K, Q3_K, Q6_K) and the
  * coefficients of the activation sums:
  *
- *   w[j] = d * q[j]  +  m                  (legacy types, Q4_K, Q5_K: m per block of 32)
+ *   w[j] = d * q[j]  +  m                  (Q4_1, Q5_1, Q4_K, Q5_K: m per block of 32)
  *   w[j] = d[j / 16] * q[j]  +  mh[j / 16] (Q2_K: a minimum per half)
  *
+ * (Q4_0 and Q5_0 read q - 8 and q - 16 as signed integers; Q8_0, Q3_K, Q6_K are signed too.)
  * Every product d * q is exact in float32 (at most 23 significant bits), so w is the value
  * the gguf package's reference dequantizer computes, bit for bit.
  *
@@ -66,7 +67,7 @@ TQ_INLINE int unit_bytes(int t) {
 
 TQ_INLINE int64_t row_bytes(int t, int64_t K) { return K / (QK * unit_blocks(t)) * unit_bytes(t); }
 TQ_INLINE int split_scales(int t) { return t == TQ_Q2_K || t == TQ_Q3_K || t == TQ_Q6_K; } /* dh per 16 */
-TQ_INLINE int min_per_block(int t) { return t != TQ_Q8_0 && t != TQ_Q2_K && t != TQ_Q3_K && t != TQ_Q6_K; }
+TQ_INLINE int min_per_block(int t) { return t == TQ_Q4_1 || t == TQ_Q5_1 || t == TQ_Q4_K || t == TQ_Q5_K; }
 TQ_INLINE int min_per_half(int t) { return t == TQ_Q2_K; }
 
 TQ_INLINE float half_to_float(const uint8_t *p) {
@@ -144,12 +145,9 @@ TQ_INLINE void scale_bytes8(const uint8_t *b, int is_signed, int bias, float sca
 TQ_INLINE void unit_scales(int t, const uint8_t *u, unit_scales_t *s) {
     uint8_t b[16];
     switch (t) {
-        case TQ_Q4_0: case TQ_Q5_0: case TQ_Q8_0: {
-            const float d = half_to_float(u);
-            s->d[0] = d;
-            s->m[0] = t == TQ_Q4_0 ? -8.0f * d : t == TQ_Q5_0 ? -16.0f * d : 0.0f;
+        case TQ_Q4_0: case TQ_Q5_0: case TQ_Q8_0:
+            s->d[0] = half_to_float(u);
             return;
-        }
         case TQ_Q4_1: case TQ_Q5_1:
             s->d[0] = half_to_float(u);
             s->m[0] = half_to_float(u + 2);
@@ -204,9 +202,10 @@ TQ_INLINE void block_ints(int t, const uint8_t *u, int b, int q[QK]) {
             const uint8_t *qs = u + (t == TQ_Q4_0 ? 2 : t == TQ_Q4_1 ? 4 : t == TQ_Q5_0 ? 6 : 8);
             uint32_t qh = 0;
             if (five) memcpy(&qh, qs - 4, 4);
+            const int bias = t == TQ_Q4_0 ? 8 : t == TQ_Q5_0 ? 16 : 0; /* the types without a minimum */
             for (int l = 0; l < 16; l++) {
-                q[l] = (qs[l] & 15) | (int)((qh >> l) & 1) << 4;
-                q[l + 16] = (qs[l] >> 4) | (int)((qh >> (l + 16)) & 1) << 4;
+                q[l] = ((qs[l] & 15) | (int)((qh >> l) & 1) << 4) - bias;
+                q[l + 16] = ((qs[l] >> 4) | (int)((qh >> (l + 16)) & 1) << 4) - bias;
             }
             return;
         }
@@ -271,9 +270,16 @@ TQ_INLINE void block_weights(int t, const uint8_t *u, int b, __m256i w[2]) {
             return;
         case TQ_Q4_0: case TQ_Q4_1: {
             const __m128i raw = _mm_loadu_si128((const __m128i *)(u + (t == TQ_Q4_0 ? 2 : 4)));
-            const __m128i mask = _mm_set1_epi8(15);
-            w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
-            w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+            const __m128i mask = _mm_set1_epi8(15), lo = _mm_and_si128(raw, mask);
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+            if (t == TQ_Q4_0) { /* q - 8, signed */
+                const __m128i eight = _mm_set1_epi8(8);
+                w[0] = _mm256_cvtepi8_epi16(_mm_sub_epi8(lo, eight));
+                w[1] = _mm256_cvtepi8_epi16(_mm_sub_epi8(hi, eight));
+            } else {
+                w[0] = _mm256_cvtepu8_epi16(lo);
+                w[1] = _mm256_cvtepu8_epi16(hi);
+            }
             return;
         }
         case TQ_Q5_0: case TQ_Q5_1: {
@@ -281,9 +287,12 @@ TQ_INLINE void block_weights(int t, const uint8_t *u, int b, __m256i w[2]) {
             const __m128i raw = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(15);
             uint32_t qh;
             memcpy(&qh, qs - 4, 4);
-            __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-            q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(16)));
-            widen(q, 0, w);
+            const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+            const __m256i set = bits_to_bytes(qh), sixteen = _mm256_set1_epi8(16);
+            if (t == TQ_Q5_0) /* q - 16 = low nibble - 16 where bit 4 is clear, signed */
+                widen(_mm256_sub_epi8(q, _mm256_andnot_si256(set, sixteen)), 1, w);
+            else
+                widen(_mm256_or_si256(q, _mm256_and_si256(set, sixteen)), 0, w);
             return;
         }
         case TQ_Q2_K:
