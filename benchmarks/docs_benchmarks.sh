@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every figure in docs/benchmarks.md, in the order the doc gives them.
 # Runs sequentially (never two benchmarks at once); results land in $OUT.
-#   bash benchmarks/docs_benchmarks.sh [step ...]    # steps: issue peers latency random serve q4 cpu (default: all)
+#   bash benchmarks/docs_benchmarks.sh [step ...]    # steps: issue peers latency random serve q4 cpu kquant (default: all)
 # Steps before `cpu` were measured when the engine's default was float weights: `treadle+none`
 # reproduces that configuration now that a GGUF file runs natively by default.
 set -euo pipefail
@@ -11,7 +11,7 @@ M=smollm2-135m-instruct
 R=/tmp/treadle-bench/random-llama-150m
 OUT=${OUT:-/tmp/treadle-bench/results}
 mkdir -p "$OUT" docs/img
-steps=${*:-issue peers latency random serve q4 cpu}
+steps=${*:-issue peers latency random serve q4 cpu kquant}
 
 # --threads 1: the docs machine had 2 cores shared with other jobs; with 2 threads torch's
 # workers kept waiting on a descheduled sibling and every backend ran ~4x slower.
@@ -66,6 +66,13 @@ for step in $steps; do
         | tee "$OUT/cpu_profile_b${b}_modules.txt"
     done
     .venv/bin/python benchmarks/quantized_smollm2_cpu.py 2 gguf int8 int4-g32 | tee "$OUT/cpu_accuracy.txt" ;;
+  kquant)  # K-quant GGUFs (SmolLM2 requantized from Q4_1 by llama.cpp) vs llama.cpp on the same files
+    .venv/bin/python benchmarks/kquant_smollm2.py /tmp/treadle-bench Q4_K_M Q6_K 2>/dev/null | tee "$OUT/kquant_check.txt"
+    for f in Q4_K_M Q6_K; do
+      $T bench latency --model /tmp/treadle-bench/SmolLM2-135M-Instruct.$f.gguf --backends treadle,llamacpp \
+        --input-len 256 --output-len 32 --iters 3 $TH --save-result "$OUT/kquant_$f.json" 2>"$OUT/kquant_$f.err" \
+        | tee "$OUT/kquant_$f.txt"
+    done ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -1,7 +1,8 @@
 """Build and load Treadle's C kernels (``csrc/*.c``, one shared library) with ctypes.
 
-The C sources include no torch or Python headers, so the first build takes about a
-second (``gcc -O3 -march=native -fopenmp``); the library is cached under
+The C sources include no torch or Python headers, so the first build takes a few
+seconds (``gcc -O3 -march=native -fopenmp``; most of it the matmul specialized per GGUF
+block type); the library is cached under
 ``$TREADLE_CACHE_DIR`` (default ``~/.cache/treadle``) by a hash of the source, the
 flags and the CPU, and written atomically, so concurrent processes are safe. OpenMP
 resolves to the ``libgomp.so.1`` torch already loaded, so the kernels share torch's
