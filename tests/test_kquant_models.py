@@ -25,6 +25,7 @@ from treadle.layers.attention.cpu import CPUBackend
 from treadle.layers.linear import Linear
 from treadle.loaders import LoadedModel, load_model
 from treadle.quantization.gguf_native import GGUFBlockMethod
+from treadle.worker.fused_layers import fuse_decoder_layers
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -118,3 +119,17 @@ def test_greedy_equals_transformers_and_the_dequantized_model(models) -> None:  
                               eos_token_id=None)
         assert tokens == out[0, len(prompt):].tolist()
     assert len({t for tokens in got for t in tokens}) > 4  # not a degenerate repetition
+
+
+def test_fused_decoder_layer_reads_mixed_segments(models, kquant_gguf: Path) -> None:  # noqa: ANN001
+    """The one-C-call decoder layer (the runner's CPU fast path) on the same mixed layers:
+    decode logits bit for bit those of the module path."""
+    native_lm, _, _ = models
+    fused = load_model(str(kquant_gguf), CPUBackend(), quantization="auto")
+    assert fuse_decoder_layers(fused.model) == CONFIG.num_hidden_layers
+    sessions = [PagedSession(lm, len(PROMPTS), 24) for lm in (fused, native_lm)]
+    last = [[row[-1] for row in s.feed(PROMPTS)] for s in sessions]
+    for _ in range(4):
+        step = [[int(row.argmax())] for row in last[1]]
+        last = [s.feed(step) for s in sessions]
+        assert all(torch.equal(a, b) for a, b in zip(*last))
