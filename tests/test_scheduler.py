@@ -150,3 +150,70 @@ def test_stop_token_and_max_tokens_finish():
     s.add_request(r2)
     run_to_end(s)
     assert r2.status is RequestStatus.FINISHED_LENGTH and len(r2.output_token_ids) == 2
+
+
+class _CountingKey:
+    """A queue key that counts the comparisons the heap makes."""
+
+    def __init__(self, value: float, counter: list[int]) -> None:
+        self.value, self.counter = value, counter
+
+    def __lt__(self, other: _CountingKey) -> bool:
+        self.counter[0] += 1
+        return self.value < other.value
+
+    def __eq__(self, other: object) -> bool:
+        self.counter[0] += 1
+        return isinstance(other, _CountingKey) and self.value == other.value
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def test_waiting_queue_removal_is_not_quadratic():
+    """Removing k of n waiting items one by one costs O(k + n log n) comparisons in all
+    (lazy deletion), not O(k * n) as rebuilding the heap per removal did."""
+    from treadle.core.waiting_queue import WaitingQueue
+
+    counter = [0]
+    items = [object() for _ in range(20_000)]
+    q: WaitingQueue[object] = WaitingQueue(lambda it: _CountingKey(float(items_index[id(it)]), counter))
+    items_index = {id(it): i for i, it in enumerate(items)}
+    for it in reversed(items):
+        q.push(it)
+    pushed = counter[0]
+    counter[0] = 0
+    for it in items[::2]:  # remove every other one, the head first each time
+        assert q.remove(it)
+    assert not q.remove(items[0])
+    assert len(q) == 10_000 and items[1] in q and items[0] not in q
+    n_log_n = 20_000 * 15
+    assert counter[0] <= 2 * n_log_n, counter[0]  # a heap rebuild per removal would be ~10^8
+    assert [q.pop() for _ in range(3)] == items[1:6:2]  # order kept among the survivors
+    assert pushed <= 2 * n_log_n
+
+
+def test_waiting_queue_readd_after_remove_and_fifo_ties():
+    from treadle.core.waiting_queue import WaitingQueue
+
+    a, b, c = object(), object(), object()
+    q: WaitingQueue[object] = WaitingQueue(lambda it: 0)
+    for it in (a, b, c):
+        q.push(it)
+    q.remove(a)
+    q.push(a)  # back in, behind the others; the dead entry is skipped
+    assert [q.pop() for _ in range(3)] == [b, c, a] and not q
+    with pytest.raises(IndexError):
+        q.peek()
+
+
+def test_aborting_thousands_of_waiting_requests_keeps_order_and_counts():
+    s = make_scheduler(num_blocks=64, max_seqs=2, budget=8)
+    reqs = [req(f"r{i}", 4, arrival=float(i)) for i in range(6000)]
+    for r in reqs:
+        s.add_request(r)
+    s.abort([r.request_id for r in reqs if int(r.request_id[1:]) % 3])  # two thirds leave
+    assert s.num_waiting == 2000
+    first = s.schedule()
+    assert [x.request_id for x in first.scheduled] == ["r0", "r3"]
+    s.abort([r.request_id for r in reqs])
+    assert s.num_waiting == 0 and not s.has_unfinished()

@@ -9,14 +9,13 @@ choice) are small functions below.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Iterable
 
 from treadle.config import SchedulerConfig, TreadleError
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.outputs import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from treadle.core.request import Request, RequestStatus
+from treadle.core.waiting_queue import WaitingQueue
 
 
 def queue_key(req: Request) -> tuple[int, float]:
@@ -35,8 +34,7 @@ class Scheduler:
         self.kv = kv
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
-        self._waiting: list[tuple[tuple[int, float], int, Request]] = []
-        self._counter = itertools.count()
+        self._waiting: WaitingQueue[Request] = WaitingQueue(queue_key)
         self._seen_by_runner: set[str] = set()
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
@@ -63,7 +61,7 @@ class Scheduler:
         self._push_waiting(req)
 
     def _push_waiting(self, req: Request) -> None:
-        heapq.heappush(self._waiting, (queue_key(req), next(self._counter), req))
+        self._waiting.push(req)
 
     @property
     def num_waiting(self) -> int:
@@ -120,9 +118,9 @@ class Scheduler:
     def _schedule_waiting(self, scheduled: dict[str, int], budget: int) -> None:
         deferred: list[Request] = []
         while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self._waiting[0][2]
+            req = self._waiting.peek()
             if self._must_wait_for_sibling(req):
-                deferred.append(heapq.heappop(self._waiting)[2])
+                deferred.append(self._waiting.pop())
                 continue
             cached = self.kv.match_prefix(req)
             remaining = req.num_tokens - len(cached) * self.kv.block_size
@@ -131,7 +129,7 @@ class Scheduler:
             n = min(remaining, budget)
             if not self.kv.allocate_slots(req, n, cached):
                 break
-            heapq.heappop(self._waiting)
+            self._waiting.pop()
             if req.num_preemptions == 0:
                 req.num_cached_prompt_tokens = len(cached) * self.kv.block_size
             req.num_computed_tokens = len(cached) * self.kv.block_size
@@ -189,8 +187,7 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            self._waiting = [e for e in self._waiting if e[2] is not req]
-            heapq.heapify(self._waiting)
+            self._waiting.remove(req)  # O(1): lazy deletion
         req.status = status
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
