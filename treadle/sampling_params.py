@@ -1,11 +1,19 @@
 """Per-request sampling parameters (names follow vLLM's SamplingParams)."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 from treadle.config import TreadleError
 
 MAX_LOGPROBS = 20
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_INTS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class SamplingParamsError(TreadleError):
@@ -39,9 +47,26 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
+        self.stop = [s for s in (self.stop or []) if s != ""]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check_types()
         self._validate()
+
+    def _check_types(self) -> None:
+        """Finite numbers and whole ints, checked before any range check compares them."""
+        for name in _FLOATS:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                raise SamplingParamsError(name, f"{name} must be a finite number, not {value!r}")
+        for name in _INTS:
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise SamplingParamsError(name, f"{name} must be an integer, not {value!r}")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise SamplingParamsError("stop_token_ids", "stop_token_ids must be non-negative integers")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if not all(isinstance(s, str) for s in self.stop):
+            raise SamplingParamsError("stop", "stop must be a string or a list of strings")
 
     def _validate(self) -> None:
         checks: list[tuple[bool, str, str]] = [

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from treadle.config import EngineDeadError, TreadleError
-from treadle.engine.llm_engine import LLMEngine, PromptType
+from treadle.engine.llm_engine import LLMEngine, PromptType, StepFailedError
 from treadle.engine.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams
 
@@ -243,8 +243,16 @@ class AsyncLLM:
         if self._fail_next:
             self._fail_next = False
             raise InjectedStepFault("step failure injected by the fail_next_step test hook")
+        try:
+            outputs = self._engine.step()
+        except StepFailedError as e:  # only that step's requests fail; the loop goes on
+            for rid in e.request_ids:
+                sink = self._sinks.pop(rid, None)
+                if sink is not None:
+                    _post(sink.loop, [(sink.queue, e)])
+            return
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
-        for out in self._engine.step():
+        for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is not None:
                 batches.setdefault(sink.loop, []).append((sink.queue, out))

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Any
 
-from treadle.config import EngineConfig, TreadleError
+from treadle.config import EngineConfig, EngineDeadError, TreadleError
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.outputs import SchedulerOutput
 from treadle.core.request import Request, RequestStatus
@@ -71,24 +71,44 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt: a string, a list of token ids, or a dict
+        with ``prompt`` and/or ``prompt_token_ids``. A malformed prompt is a TreadleError."""
+        if isinstance(prompt, dict):
+            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            if text is not None and not isinstance(text, str):
+                raise TreadleError("a prompt dict's 'prompt' must be a string")
+            if ids is None:
+                if text is None:
+                    raise TreadleError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                return text, self.tokenizer.encode(text)
+            return text, self._token_ids(ids, "prompt_token_ids")
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        return None, list(prompt)
+        return None, self._token_ids(prompt, "prompt token ids")
+
+    def _token_ids(self, ids: object, what: str) -> list[int]:
+        """``ids`` as a list of ints in the vocabulary, or a TreadleError naming ``what``."""
+        vocab = self.model_config.vocab_size
+        if not isinstance(ids, (list, tuple)):
+            raise TreadleError(f"{what} must be a list of integers, not {type(ids).__name__}")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise TreadleError(f"{what} must be integers; got {t!r}")
+            if not 0 <= t < vocab:
+                raise TreadleError(f"{what} must be in [0, {vocab}); got {t}")
+        return list(ids)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> str:
+        """Validate the request completely, then queue it; on any TreadleError nothing is queued."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TreadleError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.outputs.parents:
             raise TreadleError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise TreadleError(f"prompt token ids must be in [0, {vocab})")
+        self._token_ids(params.stop_token_ids, "stop_token_ids")
         max_len = self.scheduler_config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, max_len - len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -119,14 +139,45 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        result = self.executor.execute(sched)  # EngineDeadError: the engine is dead
-        touched = self.scheduler.update_from_output(sched, result)
-        self.stats.record(sched, touched)
-        updated = self.outputs.process(
-            touched, result, lambda req: self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-        )
-        return [self.outputs.make_output(pid) for pid in updated]
+        """One scheduled step. An ordinary exception inside it aborts the requests of this
+        step (their blocks freed) and raises StepFailedError naming them; the engine stays
+        usable. EngineDeadError (a lost worker, a dead engine) propagates unchanged."""
+        sched: SchedulerOutput | None = None
+        try:
+            sched = self.scheduler.schedule()
+            result = self.executor.execute(sched)  # EngineDeadError: the engine is dead
+            touched = self.scheduler.update_from_output(sched, result)
+            self.stats.record(sched, touched)
+            updated = self.outputs.process(
+                touched, result, lambda req: self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            )
+            return [self.outputs.make_output(pid) for pid in updated]
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            failed = self._fail_step(sched)
+            logger.error("engine step failed (%r); failing its %d request(s)", e, len(failed))
+            raise StepFailedError(failed, e) from e
+
+    def _fail_step(self, sched: SchedulerOutput | None) -> list[str]:
+        """Abort the parents of the requests in ``sched`` (all running ones if scheduling
+        itself failed); returns their ids."""
+        if sched is not None:
+            child_ids = [s.request_id for s in sched.scheduled] + [r.request_id for r in sched.new_requests]
+        else:
+            child_ids = [r.request_id for r in self.scheduler.running]
+        parents = list(dict.fromkeys(p for c in child_ids if (p := self.outputs.parent_of.get(c)) is not None))
+        self.abort_request(parents)
+        return parents
+
+
+class StepFailedError(TreadleError):
+    """A step raised; ``request_ids`` (parent ids) were aborted with it, the engine goes on."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"the engine step failed ({cause!r}); {len(request_ids)} request(s) aborted")
+        self.request_ids = request_ids
+        self.cause = cause
 
 
 class EngineStats:

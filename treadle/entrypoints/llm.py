@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from treadle.config import TreadleError
 from treadle.engine.args import EngineArgs
 from treadle.engine.llm_engine import LLMEngine, PromptType
 from treadle.engine.outputs import RequestOutput
@@ -21,6 +23,8 @@ class LLM:
     def __init__(self, model: str = EngineArgs.model, **kwargs: Any) -> None:
         self.engine = LLMEngine.from_args(model, **kwargs)
         self._ids = itertools.count()
+        self._streams: dict[str, deque[RequestOutput]] = {}  # outputs for each open stream()
+        self._finished: dict[str, RequestOutput] = {}  # final outputs nobody has collected yet
 
     def shutdown(self) -> None:
         """Stop the engine's workers now (they also stop when the LLM is collected or at exit)."""
@@ -45,21 +49,44 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError("give one SamplingParams, or one per prompt")
-        ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            ids.append(str(next(self._ids)))
-            self.engine.add_request(ids[-1], prompt, p, priority=priority[i] if priority else 0)
-        return self._run(ids, use_tqdm)
+        ids = [str(next(self._ids)) for _ in prompts]
+        try:
+            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+            return self.collect(ids, use_tqdm)
+        finally:  # all or nothing: a refused prompt (or a failed step) leaves none of this call queued
+            self.engine.abort_request(ids)
+            for rid in ids:
+                self._finished.pop(rid, None)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
-        return [done[i] for i in ids]
+    def collect(self, request_ids: Sequence[str], use_tqdm: bool = False) -> list[RequestOutput]:
+        """Step the engine until every one of ``request_ids`` has finished; their final
+        outputs in that order. Requests added with ``llm.engine.add_request`` can be
+        collected here too, also when they finished while ``stream`` was being iterated
+        (their final outputs are kept until collected)."""
+        wanted = set(request_ids)
+        with tqdm(total=len(wanted), desc="Generating", disable=not use_tqdm, unit="req") as bar:
+            left = wanted - self._finished.keys()
+            bar.update(len(wanted) - len(left))
+            while left:
+                if not self.engine.has_unfinished_requests():
+                    raise TreadleError(f"no such request(s) in the engine: {sorted(left)}")
+                done = {out.request_id for out in self._step() if out.finished} & left
+                left -= done
+                bar.update(len(done))
+        return [self._finished.pop(rid) for rid in request_ids]
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step; every output is routed (a stream's buffer, or ``_finished``)
+        so no caller loses the outputs of another."""
+        outs = self.engine.step()
+        for out in outs:
+            buffer = self._streams.get(out.request_id)
+            if buffer is not None:
+                buffer.append(out)
+            elif out.finished:
+                self._finished[out.request_id] = out
+        return outs
 
     def chat(
         self,
@@ -78,12 +105,16 @@ class LLM:
         Other requests already in the engine keep running alongside."""
         rid = str(next(self._ids))
         self.engine.add_request(rid, prompt, sampling_params)
+        buffer: deque[RequestOutput] = deque()
+        self._streams[rid] = buffer
         try:
             while True:
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            return
+                while not buffer:
+                    self._step()
+                out = buffer.popleft()
+                yield out
+                if out.finished:
+                    return
         finally:
+            del self._streams[rid]
             self.engine.abort_request(rid)

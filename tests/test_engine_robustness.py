@@ -1,0 +1,100 @@
+"""A bad offline request never poisons the LLM: it is refused whole before anything is
+queued, a step that raises fails only its own requests, and the next generate works."""
+from __future__ import annotations
+
+import pytest
+
+from treadle import LLM, SamplingParams
+from treadle.config import TreadleError
+from treadle.engine.llm_engine import StepFailedError
+from treadle.sampling_params import SamplingParamsError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("stories260k", num_kv_blocks=64, block_size=16, max_num_batched_tokens=64, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def reference(llm: LLM) -> list[int]:
+    return list(llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def assert_idle_and_usable(llm: LLM, reference: list[int]) -> None:
+    kv = llm.engine.kv_manager
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.scheduler.requests
+    assert kv.num_free_blocks == kv.pool.num_blocks
+    out = llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == reference
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ("Once", SamplingParams(stop_token_ids=[10**9], min_tokens=2), "stop_token_ids"),
+    ({"prompt_token_ids": [1, 2.5]}, None, "integers"),
+    ({"prompt_token_ids": [1, -3]}, None, r"\[0, "),
+    ({"prompt_token_ids": "12"}, None, "list of integers"),
+    ({"text": "Once"}, None, "needs 'prompt'"),
+    ([1, True], None, "integers"),
+])
+def test_bad_request_is_refused_and_llm_stays_usable(llm, reference, prompt, params, match):
+    for _ in range(2):  # and again: the first refusal left nothing behind
+        with pytest.raises(TreadleError, match=match):
+            llm.generate([prompt], params, use_tqdm=False)
+    assert_idle_and_usable(llm, reference)
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(presence_penalty=float("-inf")), "presence_penalty"),
+    (dict(n=2.0), "n"),
+    (dict(max_tokens="8"), "max_tokens"),
+    (dict(stop_token_ids=[1.5]), "stop_token_ids"),
+    (dict(stop=["ok", 3]), "stop"),
+])
+def test_sampling_params_refuse_non_finite_and_wrong_types(kw, param):
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(**kw)
+    assert info.value.param == param
+
+
+def test_multi_prompt_generate_is_all_or_nothing(llm, reference):
+    with pytest.raises(TreadleError, match="prompt token ids"):
+        llm.generate(["Once", "Once upon", [1, 10**9]], GREEDY, use_tqdm=False)
+    assert_idle_and_usable(llm, reference)  # the first two were not left queued
+
+
+def test_exception_inside_a_step_fails_only_that_step(llm, reference):
+    """A request whose params are corrupted after admission (stop id mutated out of the
+    vocabulary) makes the sampler raise mid-step: that call fails with a clear error,
+    nothing leaks, and the engine keeps serving."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4, ignore_eos=True)
+    rid = llm.engine.add_request(None, "Once", params)
+    params.stop_token_ids.append(10**9)
+    with pytest.raises(StepFailedError) as info:
+        llm.collect([rid])
+    assert info.value.request_ids == [rid] and isinstance(info.value.cause, IndexError)
+    assert_idle_and_usable(llm, reference)
+
+
+def test_stream_keeps_outputs_of_requests_finishing_meanwhile(llm, reference):
+    other = llm.engine.add_request(None, "Once upon a time", GREEDY)
+    long = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    streamed = list(llm.stream("Once", long))
+    assert streamed[-1].finished and len(streamed[-1].outputs[0].token_ids) == 12
+    kept = llm.collect([other])  # it finished during the stream and was kept for us
+    assert list(kept[0].outputs[0].token_ids) == reference
+
+
+def test_two_interleaved_streams_both_complete(llm):
+    a = llm.stream("Once", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    b = llm.stream("Lily", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    outs_a, outs_b = [next(a)], [next(b)]
+    outs_a += list(a)
+    outs_b += list(b)
+    assert outs_a[-1].finished and outs_b[-1].finished
+    assert sum(len(o.outputs[0].new_token_ids) for o in outs_b) == 5
