@@ -15,6 +15,16 @@ class EngineDeadError(TreadleError):
     executor when a worker is lost, so layers above it need not know executors."""
 
 
+class InvalidRequestError(TreadleError):
+    """The engine refuses one request. ``param`` names the offending field (``prompt``,
+    ``max_tokens``, ...) and ``code`` is an OpenAI error code (``context_length_exceeded``,
+    ``invalid_value``), so an HTTP front can answer as OpenAI does."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = "invalid_value") -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     kind: str  # "linear" | "llama3"

@@ -5,7 +5,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from treadle.config import TreadleError
+from treadle.config import InvalidRequestError
 
 MAX_LOGPROBS = 20
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -16,12 +16,11 @@ def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-class SamplingParamsError(TreadleError):
+class SamplingParamsError(InvalidRequestError):
     """An out-of-range sampling parameter; ``param`` names it (for HTTP 400 bodies)."""
 
     def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param)
 
 
 @dataclass

@@ -9,6 +9,7 @@ flags). GGUF files state the flags in their metadata, which always applies.
 """
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
@@ -21,6 +22,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 
 from treadle.config import TreadleError
+
+_GIL_FREE_FROM_CHARS = 4096
 
 
 def _raise_from_template(message: str) -> None:
@@ -99,7 +102,17 @@ class Tokenizer:
 
     # -- text <-> ids ------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of ``text``. Long texts go through ``encode_batch``, which releases the
+        GIL while it works, so encoding in a worker thread does not stall the other threads."""
+        if len(text) < _GIL_FREE_FROM_CHARS:
+            return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        return list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry in characters: a text of ``c`` characters has at
+        least ``c / max_token_chars`` tokens (a cheap length bound before encoding)."""
+        return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1) or 1
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

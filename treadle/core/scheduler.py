@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from treadle.config import SchedulerConfig, TreadleError
+from treadle.config import InvalidRequestError, SchedulerConfig
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.outputs import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from treadle.core.request import Request, RequestStatus
@@ -43,16 +43,19 @@ class Scheduler:
     def check_admissible(self, req: Request) -> None:
         total = req.num_prompt_tokens + req.max_tokens
         if req.num_prompt_tokens == 0:
-            raise TreadleError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", "prompt")
         if total > self.config.max_model_len:
-            raise TreadleError(
+            param = "prompt" if req.num_prompt_tokens >= self.config.max_model_len else "max_tokens"
+            raise InvalidRequestError(
                 f"prompt ({req.num_prompt_tokens} tokens) plus max_tokens ({req.max_tokens}) is "
-                f"{total} tokens, more than max_model_len ({self.config.max_model_len})"
+                f"{total} tokens, more than max_model_len ({self.config.max_model_len})",
+                param, "context_length_exceeded",
             )
         if self.kv.blocks_needed(total) > self.kv.pool.num_blocks:
-            raise TreadleError(
+            raise InvalidRequestError(
                 f"request needs {self.kv.blocks_needed(total)} KV blocks but the whole cache has "
-                f"{self.kv.pool.num_blocks}; raise kv_cache_memory or lower max_tokens"
+                f"{self.kv.pool.num_blocks}; raise kv_cache_memory or lower max_tokens",
+                "max_tokens", "context_length_exceeded",
             )
 
     def add_request(self, req: Request) -> None:

@@ -222,9 +222,9 @@ class AsyncLLM:
 
     def _apply_add(self, cmd: _Add) -> None:
         try:
-            waiting = self._engine.scheduler.num_waiting
-            if cmd.max_waiting is not None and waiting >= cmd.max_waiting:
-                raise QueueFullError(f"{waiting} requests are already waiting (limit {cmd.max_waiting})")
+            waiting = self._engine.scheduler.num_waiting  # sequences, not requests
+            if cmd.max_waiting is not None and waiting and waiting + cmd.params.n > cmd.max_waiting:
+                raise QueueFullError(f"{waiting} sequences are already waiting (limit {cmd.max_waiting})")
             self._engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority, cmd.arrival_time)
         except TreadleError as e:
             cmd.done.set_exception(e)
@@ -346,6 +346,10 @@ class OutputGroup:
             if item.finished:
                 self._untrack(item.request_id)
             yield item
+
+    def fail(self, error: BaseException) -> None:
+        """Make the iterator raise ``error`` (after what is already queued); it then closes."""
+        self._queue.put_nowait(error)
 
     def close(self) -> None:
         if self.unfinished:

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Any
 
-from treadle.config import EngineConfig, EngineDeadError, TreadleError
+from treadle.config import EngineConfig, EngineDeadError, InvalidRequestError, TreadleError
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.outputs import SchedulerOutput
 from treadle.core.request import Request, RequestStatus
@@ -76,26 +76,26 @@ class LLMEngine:
         if isinstance(prompt, dict):
             text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             if text is not None and not isinstance(text, str):
-                raise TreadleError("a prompt dict's 'prompt' must be a string")
+                raise InvalidRequestError("a prompt dict's 'prompt' must be a string", "prompt")
             if ids is None:
                 if text is None:
-                    raise TreadleError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                    raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
                 return text, self.tokenizer.encode(text)
             return text, self._token_ids(ids, "prompt_token_ids")
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         return None, self._token_ids(prompt, "prompt token ids")
 
-    def _token_ids(self, ids: object, what: str) -> list[int]:
-        """``ids`` as a list of ints in the vocabulary, or a TreadleError naming ``what``."""
+    def _token_ids(self, ids: object, what: str, param: str = "prompt") -> list[int]:
+        """``ids`` as a list of ints in the vocabulary, or an InvalidRequestError naming ``what``."""
         vocab = self.model_config.vocab_size
         if not isinstance(ids, (list, tuple)):
-            raise TreadleError(f"{what} must be a list of integers, not {type(ids).__name__}")
+            raise InvalidRequestError(f"{what} must be a list of integers, not {type(ids).__name__}", param)
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool):
-                raise TreadleError(f"{what} must be integers; got {t!r}")
+                raise InvalidRequestError(f"{what} must be integers; got {t!r}", param)
             if not 0 <= t < vocab:
-                raise TreadleError(f"{what} must be in [0, {vocab}); got {t}")
+                raise InvalidRequestError(f"{what} must be in [0, {vocab}); got {t}", param)
         return list(ids)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
@@ -108,7 +108,7 @@ class LLMEngine:
         if request_id in self.outputs.parents:
             raise TreadleError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
-        self._token_ids(params.stop_token_ids, "stop_token_ids")
+        self._token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
         max_len = self.scheduler_config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, max_len - len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 
 from treadle import envs
@@ -18,6 +19,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' (default: $TREADLE_API_KEY; none: open)")
     p.add_argument("--max-waiting", type=int, default=None,
                    help="refuse new requests with 503 + Retry-After while this many sequences wait")
+    p.add_argument("--max-seqs-per-request", type=int, default=None,
+                   help="refuse (400) a request whose prompts x n exceeds this")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="refuse (413) larger request bodies (default: from max_model_len, at least 1 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before exiting")
     p.add_argument("--heartbeat-timeout", type=float, default=60.0,
@@ -31,20 +36,43 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from treadle.config import TreadleError
     from treadle.engine.async_engine import AsyncLLM
     from treadle.server import build_app
     from treadle.server.lifecycle import DrainingServer
 
+    if not 0 <= args.port <= 65535:  # checked before the model loads, as one line
+        raise TreadleError(f"--port {args.port} is not a TCP port (0-65535)")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     kw = engine_kwargs(args)
     model = kw.pop("model")
     llm = AsyncLLM.from_args(model, heartbeat_timeout=args.heartbeat_timeout, **kw)
     try:
         app = build_app(llm, served_model_name=args.served_model_name or model, api_key=args.api_key,
-                        max_waiting=args.max_waiting, enable_test_hooks=args.enable_test_hooks)
+                        limits=_limits(args),
+                        enable_test_hooks=args.enable_test_hooks)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=2, access_log=args.log_level == "debug")
-        DrainingServer(config, app.state.treadle, args.shutdown_timeout).run()
+                                timeout_graceful_shutdown=1, access_log=args.log_level == "debug")
+        DrainingServer(config, app.state.treadle, args.shutdown_timeout,
+                       on_ready=lambda: _announce(args, app.state.treadle.served_model_name)).run()
     finally:
         llm.shutdown()
     return 0
+
+
+def _limits(args: argparse.Namespace):  # noqa: ANN202 - ServerLimits, imported late (keeps --help fast)
+    from treadle.server.state import ServerLimits
+
+    given = {"max_waiting": args.max_waiting, "max_seqs_per_request": args.max_seqs_per_request,
+             "max_request_bytes": args.max_request_bytes}
+    return ServerLimits(**{k: v for k, v in given.items() if v is not None})
+
+
+def _announce(args: argparse.Namespace, model: str) -> None:
+    """Where the server is, and a request to try, once it accepts connections."""
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    url = f"http://{host}:{args.port}"
+    auth = ' -H "Authorization: Bearer $TREADLE_API_KEY"' if args.api_key else ""
+    body = json.dumps({"model": model, "prompt": "Once upon a time", "max_tokens": 32})
+    print(f"Treadle is serving {model} at {url}/v1  (health: {url}/health)\n"
+          f"Try: curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'", flush=True)

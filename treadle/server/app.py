@@ -6,39 +6,61 @@ hooks under /internal/test/ when ``enable_test_hooks`` is set.
 """
 from __future__ import annotations
 
+import asyncio
 import secrets
+import time
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import treadle
 from treadle.engine.async_engine import AsyncLLM
 from treadle.server import chat, completions
+from treadle.server.body_limit import BodyLimit
 from treadle.server.errors import APIError, install_error_handlers
 from treadle.server.metrics import ServerMetrics
-from treadle.server.protocol import DetokenizeRequest, TestHookRequest, TokenizeRequest
-from treadle.server.state import ServerState, now
+from treadle.server.openapi import (
+    BODY_RESPONSES,
+    HEALTH_RESPONSES,
+    METRICS_RESPONSES,
+    OPEN_PATHS,
+    install_openapi,
+)
+from treadle.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    HealthResponse,
+    ModelList,
+    TestHookRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from treadle.server.state import ServerLimits, ServerState, default_max_request_bytes
 
 router = APIRouter()
-_OPEN_PATHS = ("/health", "/metrics", "/version")  # reachable without the API key
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
-              max_waiting: int | None = None, enable_test_hooks: bool = False) -> FastAPI:
+              limits: ServerLimits | None = None, enable_test_hooks: bool = False) -> FastAPI:
     """An app serving ``async_llm`` as ``served_model_name``. ``api_key``: required as a
-    Bearer token on everything but /health, /metrics and /version. ``max_waiting``:
-    new requests get 503 (Retry-After) while this many sequences wait. ``enable_test_hooks``
-    exposes /internal/test/hooks (slow or failing steps) for tests; never in production."""
+    Bearer token on everything but /health, /metrics and /version. ``limits``: what one
+    request may ask for (see ServerLimits). ``enable_test_hooks`` exposes
+    /internal/test/hooks (slow or failing steps) for tests; never in production."""
     app = FastAPI(title="Treadle", version=treadle.__version__, docs_url=None, redoc_url=None)
+    limits = limits or ServerLimits()
     app.state.treadle = ServerState(
         llm=async_llm, served_model_name=served_model_name, metrics=ServerMetrics(async_llm, served_model_name),
-        api_key=api_key, max_waiting=max_waiting, enable_test_hooks=enable_test_hooks,
+        limits=limits, api_key=api_key, enable_test_hooks=enable_test_hooks,
     )
     install_error_handlers(app)
-    if api_key:
+    install_openapi(app, api_key_required=bool(api_key))
+    max_bytes = limits.max_request_bytes or default_max_request_bytes(async_llm.max_model_len)
+    app.add_middleware(BodyLimit, max_bytes=max_bytes)
+    if api_key:  # added last, so outermost: no body is read for a client without the key
         app.add_middleware(_RequireKey, api_key=api_key)
     app.include_router(completions.router)
     app.include_router(chat.router)
@@ -55,7 +77,7 @@ class _RequireKey:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 response = APIError(401, "invalid or missing API key (send it as 'Authorization: Bearer <key>')",
@@ -69,7 +91,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.treadle
 
 
-@router.get("/health")
+@router.get("/health", response_model=HealthResponse, responses=HEALTH_RESPONSES)
 async def health(request: Request) -> Response:
     state = _state(request)
     problem = "the server is shutting down" if state.draining else state.llm.health()
@@ -78,39 +100,48 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/version")
+@router.get("/version", response_model=VersionResponse)
 async def version() -> dict[str, str]:
     return {"version": treadle.__version__}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses=METRICS_RESPONSES)
 async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=ModelList, responses={401: BODY_RESPONSES[401]})
 async def models(request: Request) -> dict[str, Any]:
     state = _state(request)
-    card = {"id": state.served_model_name, "object": "model", "created": now(), "owned_by": "treadle",
+    card = {"id": state.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "treadle",
             "root": state.served_model_name, "max_model_len": state.llm.max_model_len}
     return {"object": "list", "data": [card]}
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", response_model=TokenizeResponse, responses=BODY_RESPONSES)
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     state = _state(request)
     state.check_model(body.model)
-    tok = state.llm.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise APIError.bad_request("give exactly one of prompt and messages", "prompt")
-    if body.messages is not None:
-        ids = chat.chat_prompt(tok, body.messages, body.add_generation_prompt)["prompt_token_ids"]
-    else:
-        ids = tok.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+    ids = await asyncio.to_thread(_tokenize, state, body)
     return {"tokens": ids, "count": len(ids), "max_model_len": state.llm.max_model_len}
 
 
-@router.post("/detokenize")
+def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
+    """In a worker thread: the chat template and the tokenizer may take a while."""
+    tok = state.llm.tokenizer
+    if body.messages is not None:
+        text, special, param = chat.render_chat(tok, body.messages, body.add_generation_prompt), False, "messages"
+    else:
+        text, special, param = body.prompt or "", body.add_special_tokens, "prompt"
+    if len(text) > state.max_prompt_chars:
+        raise APIError(400, f"the text has {len(text)} characters, more than this model's context holds",
+                       param, "context_length_exceeded")
+    return tok.encode(text, add_special_tokens=special)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=BODY_RESPONSES)
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     state = _state(request)
     state.check_model(body.model)
@@ -121,7 +152,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     return {"prompt": state.llm.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
 
-@router.post("/internal/test/hooks")
+@router.post("/internal/test/hooks", include_in_schema=False)
 async def test_hooks(body: TestHookRequest, request: Request) -> dict[str, str]:
     """Test hooks (only with enable_test_hooks): ``step_delay`` seconds before each step
     (a slow or stuck engine), ``fail_next_step`` (the next step raises, as a model error would)."""

@@ -14,16 +14,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from treadle.config import TreadleError
-from treadle.engine.async_engine import EngineDeadError, QueueFullError
-from treadle.sampling_params import SamplingParamsError
+from treadle.config import EngineDeadError, InvalidRequestError, TreadleError
+from treadle.engine.async_engine import QueueFullError
 
 logger = logging.getLogger("treadle")
 
 RETRY_AFTER_S = 1
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+          503: "service_unavailable_error"}
 
 
 class APIError(Exception):
@@ -55,8 +55,8 @@ def engine_error(e: TreadleError) -> APIError:
         return APIError.unavailable(f"the server is overloaded: {e}", "queue_full")
     if isinstance(e, EngineDeadError):
         return APIError.unavailable(str(e), "engine_dead")
-    if isinstance(e, SamplingParamsError):
-        return APIError.bad_request(str(e), e.param)
+    if isinstance(e, InvalidRequestError):
+        return APIError(400, str(e), e.param, e.code)
     return APIError.bad_request(str(e))
 
 

@@ -7,9 +7,9 @@ fields are ignored, as OpenAI clients send extras.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, model_validator
 
 MAX_N = 128  # OpenAI's own limit on choices per request
 
@@ -30,6 +30,16 @@ def _check_unicode(value: Any) -> None:
             _check_unicode(item)
 
 
+def _whole_number(value: Any) -> Any:
+    """JSON has one number type: 1.0 is the integer 1 (as JSON Schema says); 1.5 is not."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_whole_number)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
@@ -44,17 +54,17 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class SamplingFields(_Body):
     """The sampling fields both endpoints share."""
 
     model: str | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: Int = -1
     min_p: float = 0.0
-    n: int = 1
+    n: Int = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -69,16 +79,16 @@ class _SamplingFields(_Body):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-PromptField = str | list[str] | list[int] | list[list[int]]
+PromptField = str | list[str] | list[Int] | list[list[Int]]
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: PromptField
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (a string, or token ids, each)."""
@@ -110,12 +120,12 @@ class ChatMessage(_Body):
         return msg
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
 
 
@@ -129,9 +139,102 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 class TestHookRequest(_Body):
     step_delay: float | None = None
     fail_next_step: bool = False
+
+
+# -- response bodies (documentation for the OpenAPI spec; extra fields allowed) --------------
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorDetail(_Out):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Out):
+    error: ErrorDetail
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Out):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(_Out):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class HealthResponse(_Out):
+    status: str
+
+
+class VersionResponse(_Out):
+    version: str
+
+
+class TokenizeResponse(_Out):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(_Out):
+    prompt: str

@@ -1,28 +1,33 @@
-"""Per-app server state, and the request lifecycle both generation endpoints share:
-admission checks, turning body fields into SamplingParams, submitting prompts,
-collecting or streaming outputs, recording metrics, and aborting on disconnect."""
+"""Per-app server state: the engine, the limits one request may not exceed, and the
+admission checks every generation request passes before it reaches the engine."""
 from __future__ import annotations
 
-import asyncio
-import json
-import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
 
-from fastapi import Request
-
-from treadle.config import TreadleError
-from treadle.engine.async_engine import AsyncLLM, EngineDeadError, OutputGroup
-from treadle.engine.llm_engine import PromptType
-from treadle.engine.outputs import RequestOutput
-from treadle.sampling_params import SamplingParams
-from treadle.server.errors import APIError, engine_error
+from treadle.engine.async_engine import AsyncLLM, OutputGroup
+from treadle.server.errors import APIError
 from treadle.server.metrics import ServerMetrics
-from treadle.server.protocol import MAX_N, _SamplingFields
 
-T = TypeVar("T")
+DEFAULT_MAX_SEQS_PER_REQUEST = 512
+_MIN_REQUEST_BYTES = 1 << 20
+_REQUEST_BYTES_PER_TOKEN = 128  # a token as JSON text or as an id in a list, generously
+
+
+def default_max_request_bytes(max_model_len: int) -> int:
+    """Room for a few full-length prompts as text or token ids, and never under 1 MiB."""
+    return max(_MIN_REQUEST_BYTES, max_model_len * _REQUEST_BYTES_PER_TOKEN)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client may ask for. ``max_waiting``: new requests get 503 (Retry-After)
+    while admitting them would put more than this many sequences in the waiting queue.
+    ``max_seqs_per_request``: prompts x n of one request (400 above). ``max_request_bytes``:
+    body size (413 above; None: sized from max_model_len)."""
+
+    max_waiting: int | None = None
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
+    max_request_bytes: int | None = None
 
 
 @dataclass
@@ -30,10 +35,16 @@ class ServerState:
     llm: AsyncLLM
     served_model_name: str
     metrics: ServerMetrics
+    limits: ServerLimits = ServerLimits()
     api_key: str | None = None
-    max_waiting: int | None = None
     enable_test_hooks: bool = False
     draining: bool = False
+    open_groups: set[OutputGroup] = field(default_factory=set)  # admitted and not yet released
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """A text longer than this has more than max_model_len tokens, whatever it says."""
+        return self.llm.max_model_len * self.llm.tokenizer.max_token_chars
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model_name:
@@ -41,129 +52,24 @@ class ServerState:
                                 f"`{self.served_model_name}`", "model", "model_not_found")
 
     def check_admitting(self) -> None:
+        """503 at once while draining or while the engine is dead or stuck."""
         if self.draining:
             raise APIError.unavailable("the server is shutting down", "shutting_down")
         if not self.llm.is_alive():
             raise APIError.unavailable(f"the engine is not running ({self.llm.dead_error})", "engine_dead")
+        problem = self.llm.health()
+        if problem is not None:
+            raise APIError.unavailable(f"the engine is unhealthy: {problem}", "engine_unhealthy")
 
+    def check_num_sequences(self, num_prompts: int, n: int) -> None:
+        cap = self.limits.max_seqs_per_request
+        if num_prompts * n > cap:
+            raise APIError(400, f"{num_prompts} prompt(s) x n={n} is {num_prompts * n} sequences; this server "
+                                f"takes at most {cap} per request", "n", "too_many_sequences")
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    if not 1 <= body.n <= MAX_N:
-        raise APIError.bad_request(f"n must be in [1, {MAX_N}]", "n")
-    if body.logit_bias:
-        raise APIError.bad_request("logit_bias is not supported", "logit_bias")
-    try:
-        return SamplingParams(
-            n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty, seed=body.seed, stop=body.stop,
-            max_tokens=max_tokens, ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        )
-    except TreadleError as e:
-        raise engine_error(e) from None
-
-
-async def submit(state: ServerState, base_id: str, prompts: list[PromptType], params: SamplingParams) -> OutputGroup:
-    """Admit every prompt (ids ``base_id-i``) or none: on any refusal the admitted ones
-    are aborted and the refusal becomes an APIError."""
-    state.check_admitting()
-    group = state.llm.group()
-    try:
-        for i, prompt in enumerate(prompts):
-            await group.add(f"{base_id}-{i}", prompt, params, max_waiting=state.max_waiting)
-    except TreadleError as e:
-        group.close()
-        raise engine_error(e) from None
-    except BaseException:
-        group.close()
-        raise
-    return group
-
-
-def prompt_index(request_id: str) -> int:
-    return int(request_id.rsplit("-", 1)[1])
-
-
-async def stream_outputs(state: ServerState, group: OutputGroup) -> AsyncIterator[RequestOutput]:
-    """Outputs as they come, metrics recorded as requests finish; leaving early
-    (disconnect, cancellation) aborts what is left."""
-    try:
-        async for out in group:
-            if out.finished:
-                state.metrics.observe_finished(out)
-            yield out
-    finally:
-        release(state, group)
-
-
-def release(state: ServerState, group: OutputGroup) -> None:
-    """Abort whatever of ``group`` has not finished and count it; idempotent. Also run as
-    the streaming response's background task, which Starlette runs even after a disconnect."""
-    state.metrics.observe_aborted(len(group.unfinished))
-    group.close()
-
-
-async def collect(state: ServerState, group: OutputGroup, num_prompts: int) -> list[RequestOutput]:
-    """The final output of every prompt, in prompt order."""
-    finals: list[RequestOutput | None] = [None] * num_prompts
-    try:
-        async for out in stream_outputs(state, group):
-            if out.finished:
-                finals[prompt_index(out.request_id)] = out
-    except EngineDeadError as e:
-        raise APIError(500, f"the request failed: {e}", None, "engine_error") from None
-    return [f for f in finals if f is not None]
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work`` unless the client goes away first; then cancel it (which aborts its
-    requests) and raise CancelledError. Used by non-streaming responses, which Starlette
-    does not cancel on disconnect by itself."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this handler itself was cancelled (e.g. shutdown): take the work down too
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise APIError(499, "client closed the connection", None, "client_disconnected")
-    return task.result()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def sse_error(e: BaseException) -> str:
-    err = e if isinstance(e, APIError) else APIError(500, f"the request failed: {e}", None, "engine_error")
-    return sse(err.body())
-
-
-def usage(outputs: list[RequestOutput]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def now() -> int:
-    return int(time.time())
+    def abort_open(self, error: BaseException) -> int:
+        """End every admitted request with ``error`` (drain timeout); returns how many."""
+        groups = list(self.open_groups)
+        for group in groups:
+            group.fail(error)
+        return len(groups)

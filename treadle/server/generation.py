@@ -1,0 +1,271 @@
+"""The request lifecycle both generation endpoints share, as one base class.
+
+    body --check--> SamplingParams, size caps --prompts (worker thread: template, tokenize)-->
+    submit (all prompts or none) --stream?--> SSE chunks ... [DONE]
+                                  \\--------> collect finals --> one JSON response
+
+``GenerationView`` owns that skeleton; /v1/completions and /v1/chat/completions
+subclass it with their body checks, prompts, and choice/delta shapes. Leaving early
+(disconnect, cancellation, drain) aborts what is left of the request in the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, ClassVar, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.responses import Response
+
+from treadle.config import EngineDeadError, InvalidRequestError, TreadleError
+from treadle.engine.async_engine import OutputGroup
+from treadle.engine.llm_engine import PromptType, StepFailedError
+from treadle.engine.outputs import CompletionOutput, RequestOutput
+from treadle.sampling_params import SamplingParams
+from treadle.server.errors import APIError, engine_error
+from treadle.server.protocol import MAX_N, SamplingFields
+from treadle.server.sse import SSE_DONE, sse, sse_error
+from treadle.server.state import ServerState
+
+T = TypeVar("T")
+
+
+class GenerationView(ABC):
+    """One generation request, from body to response. Subclasses give the endpoint's
+    names and shapes; ``respond`` is the shared skeleton."""
+
+    id_prefix: ClassVar[str]
+    object_name: ClassVar[str]  # the whole response's "object"
+    chunk_object: ClassVar[str]  # a streamed chunk's "object"
+    prompt_param: ClassVar[str]  # the body field engine prompt errors point at
+
+    def __init__(self, state: ServerState, body: SamplingFields) -> None:
+        self.state, self.body = state, body
+        self.request_id = new_id(self.id_prefix)
+        self.created = int(time.time())
+
+    # -- what subclasses give ----------------------------------------------------------
+    @abstractmethod
+    def sampling_params(self) -> SamplingParams:
+        """Endpoint-specific 400s, then the body's SamplingParams (via ``make_params``)."""
+
+    @abstractmethod
+    def num_prompts(self) -> int:
+        """How many prompts the body holds (known before tokenizing; at least 1)."""
+
+    @abstractmethod
+    def prompts(self) -> list[PromptType]:
+        """The engine prompts. Runs in a worker thread (templates and tokenizing may be
+        slow), so it must not touch the event loop; raise APIError for bad input."""
+
+    @abstractmethod
+    def choice(self, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+        """One choice of the non-streaming response."""
+
+    @abstractmethod
+    def delta(self, out: RequestOutput, c: CompletionOutput, index: int) -> dict[str, Any]:
+        """One choice of a streamed chunk: what ``c`` added this step."""
+
+    def choice_index(self, out: RequestOutput, c: CompletionOutput) -> int:
+        return c.index
+
+    def opening_chunks(self) -> list[str]:
+        """Chunks sent before any output (chat: the assistant role)."""
+        return []
+
+    def first_output_chunks(self, out: RequestOutput) -> list[str]:
+        """Chunks sent when a prompt's first output arrives (completions: echo)."""
+        return []
+
+    # -- the skeleton ----------------------------------------------------------------------
+    async def respond(self, request: Request) -> Response:
+        state = self.state
+        state.check_model(self.body.model)
+        params = self.sampling_params()
+        state.check_num_sequences(self.num_prompts(), params.n)
+        state.check_admitting()
+        prompts = await asyncio.to_thread(self.prompts)
+        group = await submit(state, self.request_id, prompts, params, self.prompt_param)
+        if self.body.stream:
+            return StreamingResponse(self._sse(stream_outputs(state, group)), media_type="text/event-stream",
+                                     background=BackgroundTask(release, state, group))
+        finals = await until_disconnect(request, collect(state, group, len(prompts)))
+        choices = [self.choice(out, c) for out in finals for c in out.outputs]
+        return JSONResponse({"id": self.request_id, "object": self.object_name, "created": self.created,
+                             "model": state.served_model_name, "choices": choices, "usage": usage(finals)})
+
+    def make_params(self, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+        body = self.body
+        if not 1 <= body.n <= MAX_N:
+            raise APIError.bad_request(f"n must be in [1, {MAX_N}]", "n")
+        if body.logit_bias:
+            raise APIError.bad_request("logit_bias is not supported", "logit_bias")
+        try:
+            return SamplingParams(
+                n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty, seed=body.seed, stop=body.stop, max_tokens=max_tokens,
+                ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            )
+        except TreadleError as e:
+            raise engine_error(e) from None
+
+    def tokenized(self, text: str, add_special_tokens: bool = True) -> dict[str, Any]:
+        """``text`` as an engine prompt with its token ids; a text that cannot fit is a 400
+        before any tokenizing (a cheap character-count bound)."""
+        limit = self.state.max_prompt_chars
+        if len(text) > limit:
+            raise APIError(400, f"the prompt has {len(text)} characters, more than this model's context "
+                                f"({self.state.llm.max_model_len} tokens) can hold", self.prompt_param,
+                           "context_length_exceeded")
+        ids = self.state.llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> str:
+        data: dict[str, Any] = {"id": self.request_id, "object": self.chunk_object, "created": self.created,
+                                "model": self.state.served_model_name, "choices": choices}
+        if usage_ is not None:
+            data["usage"] = usage_
+        return sse(data)
+
+    async def _sse(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        try:
+            async for chunk in self._chunks(outputs):
+                yield chunk
+        except Exception as e:  # noqa: BLE001 - report in-band: the status line is already sent
+            yield sse_error(e)
+        yield SSE_DONE
+
+    async def _chunks(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        finals: list[RequestOutput] = []
+        done: set[int] = set()
+        seen: set[str] = set()
+        for chunk in self.opening_chunks():
+            yield chunk
+        async for out in outputs:
+            if out.request_id not in seen:
+                seen.add(out.request_id)
+                for chunk in self.first_output_chunks(out):
+                    yield chunk
+            for c in out.outputs:
+                index = self.choice_index(out, c)
+                if index in done or not (c.new_token_ids or c.new_text or c.finish_reason):
+                    continue
+                if c.finish_reason is not None:
+                    done.add(index)
+                yield self.chunk([self.delta(out, c, index)])
+            if out.finished:
+                finals.append(out)
+        if self.body.include_usage:
+            yield self.chunk([], usage(finals))
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def prompt_index(request_id: str) -> int:
+    return int(request_id.rsplit("-", 1)[1])
+
+
+async def submit(state: ServerState, base_id: str, prompts: list[PromptType], params: SamplingParams,
+                 prompt_param: str = "prompt") -> OutputGroup:
+    """Admit every prompt (ids ``base_id-i``) or none: all adds go to the engine at once;
+    on any refusal the admitted ones are aborted and the refusal becomes an APIError."""
+    state.check_admitting()
+    group = state.llm.group()
+    limit = state.limits.max_waiting
+    adds = [group.add(f"{base_id}-{i}", prompt, params,
+                      max_waiting=None if limit is None else limit + i * params.n)  # earlier prompts of ours
+            for i, prompt in enumerate(prompts)]
+    try:
+        results = await asyncio.gather(*adds, return_exceptions=True)
+    except BaseException:
+        group.close()
+        raise
+    error = next((r for r in results if isinstance(r, BaseException)), None)
+    if error is not None:
+        group.close()
+        if isinstance(error, TreadleError):
+            raise _admission_error(error, prompt_param) from None
+        raise error
+    state.open_groups.add(group)
+    return group
+
+
+def _admission_error(e: TreadleError, prompt_param: str) -> APIError:
+    err = engine_error(e)
+    if isinstance(e, InvalidRequestError) and e.param == "prompt":
+        err.param = prompt_param
+    return err
+
+
+async def stream_outputs(state: ServerState, group: OutputGroup) -> AsyncIterator[RequestOutput]:
+    """Outputs as they come, metrics recorded as requests finish; leaving early
+    (disconnect, cancellation) aborts what is left."""
+    try:
+        async for out in group:
+            if out.finished:
+                state.metrics.observe_finished(out)
+            yield out
+    finally:
+        release(state, group)
+
+
+def release(state: ServerState, group: OutputGroup) -> None:
+    """Abort whatever of ``group`` has not finished and count it; idempotent. Also run as
+    the streaming response's background task, which Starlette runs even after a disconnect."""
+    state.metrics.observe_aborted(len(group.unfinished))
+    group.close()
+    state.open_groups.discard(group)
+
+
+async def collect(state: ServerState, group: OutputGroup, num_prompts: int) -> list[RequestOutput]:
+    """The final output of every prompt, in prompt order."""
+    finals: list[RequestOutput | None] = [None] * num_prompts
+    try:
+        async for out in stream_outputs(state, group):
+            if out.finished:
+                finals[prompt_index(out.request_id)] = out
+    except (EngineDeadError, StepFailedError) as e:
+        raise APIError(500, f"the request failed: {e}", None, "engine_error") from None
+    return [f for f in finals if f is not None]
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` unless the client goes away first; then cancel it (which aborts its
+    requests) and raise CancelledError. Used by non-streaming responses, which Starlette
+    does not cancel on disconnect by itself."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself was cancelled (e.g. shutdown): take the work down too
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise APIError(499, "client closed the connection", None, "client_disconnected")
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
