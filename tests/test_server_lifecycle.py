@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -112,31 +113,46 @@ def _health(url: str) -> int | None:
         return None
 
 
-def test_drain_timeout_cuts_unfinished_requests_and_frees_them():
+def _stream_events(url: str, body: dict, events: list[str]) -> None:
+    with httpx.stream("POST", url + CMPL, json={**body, "stream": True}, timeout=30) as resp:
+        events.extend(sse_events(resp))
+
+
+def test_drain_timeout_ends_every_request_with_an_error_then_exits():
     """In-process drain (the SIGTERM handler's path without the signal): new work is refused
-    at once; a request still running at --shutdown-timeout is aborted and the server stops."""
-    llm = AsyncLLM.from_args(str(resolve_model("stories260k")), **ENGINE_KW)
-    app = build_app(llm, "tiny", enable_test_hooks=True)
+    at once; at --shutdown-timeout each unfinished stream gets an OpenAI error event and
+    [DONE], a non-streaming request a 503 body, and the server is gone within a second."""
+    llm = AsyncLLM.from_args(str(resolve_model("stories260k")), **{**ENGINE_KW, "max_num_seqs": 1})
+    app = build_app(llm, "tiny")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     server = DrainingServer(uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1, lifespan="off"),
-                            app.state.treadle, shutdown_timeout=0.5)
+                            app.state.treadle, shutdown_timeout=0.3)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    streams: list[list[str]] = [[] for _ in range(4)]
+    plain: dict[str, httpx.Response] = {}
+    clients = [threading.Thread(target=_stream_events, args=(url, LONG, events)) for events in streams]
+    clients.append(threading.Thread(target=lambda: plain.setdefault("r", httpx.post(url + CMPL, json=LONG,
+                                                                                    timeout=30))))
     try:
         wait_until(lambda: server.started, 30, "server start")
-        set_hooks(url, step_delay=0.05)
-        with pytest.raises(httpx.RemoteProtocolError):  # the stream is cut, not completed
-            with httpx.stream("POST", url + CMPL, json={**LONG, "stream": True}, timeout=30) as resp:
-                events = sse_events(resp)
-                assert json.loads(next(events))["choices"]
-                server.request_drain()
-                wait_until(lambda: _health(url) == 503, 5, "draining")
-                assert httpx.post(url + CMPL, json={"prompt": "Once"}).status_code == 503
-                list(events)
-        thread.join(20)
-        assert not thread.is_alive()
+        for c in clients:  # one slot: one runs, four queue behind it, 200 tokens each
+            c.start()
+        wait_until(lambda: llm.num_open_requests == 5, 10, "all five in flight")
+        started = time.monotonic()
+        server.request_drain()
+        late = httpx.post(url + CMPL, json={"prompt": "Once"}, timeout=5)  # new work: refused at once
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        thread.join(10)
+        assert time.monotonic() - started < 0.3 + 1.0 + 0.5  # timeout, plus a second (and slack)
+        for c in clients:
+            c.join(10)
+        for events in streams:
+            assert events[-1] == "[DONE]"
+            assert json.loads(events[-2])["error"]["code"] == "shutting_down"
+        assert plain["r"].status_code == 503 and plain["r"].json()["error"]["code"] == "shutting_down"
         wait_until(lambda: llm.num_open_requests == 0 and llm.snapshot.num_running == 0, 5, "abort")
         assert llm.snapshot.num_free_blocks == llm.snapshot.num_blocks
     finally:
