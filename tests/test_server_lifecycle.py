@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 import uvicorn
-from server_harness import ENGINE_KW, serve, set_hooks, wait_until
+from server_harness import ENGINE_KW, metric_values, serve, set_hooks, wait_until
 
 from treadle.engine.async_engine import AsyncLLM
 from treadle.loaders.resolve import resolve_model
@@ -160,3 +160,49 @@ def test_drain_timeout_ends_every_request_with_an_error_then_exits():
         thread.join(10)
         llm.shutdown()
         sock.close()
+
+
+def test_second_sigterm_ends_streams_with_an_error_and_exits_at_once():
+    """`treadle serve` prints where it is; on SIGTERM it drains; a second SIGTERM aborts what
+    is left: every stream ends with an error event and [DONE], one log line sums it up, no
+    tracebacks, and the process is gone within a second, exit code 0."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "treadle.entrypoints.cli", "serve", "stories260k", "--port", str(port),
+           "--kv-cache-memory", "8MiB", "--max-num-seqs", "1", "--shutdown-timeout", "30", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    streams: list[list[str]] = [[] for _ in range(6)]
+    clients = [threading.Thread(target=_stream_events, args=(url, {**LONG, "max_tokens": 400}, events), daemon=True)
+               for events in streams]
+    try:
+        wait_until(lambda: proc.poll() is not None or _health(url) == 200, 120, "server start")
+        assert proc.poll() is None, "the server exited at start-up"
+        for c in clients:  # one slot: one runs, five queue
+            c.start()
+        wait_until(lambda: _open_requests(url) == 6, 10, "six requests in flight")
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: _health(url) == 503, 10, "draining")
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        out, err = proc.communicate(timeout=10)
+        assert time.monotonic() - started < 1.5 and proc.returncode == 0
+        for c in clients:
+            c.join(10)
+        for events in streams:
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down"
+        assert f"{url}/v1" in out and "curl " in out  # the start-up announcement
+        assert "Traceback" not in err
+        assert [line for line in err.splitlines() if "aborted" in line] == \
+            ["WARNING treadle: shutdown: aborted 6 unfinished request(s) with a 503 error"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _open_requests(url: str) -> float:
+    try:
+        return metric_values(url)["treadle:num_requests_open"]
+    except httpx.TransportError:
+        return -1

@@ -68,6 +68,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     return app
 
 
+_NO_KEY_PATHS = (*OPEN_PATHS, "/openapi.json")  # probes, and the spec that says how to authenticate
+
+
 class _RequireKey:
     """Pure ASGI middleware (not BaseHTTPMiddleware, which would sit between streaming
     responses and the client's disconnect): a missing or wrong Bearer key is a 401."""
@@ -77,7 +80,7 @@ class _RequireKey:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in _NO_KEY_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 response = APIError(401, "invalid or missing API key (send it as 'Authorization: Bearer <key>')",

@@ -23,13 +23,16 @@ _NOT_FOUND = _error("Unknown model")
 _TOO_LARGE = _error("Request body larger than the server's limit")
 _UNAVAILABLE = _error("Overloaded, draining, or engine unhealthy; retry after Retry-After seconds")
 
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"event": {"type": "string"},
+                             "data": {"type": "string", "description": "a JSON chunk, an error body, or [DONE]"}}}
 BODY_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _BAD_REQUEST, 401: _UNAUTHORIZED, 404: _NOT_FOUND, 413: _TOO_LARGE,
 }
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "The whole response (JSON), or with `stream: true` server-sent events of chunks "
                          "ending with `data: [DONE]`",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+          "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
     **BODY_RESPONSES,
     500: _error("The engine failed while running this request"),
     503: _UNAVAILABLE,

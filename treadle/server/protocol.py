@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 MAX_N = 128  # OpenAI's own limit on choices per request
 
@@ -121,7 +121,7 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
     logprobs: bool = False
