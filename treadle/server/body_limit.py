@@ -39,7 +39,8 @@ class BodyLimit:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
         error = APIError(413, f"the request body ({size} bytes or more) is larger than this server's limit "
-                              f"({self.max_bytes} bytes; see --max-request-bytes)", None, "request_too_large")
+                              f"({self.max_bytes} bytes; see --max-request-bytes)", None, "request_too_large",
+                         {"Connection": "close"})  # stop reading the rest of the body
         await error.response()(scope, receive, send)
 
 
