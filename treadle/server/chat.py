@@ -65,8 +65,6 @@ class _ChatView(GenerationView):
             raise APIError.bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise APIError.bad_request("top_logprobs must be in [0, 20]", "top_logprobs")
-        if not body.messages:
-            raise APIError.bad_request("messages must not be empty", "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return self.make_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
 
