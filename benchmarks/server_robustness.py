@@ -1,7 +1,8 @@
 """Robustness figures for `treadle serve` (issue 18), on loopback only, every wait bounded.
 
-1. Stall under the issue's repros: while one greedy stream runs, send (a) 1,000 prompts x
-   n=128 and leave after 3 s, (b) a 5 MB and a 50 MB prompt, each from a child process;
+1. Stall under the issue's repros, each on a fresh server: while one greedy stream runs,
+   send (a) 1,000 prompts x n=128 and leave after 3 s, (b) a 900 KB, a 5 MB and a 50 MB
+   prompt (and a baseline and a request at the cap), each from a child process;
    report each answer, its time (including the child's start, ~0.2 s), and the longest gap
    between the watched stream's chunks from sending until 2 s after the answer.
 2. Disconnect storms: 200 concurrent streams, every other one leaves after its first chunk;
@@ -16,14 +17,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -187,17 +191,13 @@ def storms(url: str, pid: int, count: int, n: int) -> None:
               f"{m['treadle:kv_cache_total_blocks']:.0f} blocks not back; RSS {rss_mib(pid):.0f} MiB")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="stories260k")
-    ap.add_argument("--storms", type=int, default=3)
-    ap.add_argument("--streams", type=int, default=200)
-    ap.add_argument("--skip-stalls", action="store_true")
-    args = ap.parse_args()
+@contextlib.contextmanager
+def running_server(model: str) -> Iterator[tuple[str, int]]:
+    """`treadle serve MODEL` on a free loopback port: (url, pid); always stopped after."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "treadle.entrypoints.cli", "serve", args.model, "--port", str(port),
-           "--log-level", "error", "--heartbeat-timeout", "5"]
+    cmd = [sys.executable, "-m", "treadle.entrypoints.cli", "serve", model, "--port", str(port),
+           "--log-level", "error", "--heartbeat-timeout", "5", "--shutdown-timeout", "1"]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
@@ -207,26 +207,47 @@ def main() -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        if not args.skip_stalls:
-            stall(url, "baseline: one small request", json.dumps({"prompt": "Once", "max_tokens": 2}).encode(), 60)
-            at_cap = json.dumps({"prompt": ["Once", "Lily", "Tom", "The"], "n": 128, "max_tokens": 64,
-                                 "ignore_eos": True, "stream": True}).encode()
-            stall(url, "4 prompts x n=128 (the cap), leaves at 1 s", at_cap, 1.0)
-            under = json.dumps({"prompt": "Once upon a time there was a girl. " * 25_000}).encode()
-            stall(url, "900 KB prompt (under the body limit)", under, 120.0)
-            big = json.dumps({"prompt": ["Once"] * 1000, "n": 128, "max_tokens": 16, "stream": True}).encode()
-            stall(url, "1,000 prompts x n=128, leaves at 3 s", big, 3.0)  # as in the issue
-            for mb in (5, 50):
-                text = json.dumps({"prompt": "Once upon a time " * (mb * 1024 * 1024 // 17)}).encode()
-                stall(url, f"{mb} MB prompt", text, 120.0)
-        storms(url, proc.pid, args.storms, args.streams)
+        yield url, proc.pid
     finally:
         proc.terminate()
         try:
-            proc.wait(30)
+            proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def repros() -> list[tuple[str, bytes, float]]:
+    """(label, body, seconds until the client leaves)"""
+    def body(**kw: object) -> bytes:
+        return json.dumps(kw).encode()
+
+    return [
+        ("baseline: one small request", body(prompt="Once", max_tokens=2), 60.0),
+        ("4 prompts x n=128 (the cap), leaves at 1 s",
+         body(prompt=["Once", "Lily", "Tom", "The"], n=128, max_tokens=64, ignore_eos=True, stream=True), 1.0),
+        ("900 KB prompt (under the body limit)", body(prompt="Once upon a time there was a girl. " * 25_000), 120.0),
+        ("1,000 prompts x n=128, leaves at 3 s", body(prompt=["Once"] * 1000, n=128, max_tokens=16, stream=True), 3.0),
+        ("5 MB prompt", body(prompt="Once upon a time " * (5 * 1024 * 1024 // 17)), 120.0),
+        ("50 MB prompt", body(prompt="Once upon a time " * (50 * 1024 * 1024 // 17)), 120.0),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="stories260k")
+    ap.add_argument("--storms", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=200)
+    ap.add_argument("--skip-stalls", action="store_true")
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the server is stopped on a kill too
+    if not args.skip_stalls:
+        for label, body, leave_after in repros():  # a fresh server each: one repro cannot spoil the next
+            with running_server(args.model) as (url, _):
+                stall(url, label, body, leave_after)
+    if args.storms:
+        with running_server(args.model) as (url, pid):
+            storms(url, pid, args.storms, args.streams)
 
 
 if __name__ == "__main__":

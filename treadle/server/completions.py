@@ -14,6 +14,7 @@ from treadle.server.errors import APIError
 from treadle.server.generation import GenerationView, prompt_index
 from treadle.server.openapi import GENERATION_RESPONSES
 from treadle.server.protocol import CompletionRequest, CompletionResponse
+from treadle.server.state import ServerState
 from treadle.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -56,7 +57,7 @@ class _CompletionView(GenerationView):
     prompt_param = "prompt"
     body: CompletionRequest
 
-    def __init__(self, state: Any, body: CompletionRequest) -> None:
+    def __init__(self, state: ServerState, body: CompletionRequest) -> None:
         super().__init__(state, body)
         self.tokenizer = state.llm.tokenizer
         self._offsets: dict[int, int] = {}  # streamed text so far, per choice
