@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from conftest import make_tiny_model
 from server_harness import (
     ENGINE_KW,
     MODEL_NAME,
@@ -170,6 +171,24 @@ def test_long_prompt_under_the_body_limit_is_refused_before_tokenizing(server):
         r2, start2, end2 = timed_post(server.url, CHAT, json={"messages": [{"role": "user", "content": text}]})
         assert_error(r2, 400, "context_length_exceeded", "messages")
         assert gaps.max_gap(start, end2) < MAX_GAP_S
+
+
+def test_long_prompt_is_tokenized_off_the_event_loop_and_engine_thread(tmp_path):
+    """A model with a long context: a 770 KB prompt passes the character bound and takes
+    ~2 s to tokenize, in a worker thread with the GIL released; other streams keep flowing,
+    and the too-long prompt is refused before the engine sees its ids."""
+    model = make_tiny_model(tmp_path / "long", max_position_embeddings=300_000)
+    kw = {**ENGINE_KW, "max_model_len": 200_000}
+    llm = AsyncLLM.from_args(str(model), **kw)
+    try:
+        with ServerThread(build_app(llm, MODEL_NAME)) as srv, ChunkGaps(srv.url) as gaps:
+            text = "Once upon a time there was a girl. " * 22_000  # 770,000 byte tokens > 200,000
+            r, start, end = timed_post(srv.url, CMPL, json={"prompt": text, "max_tokens": 1})
+            assert_error(r, 400, "context_length_exceeded", "prompt")
+            assert "tokens, more than max_model_len" in r.json()["error"]["message"]
+            assert gaps.max_gap(start, end) < MAX_GAP_S
+    finally:
+        llm.shutdown()
 
 
 def test_configured_body_limit(tmp_path):

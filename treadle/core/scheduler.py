@@ -52,10 +52,11 @@ class Scheduler:
                 param, "context_length_exceeded",
             )
         if self.kv.blocks_needed(total) > self.kv.pool.num_blocks:
+            prompt_alone = self.kv.blocks_needed(req.num_prompt_tokens) > self.kv.pool.num_blocks
             raise InvalidRequestError(
                 f"request needs {self.kv.blocks_needed(total)} KV blocks but the whole cache has "
                 f"{self.kv.pool.num_blocks}; raise kv_cache_memory or lower max_tokens",
-                "max_tokens", "context_length_exceeded",
+                "prompt" if prompt_alone else "max_tokens", "context_length_exceeded",
             )
 
     def add_request(self, req: Request) -> None:

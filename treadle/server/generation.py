@@ -119,12 +119,14 @@ class GenerationView(ABC):
     def tokenized(self, text: str, add_special_tokens: bool = True) -> dict[str, Any]:
         """``text`` as an engine prompt with its token ids; a text that cannot fit is a 400
         before any tokenizing (a cheap character-count bound)."""
-        limit = self.state.max_prompt_chars
-        if len(text) > limit:
+        max_len = self.state.llm.max_model_len
+        if len(text) > self.state.max_prompt_chars:
             raise APIError(400, f"the prompt has {len(text)} characters, more than this model's context "
-                                f"({self.state.llm.max_model_len} tokens) can hold", self.prompt_param,
-                           "context_length_exceeded")
+                                f"({max_len} tokens) can hold", self.prompt_param, "context_length_exceeded")
         ids = self.state.llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if len(ids) > max_len:  # refused here, in the worker thread: the engine never sees the list
+            raise APIError(400, f"the prompt has {len(ids)} tokens, more than max_model_len ({max_len})",
+                           self.prompt_param, "context_length_exceeded")
         return {"prompt": text, "prompt_token_ids": ids}
 
     def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> str:
