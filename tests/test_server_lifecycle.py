@@ -186,7 +186,8 @@ def test_second_sigterm_ends_streams_with_an_error_and_exits_at_once():
         proc.send_signal(signal.SIGTERM)
         started = time.monotonic()
         out, err = proc.communicate(timeout=10)
-        assert time.monotonic() - started < 1.5 and proc.returncode == 0
+        # no timeout left after a second signal: a second, plus the interpreter's own exit on a busy machine
+        assert time.monotonic() - started < 2.0 and proc.returncode == 0
         for c in clients:
             c.join(10)
         for events in streams:
