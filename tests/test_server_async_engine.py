@@ -83,3 +83,24 @@ def test_shutdown_fails_open_requests_instead_of_hanging():
     assert llm.health() is not None and not llm.is_alive()
     with pytest.raises(EngineDeadError):
         asyncio.run(_collect(llm, "Once", PARAMS, "late"))
+
+
+def test_failed_step_fails_only_its_requests_and_the_loop_goes_on(llm):
+    """Params corrupted after admission (a stop id outside the vocabulary) make the sampler
+    raise inside a step: that request gets StepFailedError, the engine stays alive."""
+    from treadle.engine.llm_engine import StepFailedError
+
+    params = SamplingParams(temperature=0.0, max_tokens=300, min_tokens=299, ignore_eos=True)  # masked throughout
+
+    async def run() -> None:
+        group = llm.group()
+        await group.add("doomed", "Once", params)
+        params.stop_token_ids.append(10**9)
+        with pytest.raises(StepFailedError):
+            async for _ in group:
+                pass
+
+    asyncio.run(run())
+    assert llm.is_alive() and llm.health() is None
+    wait_until(lambda: idle(llm), 10, "the failed request's blocks back")
+    assert asyncio.run(_collect(llm, "Once", PARAMS, "after"))[-1].finished

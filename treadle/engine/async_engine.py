@@ -12,8 +12,10 @@ event loop with ``call_soon_threadsafe``, into the asyncio queue of the
     OutputGroup.close --_Abort-->    engine.abort_request (blocks freed)
     async for out in group  <--      engine.step() outputs, per request
 
-An exception in a step marks the engine dead: every open request receives an
-EngineDeadError (no client hangs), new requests are refused, and the thread ends.
+A step that fails with StepFailedError fails only its own requests (they receive the
+error) and the loop goes on. Any other exception (EngineDeadError: a lost worker) marks
+the engine dead: every open request receives an EngineDeadError (no client hangs), new
+requests are refused, and the thread ends.
 ``heartbeat_age()`` lets a health check tell a dead or stuck loop from a busy one.
 """
 from __future__ import annotations
