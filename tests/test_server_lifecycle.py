@@ -187,12 +187,13 @@ def test_second_sigterm_ends_streams_with_an_error_and_exits_at_once():
         wait_until(lambda: _health(url) == 503, 10, "draining")
         proc.send_signal(signal.SIGTERM)
         started = time.monotonic()
-        out, err = proc.communicate(timeout=10)
-        # no timeout left after a second signal: a second, plus the interpreter's own exit on a busy machine
-        took = time.monotonic() - started
-        assert took < 2.0 and proc.returncode == 0, (took, proc.returncode)
         for c in clients:
             c.join(10)
+        answered = time.monotonic() - started  # every client has its error and [DONE]
+        out, err = proc.communicate(timeout=10)
+        exited = time.monotonic() - started
+        assert answered < 1.5, answered  # no timeout left after a second signal: within a second (+ slack)
+        assert exited < 5.0 and proc.returncode == 0, (exited, proc.returncode)  # + the interpreter's teardown
         for events in streams:
             assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down"
         assert f"{url}/v1" in out and "curl " in out  # the start-up announcement
