@@ -45,6 +45,6 @@ def test_schemathesis_finds_no_5xx_and_no_nonconformance(api_server, tmp_path):
            f"{api_server.url}/openapi.json", "--header", f"Authorization: Bearer {API_KEY}", "--checks", CHECKS,
            "--max-examples", "10", "--seed", "1", "--no-shrink", "--request-timeout", "60",
            "--phases", "examples,coverage,fuzzing", "--report-dir", str(tmp_path)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path)  # its cache stays there
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert "No issues found" in run.stdout or " passed" in run.stdout
