@@ -1,5 +1,6 @@
 # make run: create .venv, install, chat with (or, off a terminal, generate from) the default model.
 # make test: install the test dependencies and run the whole suite.
+# make lint: ruff and mypy over the whole treadle package (CI runs it before the tests).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip

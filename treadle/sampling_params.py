@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import cast
 
 from treadle.config import InvalidRequestError
 
@@ -64,7 +65,7 @@ class SamplingParams:
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids", "stop_token_ids must be non-negative integers")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
-        if not all(isinstance(s, str) for s in self.stop):
+        if not all(isinstance(s, str) for s in cast(list[object], self.stop)):  # a list since __post_init__
             raise SamplingParamsError("stop", "stop must be a string or a list of strings")
 
     def _validate(self) -> None:

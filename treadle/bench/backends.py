@@ -29,7 +29,11 @@ BACKENDS = ("treadle", "static", "hf", "llamacpp")
 
 class Backend(Protocol):
     name: str
-    weight_bytes: int | None  # bytes of weights read per decode step, when known
+
+    @property
+    def weight_bytes(self) -> int | None:
+        """Bytes of weights read per decode step, when known (read-only: a backend may hold an int)."""
+        ...
 
     def run(self, reqs: list[BenchRequest], concurrency: int, progress: Progress = None) -> RunResult:
         """Run every request (greedy, exactly ``output_len`` tokens each) with at most
@@ -66,8 +70,8 @@ class TreadleBackend:
         self.continuous = continuous
         self.name = "treadle" if continuous else "static"
         executor = self.engine.executor  # weights are only visible when they live in this process
-        in_process = isinstance(executor, UniProcExecutor) and executor.worker is not None
-        self.weight_bytes = decode_weight_bytes(executor.worker.runner.model) if in_process else 0
+        worker = executor.worker if isinstance(executor, UniProcExecutor) else None
+        self.weight_bytes = decode_weight_bytes(worker.runner.model) if worker is not None else 0
         self._ids = itertools.count()
 
     def run(self, reqs: list[BenchRequest], concurrency: int, progress: Progress = None) -> RunResult:

@@ -16,7 +16,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +96,7 @@ def _read_chunk(rec: RequestRecord, data: dict[str, Any], now: float) -> None:
 async def run_serve(
     base_url: str,
     reqs: list[BenchRequest],
-    prompts: list[str] | list[list[int]],
+    prompts: Sequence[str | list[int]],
     traffic: Traffic,
     model: str | None = None,
     progress: Callable[[int], Any] | None = None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -94,7 +94,8 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = cast(list[list[dict[str, Any]]], [messages] if one else messages)
         tok = self.engine.tokenizer
         texts = [tok.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         prompts = [{"prompt": t, "prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]

@@ -57,6 +57,11 @@ class UnquantizedLinearMethod(LinearMethod):
 
 
 class Linear(nn.Module):
+    # registered by ``method.create_weights`` / below; declared so readers get tensors
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    method: LinearMethod
+
     def __init__(
         self,
         in_features: int,

@@ -82,6 +82,8 @@ def joint_view(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin: torch.Tensor  # buffer registered in __init__
+
     def __init__(
         self,
         head_dim: int,

@@ -13,6 +13,7 @@ import torch
 from treadle.config import ModelConfig, TreadleError
 from treadle.layers.attention import AttentionBackend
 from treadle.loaders.source import ModelSource
+from treadle.models.llama import LlamaForCausalLM
 from treadle.models.registry import model_class, model_layout
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    model: LlamaForCausalLM
     config: ModelConfig
     tokenizer: Tokenizer
     path: Path

@@ -1,15 +1,13 @@
 """Hugging Face architecture name -> model class (each class carries its ``layout``)."""
 from __future__ import annotations
 
-from torch import nn
-
 from treadle.config import TreadleError
 from treadle.models.layout import ModelLayout
 from treadle.models.llama import LlamaForCausalLM
 from treadle.models.phi3 import Phi3ForCausalLM
 from treadle.models.qwen3 import Qwen3ForCausalLM
 
-_MODELS: dict[str, type[nn.Module]] = {
+_MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -22,7 +20,7 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def model_class(architecture: str) -> type[nn.Module]:
+def model_class(architecture: str) -> type[LlamaForCausalLM]:
     try:
         return _MODELS[architecture]
     except KeyError:
@@ -33,4 +31,4 @@ def model_class(architecture: str) -> type[nn.Module]:
 
 def model_layout(architecture: str) -> ModelLayout:
     """The parameter table of ``architecture`` (see treadle.models.layout)."""
-    return model_class(architecture).layout  # type: ignore[attr-defined]
+    return model_class(architecture).layout

@@ -34,6 +34,12 @@ def _check_shape(layer: Linear, rows: int, shape: tuple[int, ...]) -> None:
         raise ValueError(f"shape mismatch: expected {(rows, layer.in_features)}, got {tuple(shape)}")
 
 
+def _buffer(layer: Linear, name: str) -> torch.Tensor:
+    """One of the buffers this module's methods register on ``layer`` (scales, zeros)."""
+    buf: torch.Tensor = getattr(layer, name)  # plain attribute lookup: this sits on the matmul path
+    return buf
+
+
 def _staging_weight(layer: Linear, dtype: torch.dtype, loader) -> None:  # noqa: ANN001
     weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False)
     weight.weight_loader = loader  # type: ignore[attr-defined]
@@ -52,13 +58,13 @@ class Int8WeightOnlyMethod(LinearMethod):
         _check_shape(layer, rows, tuple(tensor.shape))
         q, scale = quantize_int8(tensor)
         layer.weight.data[start : start + rows] = q
-        layer.weight_scale[start : start + rows] = scale
+        _buffer(layer, "weight_scale")[start : start + rows] = scale
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        layer.weight_scale = layer.weight_scale.to(torch.bfloat16)
+        layer.weight_scale = _buffer(layer, "weight_scale").to(torch.bfloat16)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        y = int8_mm(x, layer.weight, layer.weight_scale)
+        y = int8_mm(x, layer.weight, _buffer(layer, "weight_scale"))
         return y if layer.bias is None else y + layer.bias
 
 
@@ -93,19 +99,19 @@ class Int4WeightOnlyMethod(LinearMethod):
         _check_shape(layer, rows, self.shard_shape(tensor))
         q, scale, zero = self.to_int4(tensor)
         layer.weight.data[start : start + rows] = q
-        layer.weight_scale[start : start + rows] = scale
-        layer.weight_zero[start : start + rows] = zero
+        _buffer(layer, "weight_scale")[start : start + rows] = scale
+        _buffer(layer, "weight_zero")[start : start + rows] = zero
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         if self.fallback is not None:
             return
         packed = pack_int4(layer.weight.data)  # [out, in/2] uint8
         layer.weight = nn.Parameter(packed, requires_grad=False)
-        layer.register_buffer("weight_scale_zeros", scale_zeros(layer.weight_scale, layer.weight_zero))
+        layer.register_buffer("weight_scale_zeros", scale_zeros(_buffer(layer, "weight_scale"), _buffer(layer, "weight_zero")))
         del layer.weight_scale, layer.weight_zero
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self.fallback is not None:
             return self.fallback.apply(layer, x)
-        y = int4_mm(x, layer.weight, self.group_size, layer.weight_scale_zeros)
+        y = int4_mm(x, layer.weight, self.group_size, _buffer(layer, "weight_scale_zeros"))
         return y if layer.bias is None else y + layer.bias

@@ -20,15 +20,21 @@ from treadle.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from treadle.quantization.gguf_native import GGUFBlockMethod
 
 
+def _linear(layer: LlamaDecoderLayer, name: str) -> Linear:
+    module = layer.get_submodule(name)
+    assert isinstance(module, Linear), name
+    return module
+
+
 def layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | None:
     """The C layer's view of one Llama-style decoder layer, or None when it cannot take it."""
-    linears = [layer.get_submodule(name) for name in STANDARD_LINEARS]
-    assert all(isinstance(m, Linear) for m in linears)
+    linears = [_linear(layer, name) for name in STANDARD_LINEARS]
     qkv, o, gate_up, down = linears
+    methods = [m.method for m in linears if isinstance(m.method, GGUFBlockMethod)]
     attn, in_norm, post_norm = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
     f32 = torch.float32
     if not (
-        all(isinstance(m.method, GGUFBlockMethod) for m in linears)
+        len(methods) == len(linears)
         and (qkv.bias is None or qkv.bias.dtype == f32)
         and all(m.bias is None for m in linears[1:])
         and in_norm.fused and post_norm.fused and attn.rotary.fused
@@ -37,7 +43,7 @@ def layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | None:
         return None
     spec = attn.spec
     return DecoderLayerWeights(
-        layouts=block_layouts([m.method.segments for m in linears]),
+        layouts=block_layouts([m.segments for m in methods]),
         input_norm=in_norm.weight.data, post_norm=post_norm.weight.data, eps=in_norm.eps,
         qkv=qkv.weight.data, qkv_bias=None if qkv.bias is None else qkv.bias.data, o=o.weight.data,
         gate_up=gate_up.weight.data, down=down.weight.data, cos_sin=attn.rotary.cos_sin,

@@ -19,6 +19,7 @@ import torch
 from treadle.config import ModelConfig
 from treadle.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, StepInputBuilder
+from treadle.models.llama import LlamaForCausalLM
 from treadle.worker.cuda_graph import CUDAGraphRunner
 from treadle.worker.fused_layers import fuse_decoder_layers
 from treadle.worker.sampler import Sampler, SamplingRow, logprobs_at
@@ -70,7 +71,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         max_num_batched_tokens: int,
