@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from treadle import envs
 from treadle.config import EngineConfig, TreadleError
+from treadle.distributed import ParallelContext
 from treadle.executor.messages import ERR, OK, OUT, READY, STEP, STOP, Codec, WorkerError
 from treadle.executor.worker import Worker
 
@@ -62,10 +64,16 @@ def worker_main(spec: WorkerSpec) -> None:
 
 
 def _start(spec: WorkerSpec) -> Worker:
-    world = spec.config.parallel.world_size
-    dist.init_process_group("gloo", init_method=spec.dist_init_addr, rank=spec.rank, world_size=world,
+    par = spec.config.parallel
+    backend = "nccl" if torch.device(spec.config.device).type == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=spec.dist_init_addr, rank=spec.rank, world_size=par.world_size,
                             timeout=timedelta(seconds=spec.start_timeout_s))
-    return Worker(spec.config, rank=spec.rank)
+    ctx = ParallelContext.create(par.tensor_parallel_size, par.pipeline_parallel_size, spec.rank,
+                                 spec.config.model.vocab_size, envs.execute_timeout_s(),
+                                 spec.config.device)
+    return Worker(spec.config, rank=spec.rank, parallel=ctx)
 
 
 def _serve(worker: Worker, spec: WorkerSpec, inputs: zmq.Socket, results: zmq.Socket, codec: Codec) -> None:
