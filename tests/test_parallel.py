@@ -16,6 +16,7 @@ from conftest import make_tiny_model
 
 from treadle import LLM, SamplingParams
 from treadle.config import EngineDeadError
+from treadle.distributed.overlap import TokenSplit, split_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -112,3 +113,15 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except OSError:
         return True
+
+
+def test_overlapped_micro_batches_are_token_identical(stories_reference: list) -> None:
+    """comm_overlap: each step cut in two (a prompt chunk may be cut mid-request), the halves'
+    all-reduces overlapping each other's compute: the same tokens."""
+    assert_same(parallel("stories260k", 2, comm_overlap=True), stories_reference)
+
+
+def test_token_split_cuts_a_request_in_two() -> None:
+    a, b = split_tokens([3, 5, 1], [10, 5, 7], [[0], [1], [2]], at=5)
+    assert a == TokenSplit([3, 2], [10, 2], [[0], [1]])
+    assert b == TokenSplit([3, 1], [5, 7], [[1], [2]])

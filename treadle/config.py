@@ -163,6 +163,7 @@ class ParallelConfig:
     distributed_executor_backend: str  # "uni" (in-process) | "mp" (worker processes)
     tensor_parallel_size: int
     pipeline_parallel_size: int
+    comm_overlap: bool  # TP: two micro-batches per step, all-reduces overlapped with compute
 
     @property
     def world_size(self) -> int:

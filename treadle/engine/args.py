@@ -52,6 +52,8 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "ranks a layer is split across", flags=("-tp", "--tensor-parallel-size"))
     pipeline_parallel_size: int = _arg(1, "stages the layers are split into",
                                        flags=("-pp", "--pipeline-parallel-size"))
+    comm_overlap: bool = _arg(False, "tensor parallelism: cut each step into two micro-batches whose "
+                                     "all-reduces run while the other computes")
 
 
 def engine_args(model: str | None = None, **kwargs: Any) -> EngineArgs:

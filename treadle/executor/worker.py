@@ -41,7 +41,8 @@ class Worker:
             graphs.capture()
         self.runner = ModelRunner(loaded.model, kv, cache.block_size, sched.max_num_batched_tokens,
                                   sched.max_model_len, device, config.load.seed, graphs,
-                                  config.fused_layers and parallel.tp_size == 1, parallel)
+                                  config.fused_layers and parallel.tp_size == 1, parallel,
+                                  config.parallel.comm_overlap)
         self._capacity = KVCapacity(cache.num_blocks, cache.block_size)
 
     def kv_capacity(self) -> KVCapacity:

@@ -13,6 +13,7 @@ from torch import nn
 
 from treadle.config import ModelConfig
 from treadle.distributed import ParallelContext, StageCarry, shard_config, stage_layers
+from treadle.distributed.overlap import Phase, run_overlapped
 from treadle.distributed.vocab import vocab_embedding, vocab_logits
 from treadle.layers.activation import silu_and_mul
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
@@ -107,10 +108,20 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream); ``residual`` None on the first layer (x is the stream)."""
+        h, residual = self.attention_part(positions, x, residual, kv_cache, meta)
+        h, residual = self.mlp_part(self.parallel.all_reduce(h), residual)
+        return self.parallel.all_reduce(h), residual
+
+    def attention_part(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                       kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norm and attention: (this rank's partial o_proj output, residual stream)."""
         h, residual = self.input_layernorm(x, residual)
-        h = self.parallel.all_reduce(self.self_attn(positions, h, kv_cache, meta))
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.parallel.all_reduce(self.mlp(h)), residual
+        return self.self_attn(positions, h, kv_cache, meta), residual
+
+    def mlp_part(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norm and MLP on the reduced attention output: (partial down_proj output, residual)."""
+        h, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(h), residual
 
 
 LLAMA_LAYOUT = ModelLayout(linears=llama_linears(), norms=LLAMA_NORMS)
@@ -185,6 +196,25 @@ class LlamaForCausalLM(nn.Module):
             return StageCarry(x, residual)  # type: ignore[return-value]
         x, _ = self.norm(x, residual)
         return x
+
+    def forward_overlapped(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        micro: list[tuple[torch.Tensor, AttentionMetadata]],  # (positions, metadata) per micro-batch
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        """``forward`` on one stage-less TP rank, the step cut into micro-batches (token order)
+        whose all-reduces overlap each other's compute (``treadle.distributed.overlap``)."""
+        sizes = [pos.shape[0] for pos, _ in micro]
+        xs = [vocab_embedding(self.embed_tokens, ids, self.dtype, self.parallel) for ids in input_ids.split(sizes)]
+        phases: list[Phase] = []
+        for i in self.stage:
+            layer, cache = self.layers[i], kv_caches[i]
+            phases.append(lambda m, x, r, layer=layer, cache=cache: layer.attention_part(
+                micro[m][0], x, r, cache, micro[m][1]))
+            phases.append(lambda m, x, r, layer=layer: layer.mlp_part(x, r))
+        outs = run_overlapped(phases, xs, self.parallel)
+        return torch.cat([self.norm(x, residual)[0] for x, residual in outs])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [n, vocab] float32
         """Logits of every row, on the sampling rank; None on the other ranks of the last

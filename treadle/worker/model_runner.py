@@ -19,6 +19,7 @@ import torch
 from treadle.config import ModelConfig
 from treadle.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from treadle.distributed import ParallelContext
+from treadle.distributed.overlap import split_tokens
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, StepInputBuilder
 from treadle.worker.cuda_graph import CUDAGraphRunner
 from treadle.worker.fused_layers import fuse_decoder_layers
@@ -53,6 +54,7 @@ class BatchInputs:
     meta: AttentionMetadata
     sample_rows: list[tuple[str, int]]  # (request id, flat index of its last token)
     prompt_rows: list[tuple[str, int, int, int]]  # (request id, flat start, first position, count)
+    micro: list[tuple[torch.Tensor, AttentionMetadata]] | None = None  # overlap: (positions, meta) per half
 
 
 def allocate_kv_cache(
@@ -86,7 +88,10 @@ class ModelRunner:
         graphs: CUDAGraphRunner | None = None,
         fused_layers: bool = True,
         parallel: ParallelContext | None = None,
+        overlap: bool = False,
     ) -> None:
+        """``overlap`` (tensor parallelism without pipeline stages): cut each step of two or
+        more tokens into two micro-batches whose all-reduces overlap compute."""
         self.model = model
         self.parallel = parallel or ParallelContext.single(model.config.vocab_size)
         self.kv_caches = kv_caches
@@ -100,6 +105,8 @@ class ModelRunner:
             fuse_decoder_layers(model)
         # persistent host buffers, reused every step
         self.inputs = StepInputBuilder(block_size, max_num_batched_tokens, self.device)
+        self.overlap = overlap and self.parallel.tp_size > 1 and self.parallel.pp_size == 1
+        self._micro_inputs = [StepInputBuilder(block_size, max_num_batched_tokens, self.device) for _ in range(2)]
         self._ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
 
     def _prepare(self, sched: SchedulerOutput) -> BatchInputs:
@@ -126,7 +133,14 @@ class ModelRunner:
         positions, meta = self.inputs.build(query_lens, seq_lens, tables)
         meta.plan = self.backend.plan(meta)  # once per step, read by every layer
         input_ids = torch.from_numpy(self._ids[:cursor]).to(self.device)
-        return BatchInputs(input_ids, positions, meta, sample_rows, prompt_rows)
+        batch = BatchInputs(input_ids, positions, meta, sample_rows, prompt_rows)
+        if self.overlap and cursor >= 2:
+            batch.micro = []
+            for builder, part in zip(self._micro_inputs, split_tokens(query_lens, seq_lens, tables, cursor // 2)):
+                pos, micro_meta = builder.build(*part)
+                micro_meta.plan = self.backend.plan(micro_meta)
+                batch.micro.append((pos, micro_meta))
+        return batch
 
     def forward(self, batch: BatchInputs) -> torch.Tensor | None:  # [num_tokens, hidden_size]
         """Run the model over a prepared step (a captured CUDA graph when one fits). Under
@@ -135,6 +149,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(batch.meta):
             return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         par = self.parallel
+        if batch.micro is not None:
+            return self.model.forward_overlapped(batch.input_ids, batch.micro, self.kv_caches)
         if par.pp_size == 1:
             return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         carry = None
