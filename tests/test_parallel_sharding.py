@@ -90,3 +90,19 @@ def test_quantized_blocks_split_at_block_boundaries() -> None:
     o_proj = quantize_blocks(torch.randn(64, 64), "Q8_0")  # 4 heads of 16: 16 columns a rank at T=4
     with pytest.raises(TreadleError, match="GGUF blocks hold 32 inputs"):
         RankSharder(LLAMA_LAYOUT, cfg, 4, 1)("model.layers.0.self_attn.o_proj.weight", o_proj)
+
+
+def test_a_rank_reads_its_part_of_a_safetensors_file(tmp_path) -> None:  # noqa: ANN001
+    from safetensors.torch import save_file
+
+    from treadle.loaders.hf import stream_safetensors
+
+    cfg = config(kv=1)
+    full = checkpoint(cfg)
+    save_file(full, str(tmp_path / "model.safetensors"))
+    shards = [(tmp_path / "model.safetensors", list(full))]
+    shapes = {k: tuple(v.shape) for k, v in full.items()}
+    for rank in range(2):
+        cut = RankSharder(LLAMA_LAYOUT, cfg, 2, rank)
+        for name, lazy in stream_safetensors(shards, shapes, cfg, sliced=True):
+            assert torch.equal(cut(name, lazy), cut(name, full[name]))

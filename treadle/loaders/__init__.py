@@ -103,6 +103,8 @@ def load_model(
     torch_dtype = parse_dtype(dtype)
     local = None if parallel is None else shard_config(source.config, parallel.tp_size, parallel.tp_rank)
     method, weights = quantization_plan(source, quantization, device, local)
+    if parallel is not None and parallel.world_size > 1 and weights is source.weights and source.sliced_weights:
+        weights = source.sliced_weights  # each rank reads only its part of each tensor
     with torch.device(device):
         model = cls(source.config, backend, torch_dtype, method=method, parallel=parallel)
     model.load_weights(weights())

@@ -9,7 +9,9 @@
 Tensors arrive as float tensors or as GGUF blocks (rows of 32-input blocks, a NamedTuple
 with ``qtype``, ``data`` [rows, row bytes] and ``shape`` [rows, in]): rows cut anywhere,
 columns only at block boundaries. Only the rank's part is copied out of the (memory-mapped)
-checkpoint tensor.
+checkpoint tensor: a tensor not read yet (``narrow`` and ``read``, the loader's
+``SlicedTensor``) is narrowed before it is read, and tensors of another pipeline stage are never
+read at all.
 """
 from __future__ import annotations
 
@@ -70,6 +72,10 @@ class RankSharder:
         self.unit = intermediate_unit(cfg.intermediate_size)
 
     def __call__(self, hf_name: str, tensor: Any) -> Any:
+        part = self._part(hf_name, tensor)
+        return part.read() if hasattr(part, "read") else part
+
+    def _part(self, hf_name: str, tensor: Any) -> Any:
         if self.tp == 1:
             return tensor
         lin, part = self.layout.linear_for(hf_name)
@@ -101,7 +107,7 @@ class RankSharder:
 
     def _row(self, lin: LinearLayout, tensor: Any) -> Any:
         if not _is_blocks(tensor) and tensor.dim() == 1:  # bias: added once, by rank 0
-            return tensor if self.rank == 0 else torch.zeros_like(tensor)
+            return tensor if self.rank == 0 else torch.zeros(tensor.shape)
         full, local = lin.in_features(self.full), lin.in_features(self.local)
         return _narrow(tensor, 1, rank_range(full, local, self.tp, self.rank, self.unit), local)
 
