@@ -131,7 +131,6 @@ def test_max_model_len_is_clamped_and_sizes_unchunked_steps(stories: ModelSource
     (dict(device="abacus"), "device"),
     (dict(quantization="int3"), "int3"),
     (dict(attention_backend="flash"), "attention backend"),
-    (dict(distributed_executor_backend="ray"), "not available yet"),
     (dict(distributed_executor_backend="threads"), "distributed_executor_backend"),
     (dict(tensor_parallel_size=3), "valid sizes: 1, 2, 4, 8"),
     (dict(pipeline_parallel_size=40), "more than the model's"),

@@ -130,8 +130,6 @@ def _parallel_config(args: EngineArgs, model: ModelConfig) -> ParallelConfig:
     backend = args.distributed_executor_backend
     if backend not in EXECUTOR_BACKENDS:
         raise TreadleError(f"distributed_executor_backend {backend!r} is not one of {', '.join(EXECUTOR_BACKENDS)}")
-    if backend == "ray":
-        raise TreadleError("distributed_executor_backend 'ray' is not available yet; use 'uni' or 'mp'")
     check_parallel_sizes(model, args.tensor_parallel_size, args.pipeline_parallel_size)
     if backend == "uni" and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         backend = "mp"  # several ranks need worker processes
