@@ -71,6 +71,7 @@ def time_comm(ctx: ParallelContext, shapes: list[tuple[int, int]], layers: int, 
 
 def rank_main(rank: int, args: argparse.Namespace, addr: str, out: dict) -> None:
     torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)  # unreduced partial sums (collectives skipped) must not hit slow denormals
     backend = "nccl" if args.device == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)

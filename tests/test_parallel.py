@@ -125,3 +125,22 @@ def test_token_split_cuts_a_request_in_two() -> None:
     a, b = split_tokens([3, 5, 1], [10, 5, 7], [[0], [1], [2]], at=5)
     assert a == TokenSplit([3, 2], [10, 2], [[0], [1]])
     assert b == TokenSplit([3, 1], [5, 7], [[1], [2]])
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_blocks_at_tp3_are_token_identical() -> None:
+    """The real Q4_1 GGUF file: 9 heads / 3 KV heads over 3 ranks, every linear layer and the
+    tied embedding kept as blocks, cut only at 32-input block boundaries."""
+    kw = dict(max_tokens=8, logprobs=2)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, **kw)
+    prompts = ["The capital of France is", "Write a haiku about the sea:"]
+    small = dict(num_kv_blocks=32, max_num_batched_tokens=16, max_model_len=128)
+
+    def outputs(llm: LLM) -> list:
+        try:
+            return [(c.token_ids, c.logprobs) for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+        finally:
+            llm.shutdown()
+
+    want = outputs(LLM("smollm2-135m-instruct", **small))
+    assert_same(outputs(LLM("smollm2-135m-instruct", tensor_parallel_size=3, **small)), want)
