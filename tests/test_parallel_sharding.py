@@ -106,3 +106,17 @@ def test_a_rank_reads_its_part_of_a_safetensors_file(tmp_path) -> None:  # noqa:
         cut = RankSharder(LLAMA_LAYOUT, cfg, 2, rank)
         for name, lazy in stream_safetensors(shards, shapes, cfg, sliced=True):
             assert torch.equal(cut(name, lazy), cut(name, full[name]))
+
+
+def test_k_quant_super_blocks_split_at_256_inputs() -> None:
+    from treadle.quantization.gguf_native import GGUFBlocks
+
+    cfg = config(inter=512)
+    gen = torch.Generator().manual_seed(2)
+    raw = GGUFBlocks("Q4_K", torch.randint(0, 256, (64, 2 * 144), dtype=torch.uint8, generator=gen), (64, 512))
+    raw.data.view(64, 2, 144)[:, :, :4] = 0x3C  # finite float16 scales
+    name = "model.layers.0.mlp.down_proj.weight"
+    parts = [RankSharder(LLAMA_LAYOUT, cfg, 2, r)(name, raw) for r in range(2)]
+    assert torch.equal(torch.cat([dequantize_blocks(p) for p in parts], dim=1), dequantize_blocks(raw))
+    with pytest.raises(TreadleError, match="hold 256 inputs"):
+        RankSharder(LLAMA_LAYOUT, config(inter=512), 4, 1)(name, raw)  # 128 columns a rank

@@ -6,9 +6,9 @@
     Split.VOCAB   rows by vocabulary range, the last rank padded with zero rows
     REPLICATED    unchanged
 
-Tensors arrive as float tensors or as GGUF blocks (rows of 32-input blocks, a NamedTuple
-with ``qtype``, ``data`` [rows, row bytes] and ``shape`` [rows, in]): rows cut anywhere,
-columns only at block boundaries. Only the rank's part is copied out of the (memory-mapped)
+Tensors arrive as float tensors or as GGUF blocks (rows of 32- or 256-input blocks, a
+NamedTuple with ``qtype``, ``data`` [rows, row bytes] and ``shape`` [rows, in]): rows cut
+anywhere, columns only at block boundaries. Only the rank's part is copied out of the (memory-mapped)
 checkpoint tensor: a tensor not read yet (``narrow`` and ``read``, the loader's
 ``SlicedTensor``) is narrowed before it is read, and tensors of another pipeline stage are never
 read at all.
@@ -18,12 +18,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from treadle.config import ModelConfig, TreadleError
 from treadle.distributed.sharding import intermediate_unit, rank_range, shard_config
 from treadle.models.layout import LinearLayout, ModelLayout, Split
-
-BLOCK = 32
 
 
 def _is_blocks(t: Any) -> bool:
@@ -36,11 +35,12 @@ def _narrow(t: Any, dim: int, start: int, size: int) -> Any:
     rows, cols = t.shape
     if dim == 0:
         return t._replace(data=t.data[start : start + size], shape=(size, cols))
-    if start % BLOCK or size % BLOCK:
+    inputs, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[t.qtype]]
+    if start % inputs or size % inputs:
         raise TreadleError(f"a {t.qtype} tensor cannot be split at column {start} (+{size}): "
-                           f"GGUF blocks hold {BLOCK} inputs; choose another tensor_parallel_size")
-    bb = t.data.shape[1] // (cols // BLOCK)
-    return t._replace(data=t.data[:, start // BLOCK * bb : (start + size) // BLOCK * bb], shape=(rows, size))
+                           f"its GGUF blocks hold {inputs} inputs; choose another tensor_parallel_size")
+    return t._replace(data=t.data[:, start // inputs * nbytes : (start + size) // inputs * nbytes],
+                      shape=(rows, size))
 
 
 def _cat_rows(parts: list[Any]) -> Any:
