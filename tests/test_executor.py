@@ -181,7 +181,7 @@ def test_two_ranks_share_each_step() -> None:
     """World size 2 (both ranks hold the whole model until tensor parallelism lands): the step
     reaches both ranks, they rendezvous in one gloo group, the output comes from the last."""
     config, _ = create_engine_config(engine_args("stories260k", num_kv_blocks=8, distributed_executor_backend="mp"))
-    two = dataclasses.replace(config, parallel=ParallelConfig("mp", 2, 1))
+    two = dataclasses.replace(config, parallel=ParallelConfig("mp", 2, 1, False))
     executor = MultiprocExecutor(two)
     try:
         prompt = [1, 400, 30, 200]

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1] / "treadle"
 
 # lower number = lower layer; a module may import its own unit and units of a lower number
 # (units with the same number are independent of each other)
-LAYERS: dict[str, int] = {
+LAYERS: dict[str, float] = {
     "treadle": -1,  # the package root: __version__ and lazy re-exports, imports nothing itself
     "treadle.config": 0,
     "treadle.sampling_params": 1,
@@ -22,6 +22,7 @@ LAYERS: dict[str, int] = {
     "treadle.vocab": 2,
     "treadle.layers": 3,  # linear, norms, RoPE, attention backends, fused decoder layer
     "treadle.tokenizer": 3,
+    "treadle.distributed": 3.5,  # process groups, collectives, tensor-parallel sharding rules
     "treadle.quantization": 4,  # linear methods
     "treadle.models": 4,  # model files and their layouts
     "treadle.loaders": 5,

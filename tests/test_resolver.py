@@ -131,9 +131,9 @@ def test_max_model_len_is_clamped_and_sizes_unchunked_steps(stories: ModelSource
     (dict(device="abacus"), "device"),
     (dict(quantization="int3"), "int3"),
     (dict(attention_backend="flash"), "attention backend"),
-    (dict(distributed_executor_backend="ray"), "not available yet"),
     (dict(distributed_executor_backend="threads"), "distributed_executor_backend"),
-    (dict(tensor_parallel_size=2), "parallelism"),
+    (dict(tensor_parallel_size=3), "valid sizes: 1, 2, 4, 8"),
+    (dict(pipeline_parallel_size=40), "more than the model's"),
     (dict(pipeline_parallel_size=0), "pipeline_parallel_size"),
 ])
 def test_bad_values_are_one_line_errors(stories: ModelSource, kw: dict, fragment: str) -> None:
@@ -154,3 +154,14 @@ def test_cli_defaults_are_engine_args_defaults() -> None:
     got = EngineArgs(**engine_kwargs(args))
     assert got == EngineArgs(model="stories260k", enable_chunked_prefill=False, max_model_len=128,
                              kv_cache_memory="64MiB", distributed_executor_backend="mp")
+
+
+def test_parallel_sizes_are_checked_against_the_heads(stories: ModelSource, smollm2_gguf: ModelSource) -> None:
+    message = one_line_error(smollm2_gguf, tensor_parallel_size=2)  # 9 heads, 3 KV heads
+    assert message.endswith("valid sizes: 1, 3, 9")
+    config = resolve(stories, PLENTY, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert config.parallel.world_size == 4
+    assert config.parallel.distributed_executor_backend == "mp"  # several ranks need processes
+    single = resolve(stories, PLENTY)
+    # each rank holds half the KV heads of its stage's layers (5 layers: stages of 2 and 3)
+    assert config.cache.bytes_per_block == single.cache.bytes_per_block // 5 * 3 // 2

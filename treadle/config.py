@@ -160,9 +160,10 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    distributed_executor_backend: str  # "uni" (in-process) | "mp" (worker processes)
+    distributed_executor_backend: str  # "uni" (in-process) | "mp" (worker processes) | "ray" (actors)
     tensor_parallel_size: int
     pipeline_parallel_size: int
+    comm_overlap: bool  # TP: two micro-batches per step, all-reduces overlapped with compute
 
     @property
     def world_size(self) -> int:

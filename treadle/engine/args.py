@@ -48,10 +48,13 @@ class EngineArgs:
     enforce_eager: bool = _arg(False, "no CUDA graphs (decode runs eagerly)")
     fused_layers: bool = _arg(True, "CPU: run each decoder layer it can as one fused C call")
     distributed_executor_backend: str = _arg("uni", "uni: the model runs in this process; mp: in worker "
-                                                    "processes", choices=EXECUTOR_BACKENDS)
+                                                    "processes on this machine; ray: Ray actors across a "
+                                                    "cluster", choices=EXECUTOR_BACKENDS)
     tensor_parallel_size: int = _arg(1, "ranks a layer is split across", flags=("-tp", "--tensor-parallel-size"))
     pipeline_parallel_size: int = _arg(1, "stages the layers are split into",
                                        flags=("-pp", "--pipeline-parallel-size"))
+    comm_overlap: bool = _arg(False, "tensor parallelism: cut each step into two micro-batches whose "
+                                     "all-reduces run while the other computes")
 
 
 def engine_args(model: str | None = None, **kwargs: Any) -> EngineArgs:

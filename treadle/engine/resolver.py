@@ -8,7 +8,11 @@ It owns:
     quantization      auto -> gguf for a .gguf file on the CPU, else none
     max_model_len     None -> the model's max_position_embeddings; larger values are clamped
     batched tokens    without chunked prefill, at least max_model_len (a prompt runs whole)
-    KV cache          blocks from num_kv_blocks, kv_cache_memory or a share of free memory
+    KV cache          blocks from num_kv_blocks, kv_cache_memory or a share of free memory,
+                      planned for one rank's part (its KV heads, its stage's layers); on the CPU
+                      the ranks share the machine, so memory and kv_cache_memory are divided
+    parallelism       head counts checked for the tensor-parallel size; uni -> mp with several
+                      ranks; no CUDA graphs with several ranks
     attention backend auto -> cpu on the CPU, triton (or reference) on CUDA
     CUDA graphs       off unless the device is CUDA and enforce_eager is False
 
@@ -17,6 +21,7 @@ source is handed on to loading) and reads the device's free memory.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -25,10 +30,12 @@ from treadle.config import (
     CacheConfig,
     EngineConfig,
     LoadConfig,
+    ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     TreadleError,
 )
+from treadle.distributed import check_parallel_sizes, shard_config, stage_layers
 from treadle.engine.args import EXECUTOR_BACKENDS, EngineArgs, parse_bytes
 from treadle.engine.memory import available_memory, plan_kv_cache, weight_bytes
 from treadle.layers.attention.selector import resolve_backend_name
@@ -47,11 +54,16 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
     is_gguf = source.raw_weights is not None and source.tensor_types is not None
     quantization = resolve_quantization(args.quantization, is_gguf, on_cpu)
     scheduler = _scheduler_config(args, source.config.max_position_embeddings)
+    parallel = _parallel_config(args, source.config)
+    world = parallel.world_size
+    rank_cfg = _rank_config(source.config, parallel)
     # native GGUF keeps the file's blocks: the file size is the weights' size
     weights = source.path.stat().st_size if quantization == "gguf" else weight_bytes(source.config, dtype)
+    kv_memory = parse_bytes(args.kv_cache_memory)
+    share = world if on_cpu else 1
     plan = plan_kv_cache(
-        source.config, dtype, scheduler.max_model_len, scheduler.max_num_seqs, available, weights,
-        block_size=args.block_size, kv_cache_memory=parse_bytes(args.kv_cache_memory),
+        rank_cfg, dtype, scheduler.max_model_len, scheduler.max_num_seqs, available // share, weights // world,
+        block_size=args.block_size, kv_cache_memory=None if kv_memory is None else kv_memory // share,
         memory_fraction=args.kv_cache_memory_fraction, num_blocks=args.num_kv_blocks, on_cpu=on_cpu,
     )
     return EngineConfig(
@@ -61,10 +73,10 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
         cache=CacheConfig(block_size=plan.block_size, num_blocks=plan.num_blocks,
                           bytes_per_block=plan.bytes_per_block, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=scheduler,
-        parallel=_parallel_config(args),
+        parallel=parallel,
         device=str(device),
         attention_backend=resolve_backend_name(args.attention_backend, device),
-        enforce_eager=args.enforce_eager or device.type != "cuda",
+        enforce_eager=args.enforce_eager or device.type != "cuda" or world > 1,
         fused_layers=args.fused_layers,
     )
 
@@ -114,14 +126,20 @@ def _scheduler_config(args: EngineArgs, model_limit: int) -> SchedulerConfig:
                            max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill)
 
 
-def _parallel_config(args: EngineArgs) -> ParallelConfig:
+def _parallel_config(args: EngineArgs, model: ModelConfig) -> ParallelConfig:
     backend = args.distributed_executor_backend
     if backend not in EXECUTOR_BACKENDS:
         raise TreadleError(f"distributed_executor_backend {backend!r} is not one of {', '.join(EXECUTOR_BACKENDS)}")
-    if backend == "ray":
-        raise TreadleError("distributed_executor_backend 'ray' is not available yet; use 'uni' or 'mp'")
-    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
-        raise TreadleError("tensor and pipeline parallelism are not available yet; "
-                           "use tensor_parallel_size=1 and pipeline_parallel_size=1")
+    check_parallel_sizes(model, args.tensor_parallel_size, args.pipeline_parallel_size)
+    if backend == "uni" and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        backend = "mp"  # several ranks need worker processes
     return ParallelConfig(distributed_executor_backend=backend, tensor_parallel_size=args.tensor_parallel_size,
-                          pipeline_parallel_size=args.pipeline_parallel_size)
+                          pipeline_parallel_size=args.pipeline_parallel_size, comm_overlap=args.comm_overlap)
+
+
+def _rank_config(cfg: ModelConfig, parallel: ParallelConfig) -> ModelConfig:
+    """The part of the model one rank holds, for memory planning: its tensor-parallel shard
+    and the largest pipeline stage's layer count."""
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    layers = max(len(stage_layers(cfg.num_layers, pp, s)) for s in range(pp))
+    return dataclasses.replace(shard_config(cfg, tp, 0), num_layers=layers)

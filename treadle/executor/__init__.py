@@ -21,4 +21,8 @@ def create_executor(config: EngineConfig, source: ModelSource | None = None) -> 
         from treadle.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config)
-    raise TreadleError(f"distributed_executor_backend {backend!r} is not available (use 'uni' or 'mp')")
+    if backend == "ray":
+        from treadle.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config)
+    raise TreadleError(f"distributed_executor_backend {backend!r} is not available (use 'uni', 'mp' or 'ray')")

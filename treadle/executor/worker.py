@@ -10,6 +10,7 @@ import torch
 
 from treadle.config import EngineConfig
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
+from treadle.distributed import ParallelContext, shard_config, stage_layers
 from treadle.executor.base import KVCapacity
 from treadle.layers.attention.selector import select_backend
 from treadle.loaders import ModelSource, load_model, parse_dtype
@@ -18,22 +19,30 @@ from treadle.worker.model_runner import ModelRunner, allocate_kv_cache
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0, source: ModelSource | None = None) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, source: ModelSource | None = None,
+                 parallel: ParallelContext | None = None) -> None:
+        """``parallel``: this rank's groups (made by the worker process after joining the
+        default group); None for a single rank."""
         self.config, self.rank = config, rank
+        parallel = parallel or ParallelContext.single(config.model.vocab_size)
         device = torch.device(config.device)
         dtype = parse_dtype(config.load.dtype)
         backend = select_backend(config.attention_backend, device)
         torch.manual_seed(config.load.seed)
         loaded = load_model(source if source is not None else config.load.model_path, backend, dtype, device,
-                            config.load.quantization)
+                            config.load.quantization, parallel)
         cache, sched = config.cache, config.scheduler
-        kv = allocate_kv_cache(loaded.config, cache.num_blocks, cache.block_size, dtype, device)
+        local = shard_config(loaded.config, parallel.tp_size, parallel.tp_rank)
+        layers = stage_layers(local.num_layers, parallel.pp_size, parallel.pp_rank)
+        kv = allocate_kv_cache(local, cache.num_blocks, cache.block_size, dtype, device, layers)
         graphs = maybe_graph_runner(config.enforce_eager, device, loaded.model, kv, sched.max_num_seqs,
                                     -(-sched.max_model_len // cache.block_size), cache.block_size)
         if graphs is not None:
             graphs.capture()
         self.runner = ModelRunner(loaded.model, kv, cache.block_size, sched.max_num_batched_tokens,
-                                  sched.max_model_len, device, config.load.seed, graphs, config.fused_layers)
+                                  sched.max_model_len, device, config.load.seed, graphs,
+                                  config.fused_layers and parallel.tp_size == 1, parallel,
+                                  config.parallel.comm_overlap)
         self._capacity = KVCapacity(cache.num_blocks, cache.block_size)
 
     def kv_capacity(self) -> KVCapacity:

@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from treadle import envs
 from treadle.config import EngineConfig, TreadleError
+from treadle.distributed import ParallelContext
 from treadle.executor.messages import ERR, OK, OUT, READY, STEP, STOP, Codec, WorkerError
 from treadle.executor.worker import Worker
 
@@ -62,10 +64,22 @@ def worker_main(spec: WorkerSpec) -> None:
 
 
 def _start(spec: WorkerSpec) -> Worker:
-    world = spec.config.parallel.world_size
-    dist.init_process_group("gloo", init_method=spec.dist_init_addr, rank=spec.rank, world_size=world,
-                            timeout=timedelta(seconds=spec.start_timeout_s))
-    return Worker(spec.config, rank=spec.rank)
+    return start_rank(spec.config, spec.rank, spec.dist_init_addr, spec.start_timeout_s)
+
+
+def start_rank(config: EngineConfig, rank: int, dist_init_addr: str, timeout_s: float) -> Worker:
+    """Join the process group (gloo on the CPU, NCCL on CUDA), make this rank's groups (their
+    collectives time out after TREADLE_EXECUTE_TIMEOUT_S) and build its Worker. Shared by the
+    mp and ray executors' workers."""
+    par = config.parallel
+    backend = "nccl" if torch.device(config.device).type == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=dist_init_addr, rank=rank, world_size=par.world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    ctx = ParallelContext.create(par.tensor_parallel_size, par.pipeline_parallel_size, rank,
+                                 config.model.vocab_size, envs.execute_timeout_s(), config.device)
+    return Worker(config, rank=rank, parallel=ctx)
 
 
 def _serve(worker: Worker, spec: WorkerSpec, inputs: zmq.Socket, results: zmq.Socket, codec: Codec) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from treadle.config import ModelConfig, TreadleError
+from treadle.distributed import ParallelContext, shard_config
 from treadle.layers.attention import AttentionBackend
 from treadle.loaders.source import ModelSource
 from treadle.models.llama import LlamaForCausalLM
@@ -59,12 +60,14 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def quantization_plan(
-    source: ModelSource, quantization: str | None, device: str | torch.device = "cpu"
+    source: ModelSource, quantization: str | None, device: str | torch.device = "cpu",
+    local_config: ModelConfig | None = None,
 ) -> tuple[Callable[[str], Any] | None, Callable[[], Iterator[tuple[str, Any]]]]:
     """(linear-method factory, weight stream) for a quantization name: None/"none" (float),
     "auto" ("gguf" for a GGUF file on the CPU, else none), "gguf" (keep Q4_0..Q8_0 and K-quant
     blocks quantized; CPU kernels), or a weight-only name such as "int8" or "int4-g64"
-    (see treadle.quantization)."""
+    (see treadle.quantization). ``local_config``: the config of the part this rank holds under
+    tensor parallelism (its layers' input widths decide the weight-only methods)."""
     from treadle.quantization import resolve_quantization, weight_only_factory
     from treadle.quantization.gguf_native import GGUFNativePlan
 
@@ -81,7 +84,7 @@ def quantization_plan(
         assert source.raw_weights is not None and source.tensor_types is not None
         plan, raw_weights = GGUFNativePlan(source.tensor_types, layout.shard_names), source.raw_weights
         return plan.method, lambda: raw_weights(plan.keeps_raw)
-    return weight_only_factory(quantization, partial(layout.in_features, source.config)), source.weights
+    return weight_only_factory(quantization, partial(layout.in_features, local_config or source.config)), source.weights
 
 
 def load_model(
@@ -90,15 +93,21 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     quantization: str | None = None,
+    parallel: ParallelContext | None = None,
 ) -> LoadedModel:
     """``quantization``: see ``quantization_plan`` (None keeps every weight in float). An
-    already opened ``ModelSource`` is used as it is (the engine opens the checkpoint once)."""
+    already opened ``ModelSource`` is used as it is (the engine opens the checkpoint once).
+    ``parallel``: this worker's place among tensor/pipeline ranks (default: the only one); the
+    model then holds, and reads from the checkpoint, only its rank's part."""
     source = name_or_path if isinstance(name_or_path, ModelSource) else open_model_source(name_or_path)
     cls = model_class(source.config.architecture)
     torch_dtype = parse_dtype(dtype)
-    method, weights = quantization_plan(source, quantization, device)
+    local = None if parallel is None else shard_config(source.config, parallel.tp_size, parallel.tp_rank)
+    method, weights = quantization_plan(source, quantization, device, local)
+    if parallel is not None and parallel.world_size > 1 and weights is source.weights and source.sliced_weights:
+        weights = source.sliced_weights  # each rank reads only its part of each tensor
     with torch.device(device):
-        model = cls(source.config, backend, torch_dtype, method=method)
+        model = cls(source.config, backend, torch_dtype, method=method, parallel=parallel)
     model.load_weights(weights())
     model.process_weights_after_loading()
     model.eval()

@@ -105,19 +105,39 @@ def _batches(keys: list[str], shapes: dict[str, tuple[int, ...]], limit: int) ->
         yield batch
 
 
+class SlicedTensor:
+    """A checkpoint tensor not read yet (valid until the stream moves on): ``narrow`` reads
+    only the rows or columns asked for -- a tensor-parallel rank's part --, ``read`` all of it."""
+
+    def __init__(self, handle: Any) -> None:
+        self._slice = handle
+        self.shape = tuple(handle.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, size: int) -> torch.Tensor:
+        return self._slice[start : start + size] if dim == 0 else self._slice[:, start : start + size]
+
+    def read(self) -> torch.Tensor:
+        return self._slice[:]
+
+
 def stream_safetensors(
-    shards: list[tuple[Path, list[str]]], shapes: dict[str, tuple[int, ...]], config: ModelConfig
-) -> Iterator[tuple[str, torch.Tensor]]:
+    shards: list[tuple[Path, list[str]]], shapes: dict[str, tuple[int, ...]], config: ModelConfig,
+    sliced: bool = False,
+) -> Iterator[tuple[str, Any]]:
     """Yield (hf_name, tensor) one at a time, each read once; a tensor is dropped before
     the next is read. The file is re-mapped every ~64 MB so that pages already copied
-    out stop counting toward the process's resident set (a whole mapped shard would)."""
+    out stop counting toward the process's resident set (a whole mapped shard would).
+    ``sliced``: yield ``SlicedTensor``s instead, so a rank reads only its part."""
     for file, keys in shards:
         wanted = [key for key in keys if not is_ignored(key, config)]
         try:
             for batch in _batches(wanted, shapes, _REMAP_EVERY):
                 with safe_open(str(file), framework="pt") as f:
                     for key in batch:
-                        tensor = f.get_tensor(key)
+                        tensor = SlicedTensor(f.get_slice(key)) if sliced else f.get_tensor(key)
                         yield key, tensor
                         del tensor
         except (SafetensorError, OSError) as e:
@@ -144,5 +164,6 @@ def open_hf_dir(path: str | Path) -> ModelSource:
         path=path,
         config=config,
         weights=lambda: stream_safetensors(shards, found, config),
+        sliced_weights=lambda: stream_safetensors(shards, found, config, sliced=True),
         tokenizer=tokenizer,
     )

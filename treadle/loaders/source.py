@@ -24,3 +24,6 @@ class ModelSource:
     # tensors ``keep_raw`` names over still quantized (GGUFBlocks), the rest as floats
     tensor_types: dict[str, tuple[str, tuple[int, ...]]] | None = None
     raw_weights: Callable[[Callable[[str], bool]], Iterator[tuple[str, Any]]] | None = None
+    # safetensors only: the same stream of tensors not read yet (``narrow`` reads a part,
+    # ``read`` the whole), for a tensor-parallel rank that needs only its part of each
+    sliced_weights: Callable[[], Iterator[tuple[str, Any]]] | None = None

@@ -123,15 +123,30 @@ class ModelLayout:
         """A checkpoint tensor's (model parameter name, shard of a packed layer or None)."""
         name = hf_name.removeprefix("model.")
         layer_prefix = self.layer_prefix.removeprefix("model.") + "."
+        lin, shard = self.linear_for(hf_name)
+        if lin is not None:
+            index = name[len(layer_prefix):].partition(".")[0]
+            return f"{layer_prefix}{index}.{lin.name}.{hf_name.rpartition('.')[2]}", shard
+        return name, None
+
+    def linear_for(self, hf_name: str) -> tuple[LinearLayout | None, int | None]:
+        """The decoder-layer linear a checkpoint tensor belongs to and its shard of a packed
+        layer (None when the checkpoint holds the layer whole), or (None, None)."""
+        name = hf_name.removeprefix("model.")
+        layer_prefix = self.layer_prefix.removeprefix("model.") + "."
         if name.startswith(layer_prefix):
-            index, _, rest = name[len(layer_prefix):].partition(".")
-            module, _, leaf = rest.rpartition(".")
+            module = name[len(layer_prefix):].partition(".")[2].rpartition(".")[0]
             for lin in self.linears:
                 names = lin.checkpoint_names()
                 if module in names:
-                    shard = None if len(names) == 1 else names.index(module)
-                    return f"{layer_prefix}{index}.{lin.name}.{leaf}", shard
-        return name, None
+                    return lin, None if len(names) == 1 else names.index(module)
+        return None, None
+
+    def layer_index(self, hf_name: str) -> int | None:
+        """The decoder layer a checkpoint tensor belongs to, or None for global tensors."""
+        name, prefix = hf_name.removeprefix("model."), self.layer_prefix.removeprefix("model.") + "."
+        head = name[len(prefix):].partition(".")[0] if name.startswith(prefix) else ""
+        return int(head) if head.isdigit() else None
 
     def shard_names(self, layer_name: str) -> list[str]:
         """A linear layer's checkpoint weight names, in shard order:

@@ -12,12 +12,16 @@ import torch
 from torch import nn
 
 from treadle.config import ModelConfig
+from treadle.distributed import ParallelContext, StageCarry, shard_config, stage_layers
+from treadle.distributed.overlap import Phase, run_overlapped
+from treadle.distributed.vocab import vocab_embedding, vocab_logits
 from treadle.layers.activation import silu_and_mul
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from treadle.layers.linear import Linear, LinearMethod
 from treadle.layers.norm import RMSNorm
 from treadle.layers.rotary import RotaryEmbedding
 from treadle.models.layout import LLAMA_NORMS, LinearLayout, ModelLayout, llama_linears
+from treadle.models.rank_shard import RankSharder
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 MethodFactory = Callable[[str], LinearMethod | None]
@@ -83,8 +87,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, attention: LlamaAttention, mlp: LlamaMLP, cfg: ModelConfig) -> None:
+    """Under tensor parallelism the attention's o_proj and the MLP's down_proj are row-parallel:
+    each rank's output is a partial sum, completed here by an all-reduce over the TP group."""
+
+    def __init__(self, attention: LlamaAttention, mlp: LlamaMLP, cfg: ModelConfig,
+                 parallel: ParallelContext) -> None:
         super().__init__()
+        self.parallel = parallel
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -99,9 +108,19 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream); ``residual`` None on the first layer (x is the stream)."""
+        h, residual = self.attention_part(positions, x, residual, kv_cache, meta)
+        h, residual = self.mlp_part(self.parallel.all_reduce(h), residual)
+        return self.parallel.all_reduce(h), residual
+
+    def attention_part(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                       kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norm and attention: (this rank's partial o_proj output, residual stream)."""
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
+        return self.self_attn(positions, h, kv_cache, meta), residual
+
+    def mlp_part(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norm and MLP on the reduced attention output: (partial down_proj output, residual)."""
+        h, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(h), residual
 
 
@@ -110,7 +129,12 @@ LLAMA_LAYOUT = ModelLayout(linears=llama_linears(), norms=LLAMA_NORMS)
 
 class LlamaForCausalLM(nn.Module):
     """Llama, Mistral (sliding window), Qwen2 (qkv bias), SmolLM; subclasses change the
-    layout and the attention class (Qwen3, Phi-3)."""
+    layout and the attention class (Qwen3, Phi-3).
+
+    Under ``parallel`` (default: one rank) the model holds one tensor-parallel rank's part of
+    every layer (``shard_config``: its heads, KV heads, intermediate columns, vocabulary rows)
+    and only its pipeline stage's decoder layers (the others are ``nn.Identity`` placeholders,
+    so parameter names keep the checkpoint's layer numbers)."""
 
     layout: ClassVar[ModelLayout] = LLAMA_LAYOUT
     attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
@@ -121,21 +145,29 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype = torch.float32,
         method: MethodFactory | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
         method = method or (lambda name: None)
         self.config = cfg
+        self.parallel = parallel = parallel or ParallelContext.single(cfg.vocab_size)
+        full, cfg = cfg, shard_config(cfg, parallel.tp_size, parallel.tp_rank)
         self.dtype = dtype
         self.backend = backend
+        self.stage = stage_layers(cfg.num_layers, parallel.pp_size, parallel.pp_rank)
+        self.shard = RankSharder(self.layout, full, parallel.tp_size, parallel.tp_rank)
         layout = self.layout
         # [vocab, hidden]: looked up by ids, and the lm_head too when tied
         self.embed_tokens = Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype, method(layout.embed))
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList()
         for i in range(cfg.num_layers):
+            if i not in self.stage:
+                self.layers.append(nn.Identity())
+                continue
             p = f"{layout.layer_prefix}.{i}"
             attn = self.attention_cls(cfg, layout, backend, dtype, method, p, rotary)
-            self.layers.append(LlamaDecoderLayer(attn, LlamaMLP(cfg, layout, dtype, method, p), cfg))
+            self.layers.append(LlamaDecoderLayer(attn, LlamaMLP(cfg, layout, dtype, method, p), cfg, parallel))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         for module in self.modules():
             if isinstance(module, RMSNorm):
@@ -151,17 +183,53 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[KVCache],  # one per layer
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        x = self.embed_tokens.method.embedding(self.embed_tokens, input_ids, self.dtype)
-        residual = None
-        for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, cache, meta)
+        carry: StageCarry | None = None,  # from the previous pipeline stage (None on the first)
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]; a StageCarry on any stage but the last
+        if carry is None:
+            x, residual = vocab_embedding(self.embed_tokens, input_ids, self.dtype, self.parallel), None
+        else:
+            x, residual = carry
+        for i in self.stage:
+            x, residual = self.layers[i](positions, x, residual, kv_caches[i], meta)
+        if not self.parallel.is_last_stage:
+            assert residual is not None
+            return StageCarry(x, residual)  # type: ignore[return-value]
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
+    def forward_overlapped(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        micro: list[tuple[torch.Tensor, AttentionMetadata]],  # (positions, metadata) per micro-batch
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        """``forward`` on one stage-less TP rank, the step cut into micro-batches (token order)
+        whose all-reduces overlap each other's compute (``treadle.distributed.overlap``)."""
+        sizes = [pos.shape[0] for pos, _ in micro]
+        xs = [vocab_embedding(self.embed_tokens, ids, self.dtype, self.parallel) for ids in input_ids.split(sizes)]
+        phases: list[Phase] = []
+        for i in self.stage:
+            layer, cache = self.layers[i], kv_caches[i]
+            assert isinstance(layer, LlamaDecoderLayer)  # this stage's layers are real ones
+
+            def attention(m: int, x: torch.Tensor, r: torch.Tensor | None,
+                          layer: LlamaDecoderLayer = layer, cache: KVCache = cache) -> tuple[torch.Tensor, torch.Tensor]:
+                return layer.attention_part(micro[m][0], x, r, cache, micro[m][1])
+
+            def mlp(m: int, x: torch.Tensor, r: torch.Tensor | None,
+                    layer: LlamaDecoderLayer = layer) -> tuple[torch.Tensor, torch.Tensor]:
+                assert r is not None  # the attention phase always hands on the residual
+                return layer.mlp_part(x, r)
+
+            phases += [attention, mlp]
+        outs = run_overlapped(phases, xs, self.parallel)
+        return torch.cat([self.norm(x, residual)[0] for x, residual in outs])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [n, vocab] float32
+        """Logits of every row, on the sampling rank; None on the other ranks of the last
+        stage (which must call this too: under TP the logits are gathered)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return head(hidden).float()
+        return vocab_logits(head, hidden, self.parallel)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face-named tensors; returns the names of parameters filled."""
@@ -170,6 +238,10 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, tensor in weights:
             if self.layout.is_ignored(hf_name, self.config):
                 continue
+            layer = self.layout.layer_index(hf_name)
+            if layer is not None and layer not in self.stage:
+                continue  # another pipeline stage's layer
+            tensor = self.shard(hf_name, tensor)
             name, shard = self.layout.parameter_for(hf_name)
             if name not in params:
                 raise KeyError(f"unexpected tensor {hf_name!r} in checkpoint")

@@ -18,6 +18,8 @@ import torch
 
 from treadle.config import ModelConfig
 from treadle.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
+from treadle.distributed import ParallelContext
+from treadle.distributed.overlap import split_tokens
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, StepInputBuilder
 from treadle.models.llama import LlamaForCausalLM
 from treadle.worker.cuda_graph import CUDAGraphRunner
@@ -53,16 +55,22 @@ class BatchInputs:
     meta: AttentionMetadata
     sample_rows: list[tuple[str, int]]  # (request id, flat index of its last token)
     prompt_rows: list[tuple[str, int, int, int]]  # (request id, flat start, first position, count)
+    micro: list[tuple[torch.Tensor, AttentionMetadata]] | None = None  # overlap: (positions, meta) per half
 
 
 def allocate_kv_cache(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
+    layers: range | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(cfg.num_layers)
-    ]
+    """One (k, v) pair per layer; ``cfg`` is the rank's (its KV heads). Layers outside
+    ``layers`` (another pipeline stage's) get empty tensors."""
+    layers = range(cfg.num_layers) if layers is None else layers
+
+    def pair(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+    return [pair(num_blocks if i in layers else 0) for i in range(cfg.num_layers)]
 
 
 class ModelRunner:
@@ -80,8 +88,13 @@ class ModelRunner:
         seed: int = 0,
         graphs: CUDAGraphRunner | None = None,
         fused_layers: bool = True,
+        parallel: ParallelContext | None = None,
+        overlap: bool = False,
     ) -> None:
+        """``overlap`` (tensor parallelism without pipeline stages): cut each step of two or
+        more tokens into two micro-batches whose all-reduces overlap compute."""
         self.model = model
+        self.parallel = parallel or ParallelContext.single(model.config.vocab_size)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
@@ -93,6 +106,8 @@ class ModelRunner:
             fuse_decoder_layers(model)
         # persistent host buffers, reused every step
         self.inputs = StepInputBuilder(block_size, max_num_batched_tokens, self.device)
+        self.overlap = overlap and self.parallel.tp_size > 1 and self.parallel.pp_size == 1
+        self._micro_inputs = [StepInputBuilder(block_size, max_num_batched_tokens, self.device) for _ in range(2)]
         self._ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
 
     def _prepare(self, sched: SchedulerOutput) -> BatchInputs:
@@ -119,13 +134,35 @@ class ModelRunner:
         positions, meta = self.inputs.build(query_lens, seq_lens, tables)
         meta.plan = self.backend.plan(meta)  # once per step, read by every layer
         input_ids = torch.from_numpy(self._ids[:cursor]).to(self.device)
-        return BatchInputs(input_ids, positions, meta, sample_rows, prompt_rows)
+        batch = BatchInputs(input_ids, positions, meta, sample_rows, prompt_rows)
+        if self.overlap and cursor >= 2:
+            batch.micro = []
+            for builder, part in zip(self._micro_inputs, split_tokens(query_lens, seq_lens, tables, cursor // 2)):
+                pos, micro_meta = builder.build(*part)
+                micro_meta.plan = self.backend.plan(micro_meta)
+                batch.micro.append((pos, micro_meta))
+        return batch
 
-    def forward(self, batch: BatchInputs) -> torch.Tensor:  # [num_tokens, hidden_size]
-        """Run the model over a prepared step (a captured CUDA graph when one fits)."""
+    def forward(self, batch: BatchInputs) -> torch.Tensor | None:  # [num_tokens, hidden_size]
+        """Run the model over a prepared step (a captured CUDA graph when one fits). Under
+        pipeline parallelism a stage receives the previous stage's carry and sends its own to
+        the next; only the last stage returns hidden states (None elsewhere)."""
         if self.graphs is not None and self.graphs.can_run(batch.meta):
             return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        par = self.parallel
+        if batch.micro is not None:
+            return self.model.forward_overlapped(batch.input_ids, batch.micro, self.kv_caches)
+        if par.pp_size == 1:
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        carry = None
+        if not par.is_first_stage:
+            cfg = self.model.config
+            carry = par.recv_carry(batch.input_ids.shape[0], cfg.hidden_size, self.model.dtype, self.device)
+        out = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, carry)
+        if par.is_last_stage:
+            return out
+        par.send_carry(out)
+        return None
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
@@ -141,14 +178,12 @@ class ModelRunner:
         batch = self._prepare(sched)
         hidden = self.forward(batch)
         result = ModelRunnerOutput(sampled={})
-        if batch.prompt_rows:
+        if hidden is not None and batch.prompt_rows:
             result.prompt_logprobs = self._prompt_logprobs(hidden, batch)
         if not batch.sample_rows:
             return result
-        index = torch.tensor([i for _, i in batch.sample_rows], device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
         states = [self.requests[rid] for rid, _ in batch.sample_rows]
-        tokens, logprobs = self.sampler(logits, [s.sampling_row() for s in states])
+        tokens, logprobs = self._sample(hidden, batch, states)
         for state, token, lp in zip(states, tokens, logprobs):
             rid = state.data.request_id
             state.output_token_ids.append(token)
@@ -156,6 +191,20 @@ class ModelRunner:
             if lp is not None:
                 result.logprobs[rid] = lp
         return result
+
+    def _sample(self, hidden: torch.Tensor | None, batch: BatchInputs,
+                states: list[CachedRequestState]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Tokens (and logprobs) of the sampled rows. The sampling rank (the last) samples;
+        the other ranks of its stage help gather the logits, and every other rank gets the
+        tokens by broadcast (its copy of each request's tokens stays in step)."""
+        tokens: list[int] | None = None
+        logprobs: list[TokenLogprobs | None] = [None] * len(states)
+        if hidden is not None:
+            index = torch.tensor([i for _, i in batch.sample_rows], device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, index))
+            if logits is not None:
+                tokens, logprobs = self.sampler(logits, [s.sampling_row() for s in states])
+        return self.parallel.broadcast_tokens(tokens, len(states)), logprobs
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: BatchInputs) -> dict[str, list[TokenLogprobs]]:
         """Logprob of each prompt token given the ones before it, for this chunk.
@@ -169,6 +218,9 @@ class ModelRunner:
             if count <= 0:
                 out[rid] = []
                 continue
-            lps = self.model.compute_logits(hidden[flat_start : flat_start + count]).log_softmax(-1)
+            logits = self.model.compute_logits(hidden[flat_start : flat_start + count])
+            if logits is None:  # another rank samples
+                continue
+            lps = logits.log_softmax(-1)
             out[rid] = [logprobs_at(lps[j], prompt[first_pos + j + 1], top_n) for j in range(count)]
         return out
