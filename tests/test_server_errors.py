@@ -7,9 +7,8 @@ import json
 
 import httpx
 import pytest
-from server_harness import ENGINE_KW, MODEL_NAME, ServerThread, set_hooks, stories_with_chat_template
+from server_harness import ENGINE_KW, MODEL_NAME, ServerThread, StepControl, engine, stories_with_chat_template
 
-from treadle.engine.async_engine import AsyncLLM
 from treadle.server import build_app
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -18,11 +17,15 @@ MAX_LEN = ENGINE_KW["max_model_len"]
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def control():
+    return StepControl()
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory, control):
     model = stories_with_chat_template(tmp_path_factory.mktemp("stories"))
-    engine = AsyncLLM.from_args(str(model), **ENGINE_KW)
-    yield engine
-    engine.shutdown()
+    with engine(model, control=control) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +144,9 @@ def test_api_key(llm):
         assert httpx.get(srv.url + "/metrics").status_code == 200
 
 
-def test_max_waiting_gives_503_with_retry_after(llm):
-    with ServerThread(build_app(llm, MODEL_NAME, max_waiting=2, enable_test_hooks=True)) as srv:
-        set_hooks(srv.url, step_delay=0.4)
+def test_max_waiting_gives_503_with_retry_after(llm, control):
+    with ServerThread(build_app(llm, MODEL_NAME, max_waiting=2)) as srv:
+        control.set_step_delay(0.4)
         try:
             async def burst() -> list[httpx.Response]:
                 async with httpx.AsyncClient(timeout=60) as client:
@@ -152,7 +155,7 @@ def test_max_waiting_gives_503_with_retry_after(llm):
 
             responses = asyncio.run(burst())
         finally:
-            set_hooks(srv.url, step_delay=0)
+            control.set_step_delay(0)
         refused = [r for r in responses if r.status_code == 503]
         served = [r for r in responses if r.status_code == 200]
         assert refused and served and len(refused) + len(served) == 10

@@ -14,8 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from treadle.config import TreadleError
-from treadle.engine.async_engine import EngineDeadError, QueueFullError
+from treadle.config import EngineDeadError, TreadleError
+from treadle.engine.engine_core import QueueFullError
 from treadle.sampling_params import SamplingParamsError
 
 logger = logging.getLogger("treadle")

@@ -130,8 +130,3 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
-
-
-class TestHookRequest(_Body):
-    step_delay: float | None = None
-    fail_next_step: bool = False

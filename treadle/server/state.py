@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from treadle.config import TreadleError
-from treadle.engine.async_engine import AsyncLLM, EngineDeadError, OutputGroup
+from treadle.config import EngineDeadError, TreadleError
+from treadle.engine.engine_client import EngineClient, OutputGroup
 from treadle.engine.llm_engine import PromptType
 from treadle.engine.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams
@@ -27,12 +27,11 @@ T = TypeVar("T")
 
 @dataclass
 class ServerState:
-    llm: AsyncLLM
+    llm: EngineClient
     served_model_name: str
     metrics: ServerMetrics
     api_key: str | None = None
     max_waiting: int | None = None
-    enable_test_hooks: bool = False
     draining: bool = False
 
     def check_model(self, name: str | None) -> None:
