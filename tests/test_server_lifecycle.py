@@ -40,7 +40,7 @@ def test_failed_step_fails_requests_and_health(in_process):
             events = sse_events(resp)
             assert json.loads(next(events))["choices"]
             blocking.start()
-            wait_until(lambda: llm.num_open_requests == 2, 10, "both requests in flight")
+            wait_until(lambda: llm.snapshot.num_running == 2, 10, "both requests running in the engine")
             control.fail_next_step()
             rest = list(events)  # the stream ends instead of hanging
         assert rest[-1] == "[DONE]"

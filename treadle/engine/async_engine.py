@@ -167,6 +167,7 @@ class AsyncLLM(EngineClient):
                 items.append((sink, out))
                 if out.finished:
                     del self._sinks[out.request_id]
+        self.snapshot = self._core.snapshot()  # a caller that sees an output sees its step's gauges
         post_by_loop(items)  # one wake-up of each event loop per step
 
     def _fail_everything(self, error: EngineDeadError) -> None:

@@ -297,8 +297,8 @@ class EngineCoreClient(EngineClient):
 
     def _handle(self, msg: FromCore) -> None:
         if isinstance(msg, StepReport):
+            self.snapshot, self._heartbeat = msg.snapshot, msg.heartbeat  # before the outputs that follow it
             self._dispatch(msg.outputs)
-            self.snapshot, self._heartbeat = msg.snapshot, msg.heartbeat
         elif isinstance(msg, Admitted):
             for request_id, error in msg.results:
                 with self._lock:
