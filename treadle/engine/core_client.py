@@ -98,10 +98,11 @@ class _Stream:
 
 class EngineCoreClient(EngineClient):
     def __init__(self, model: str, engine_factory: Callable[[], LLMEngine], heartbeat_timeout: float = 60.0,
-                 startup_timeout: float = 1800.0) -> None:
+                 threads: int | None = None, startup_timeout: float = 1800.0) -> None:
         """Start an engine process running ``engine_factory()`` (picklable: it travels to a
         spawned process) for ``model``, whose tokenizer this process loads; returns once
-        the engine is ready, or raises TreadleError (with the engine's own error)."""
+        the engine is ready, or raises TreadleError (with the engine's own error).
+        ``threads``: the engine process's torch threads (default: this process's)."""
         source = open_model_source(model)  # the tokenizer and config only; the weights stay unread
         self.tokenizer, self.model_config = source.tokenizer, source.config
         self.heartbeat_timeout = heartbeat_timeout
@@ -129,7 +130,7 @@ class EngineCoreClient(EngineClient):
         self._proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, name="treadle-engine-core",
             args=(engine_factory, f"ipc://{self._dir}/input", f"ipc://{self._dir}/output",
-                  torch.get_num_threads(), log_level))
+                  threads or torch.get_num_threads(), log_level))
         self._proc.start()
         # if this client is never shut down, still reap the engine before multiprocessing joins it at exit
         multiprocessing.util.Finalize(self, _kill, args=(self._proc,), exitpriority=10)
@@ -142,8 +143,9 @@ class EngineCoreClient(EngineClient):
         self._reader.start()
 
     @classmethod
-    def from_args(cls, model: str, heartbeat_timeout: float = 60.0, **engine_kwargs: Any) -> EngineCoreClient:
-        return cls(model, functools.partial(LLMEngine.from_args, model, **engine_kwargs), heartbeat_timeout)
+    def from_args(cls, model: str, heartbeat_timeout: float = 60.0, threads: int | None = None,
+                  **engine_kwargs: Any) -> EngineCoreClient:
+        return cls(model, functools.partial(LLMEngine.from_args, model, **engine_kwargs), heartbeat_timeout, threads)
 
     @property
     def engine_pid(self) -> int | None:

@@ -44,7 +44,11 @@ def start_engine(args: argparse.Namespace, engine_factory: Callable[..., LLMEngi
                  ) -> tuple[EngineClient, str]:
     """The engine client the flags ask for, and the model name. ``engine_factory(model,
     **engine_kwargs)`` builds the engine (default ``LLMEngine.from_args``; picklable, as
-    it runs in the engine process)."""
+    it runs in the engine process). Without ``--threads`` an engine process gets one
+    thread fewer than the cores, so the API process is not starved: OpenMP workers that
+    lose their core stall every parallel region (measured on 2 cores: 66 vs 675 tok/s)."""
+    import torch
+
     from treadle.engine.async_engine import AsyncLLM
     from treadle.engine.core_client import EngineCoreClient
     from treadle.engine.llm_engine import LLMEngine
@@ -54,7 +58,8 @@ def start_engine(args: argparse.Namespace, engine_factory: Callable[..., LLMEngi
     build = functools.partial(engine_factory or LLMEngine.from_args, model, **kw)
     if args.engine_in_process:
         return AsyncLLM(build(), args.heartbeat_timeout), model
-    return EngineCoreClient(model, build, args.heartbeat_timeout), model
+    threads = args.threads or max(1, torch.get_num_threads() - 1)
+    return EngineCoreClient(model, build, args.heartbeat_timeout, threads), model
 
 
 def run_serve(args: argparse.Namespace, engine_factory: Callable[..., LLMEngine] | None = None) -> int:
