@@ -108,7 +108,6 @@ class AsyncLLM(EngineClient):
         self._commands.put(None)
         self._thread.join(timeout)
         self._core.engine.shutdown()
-        self._engine.shutdown()
 
     def _submit(self, command: _Add | _Abort) -> None:
         with self._lock:

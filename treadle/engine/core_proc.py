@@ -8,8 +8,8 @@ bound; the messages are in ``core_messages.py``.
            apply commands    -> Admitted (one message for all adds of the iteration)
            step if any work  -> StepReport(outputs as deltas, gauges, heartbeat)
 
-A failed step sends EngineDead and ends the process (the client fails every open
-request). SIGINT and SIGTERM are ignored: a Ctrl-C or a SIGTERM sent to the whole
+A failed step, or a lost worker noticed while idle, sends EngineDead and ends the
+process (the client fails every open request). SIGINT and SIGTERM are ignored: a Ctrl-C or a SIGTERM sent to the whole
 process group must not kill the engine under the API server's graceful drain; the
 client's Shutdown (or the parent's death) ends it.
 """
@@ -82,8 +82,11 @@ def run_engine_core(engine_factory: Callable[[], LLMEngine], input_addr: str, ou
             out.send(enc.encode(StartupFailed(wire_error(e))))
             return
         core = EngineCore(engine)
-        out.send(enc.encode(Ready(engine.scheduler_config.max_model_len, core.snapshot())))
-        CoreLoop(core, inp, out).run()
+        try:
+            out.send(enc.encode(Ready(engine.scheduler_config.max_model_len, core.snapshot())))
+            CoreLoop(core, inp, out).run()
+        finally:
+            core.shutdown()  # the executor's workers go with the engine
     finally:
         inp.close(linger=0)
         out.close()
@@ -113,6 +116,9 @@ class CoreLoop:
                     return
                 if self.inp in events:
                     self._apply_commands()
+                if not self.core.has_work() and (problem := self.core.health()) is not None:
+                    self._send(EngineDead(problem))
+                    return
                 outputs = self.core.step() if self.core.has_work() and not self.stop else []
                 self._send(StepReport(self._pack(outputs), self.core.snapshot(), time.monotonic()))
         except BaseException as e:  # noqa: BLE001 - any failure must release the clients

@@ -66,6 +66,14 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         return self.engine.step()
 
+    def health(self) -> str | None:
+        """None while the engine's workers are alive, else why not (an idle engine learns
+        of a lost worker only here; a busy one from its failing step)."""
+        return self.engine.health()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
     def snapshot(self) -> EngineSnapshot:
         eng = self.engine
         kv = eng.kv_manager
