@@ -1,11 +1,16 @@
 """Helpers for the server tests: a real uvicorn server on a free loopback port in a
-background thread, serving a real engine; Prometheus parsing; polling."""
+background thread, serving a real engine (in its own engine-core process, as
+`treadle serve` does, or in a thread); slow or failing steps on demand; Prometheus
+parsing; polling."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import multiprocessing
 import shutil
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +22,9 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from treadle.engine.async_engine import AsyncLLM
+from treadle.engine.core_client import EngineCoreClient
+from treadle.engine.engine_client import EngineClient
+from treadle.engine.llm_engine import LLMEngine
 from treadle.loaders.resolve import resolve_model
 from treadle.server import build_app
 
@@ -66,14 +74,112 @@ class ServerThread:
         self.sock.close()
 
 
+class InjectedStepFault(RuntimeError):
+    """Raised inside a step by ``StepControl.fail_next_step``."""
+
+
+class StepControl:
+    """Slow or failing engine steps, set by a test while the engine runs, in a thread
+    of the test process or in an engine-core process (the values live in shared memory
+    handed to the spawned process)."""
+
+    def __init__(self, step_delay: float = 0.0) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._delay = ctx.Value("d", step_delay, lock=False)
+        self._fail = ctx.Value("i", 0, lock=False)
+        self._fail_execute = ctx.Value("i", 0, lock=False)
+
+    def set_step_delay(self, seconds: float) -> None:
+        """Sleep this long before every step (a slow or stuck engine)."""
+        self._delay.value = seconds
+
+    def fail_next_step(self) -> None:
+        """The next step raises around the engine (as a broken loop would): the engine dies."""
+        self._fail.value = 1
+
+    def fail_next_execute(self) -> None:
+        """The model raises in the next step, as a model error on some input would: the
+        engine fails that step's requests (StepFailedError) and goes on."""
+        self._fail_execute.value = 1
+
+    def before_execute(self) -> None:
+        if self._fail_execute.value:
+            self._fail_execute.value = 0
+            raise InjectedStepFault("model failure injected by the test")
+
+    def before_step(self) -> None:
+        if self._delay.value > 0:
+            time.sleep(self._delay.value)
+        if self._fail.value:
+            self._fail.value = 0
+            raise InjectedStepFault("step failure injected by the test")
+
+
+class HookedEngine(LLMEngine):
+    """The real engine, with a StepControl consulted before each step."""
+
+    control: StepControl
+
+    def step(self):
+        self.control.before_step()
+        return super().step()
+
+
+class HookedExecutor:
+    """The engine's real executor, with a StepControl consulted before each model run."""
+
+    def __init__(self, inner: Any, control: StepControl) -> None:
+        self._inner, self._control = inner, control
+
+    def execute(self, sched: Any) -> Any:
+        self._control.before_execute()
+        return self._inner.execute(sched)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class HookedEngineFactory:
+    """``(model, **engine_kwargs) -> HookedEngine``; picklable, so it can build the engine
+    inside an engine-core process (the `engine_factory` of serve.start_engine)."""
+
+    def __init__(self, control: StepControl) -> None:
+        self.control = control
+
+    def __call__(self, model: str, **kwargs: Any) -> LLMEngine:
+        engine = HookedEngine.from_args(model, **kwargs)
+        engine.control = self.control
+        engine.executor = HookedExecutor(engine.executor, self.control)
+        return engine
+
+
+def start_engine(model_dir: Path, heartbeat_timeout: float = 60.0, control: StepControl | None = None,
+                 in_process: bool = False, **engine_kw: Any) -> EngineClient:
+    """An engine client for ``model_dir`` with ENGINE_KW (``engine_kw`` overrides): in an
+    engine-core process (the server's default) or, with ``in_process``, AsyncLLM's thread."""
+    factory = HookedEngineFactory(control) if control is not None else LLMEngine.from_args
+    kw = {**ENGINE_KW, **engine_kw}
+    if in_process:
+        return AsyncLLM(factory(str(model_dir), **kw), heartbeat_timeout)
+    return EngineCoreClient(str(model_dir), functools.partial(factory, str(model_dir), **kw), heartbeat_timeout)
+
+
 @contextlib.contextmanager
-def serve(model_dir: Path, heartbeat_timeout: float = 60.0, **app_kw: Any) -> Iterator[tuple[ServerThread, AsyncLLM]]:
-    llm = AsyncLLM.from_args(str(model_dir), heartbeat_timeout=heartbeat_timeout, **ENGINE_KW)
+def engine(model_dir: Path, heartbeat_timeout: float = 60.0, control: StepControl | None = None,
+           in_process: bool = False, **engine_kw: Any) -> Iterator[EngineClient]:
+    llm = start_engine(model_dir, heartbeat_timeout, control, in_process, **engine_kw)
     try:
-        with ServerThread(build_app(llm, MODEL_NAME, **app_kw)) as srv:
-            yield srv, llm
+        yield llm
     finally:
         llm.shutdown()
+
+
+@contextlib.contextmanager
+def serve(model_dir: Path, heartbeat_timeout: float = 60.0, control: StepControl | None = None,
+          in_process: bool = False, **app_kw: Any) -> Iterator[tuple[ServerThread, EngineClient]]:
+    with engine(model_dir, heartbeat_timeout, control, in_process) as llm:
+        with ServerThread(build_app(llm, MODEL_NAME, **app_kw)) as srv:
+            yield srv, llm
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
@@ -105,6 +211,12 @@ def engine_idle(url: str) -> bool:
             and m["treadle:kv_cache_free_blocks"] == m["treadle:kv_cache_total_blocks"])
 
 
-def set_hooks(url: str, **hooks: Any) -> None:
-    r = httpx.post(f"{url}/internal/test/hooks", json=hooks, timeout=10)
-    assert r.status_code == 200, r.text
+def serve_main() -> None:
+    """`treadle serve` whose engine sleeps before every step, for tests that run the server
+    as a subprocess: ``python -c 'import server_harness as h; h.serve_main()' DELAY serve ...``."""
+    from treadle.entrypoints.cli import build_parser
+    from treadle.entrypoints.serve import run_serve
+
+    delay, *argv = sys.argv[1:]
+    args = build_parser().parse_args(argv)
+    raise SystemExit(run_serve(args, HookedEngineFactory(StepControl(float(delay)))))

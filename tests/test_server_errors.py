@@ -6,9 +6,8 @@ import json
 
 import httpx
 import pytest
-from server_harness import ENGINE_KW, MODEL_NAME, ServerThread, stories_with_chat_template
+from server_harness import ENGINE_KW, MODEL_NAME, ServerThread, engine, stories_with_chat_template
 
-from treadle.engine.async_engine import AsyncLLM
 from treadle.server import build_app
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -19,9 +18,8 @@ MAX_LEN = ENGINE_KW["max_model_len"]
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     model = stories_with_chat_template(tmp_path_factory.mktemp("stories"))
-    engine = AsyncLLM.from_args(str(model), **ENGINE_KW)
-    yield engine
-    engine.shutdown()
+    with engine(model) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Health when the step loop fails or stalls, and the SIGTERM drain (in a subprocess)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,9 +14,8 @@ import time
 import httpx
 import pytest
 import uvicorn
-from server_harness import ENGINE_KW, metric_values, serve, set_hooks, wait_until
+from server_harness import StepControl, engine, metric_values, serve, wait_until
 
-from treadle.engine.async_engine import AsyncLLM
 from treadle.loaders.resolve import resolve_model
 from treadle.server import build_app
 from treadle.server.lifecycle import DrainingServer
@@ -30,18 +30,20 @@ def sse_events(resp: httpx.Response):
             yield line[6:]
 
 
-def test_failed_step_fails_requests_and_health(tmp_path):
-    with serve(resolve_model("stories260k"), enable_test_hooks=True) as (srv, llm):
+@pytest.mark.parametrize("in_process", [False, True], ids=["engine-process", "engine-thread"])
+def test_failed_step_fails_requests_and_health(in_process):
+    control = StepControl()
+    with serve(resolve_model("stories260k"), control=control, in_process=in_process) as (srv, llm):
         url = srv.url
-        set_hooks(url, step_delay=0.05)
+        control.set_step_delay(0.05)
         done: dict[str, httpx.Response] = {}
         blocking = threading.Thread(target=lambda: done.setdefault("r", httpx.post(url + CMPL, json=LONG, timeout=30)))
         with httpx.stream("POST", url + CMPL, json={**LONG, "stream": True}, timeout=30) as resp:
             events = sse_events(resp)
             assert json.loads(next(events))["choices"]
             blocking.start()
-            wait_until(lambda: llm.num_open_requests == 2, 10, "both requests in flight")
-            set_hooks(url, fail_next_step=True)
+            wait_until(lambda: llm.snapshot.num_running == 2, 10, "both requests running in the engine")
+            control.fail_next_step()
             rest = list(events)  # the stream ends instead of hanging
         assert rest[-1] == "[DONE]"
         assert json.loads(rest[-2])["error"]["code"] == "engine_error"
@@ -54,18 +56,19 @@ def test_failed_step_fails_requests_and_health(tmp_path):
         assert "retry-after" in refused.headers
 
 
-def test_stuck_step_loop_turns_health_503_until_it_moves(tmp_path):
-    with serve(resolve_model("stories260k"), heartbeat_timeout=0.5, enable_test_hooks=True) as (srv, _):
+def test_stuck_step_loop_turns_health_503_until_it_moves():
+    control = StepControl()
+    with serve(resolve_model("stories260k"), heartbeat_timeout=0.5, control=control) as (srv, _):
         url = srv.url
         assert httpx.get(url + "/health").status_code == 200
-        set_hooks(url, step_delay=1.5)
+        control.set_step_delay(1.5)
         result: dict[str, httpx.Response] = {}
         worker = threading.Thread(target=lambda: result.setdefault(
             "r", httpx.post(url + CMPL, json={"prompt": "Once", "max_tokens": 3, "ignore_eos": True}, timeout=60)))
         worker.start()
         stuck = wait_until(lambda: httpx.get(url + "/health").status_code == 503, 10, "health to report stuck")
         assert stuck and "stuck" in httpx.get(url + "/health").json()["error"]["message"]
-        set_hooks(url, step_delay=0)
+        control.set_step_delay(0)
         worker.join(60)
         assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 3
         wait_until(lambda: httpx.get(url + "/health").status_code == 200, 10, "health to recover")
@@ -77,21 +80,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_subprocess(port: int, step_delay: float, *flags: str) -> subprocess.Popen:
+    """`treadle serve stories260k` (engine process by default) with ``step_delay`` s before
+    each step, in its own session (so a test can signal its whole process group)."""
+    tests_dir = os.path.dirname(__file__)
+    cmd = [sys.executable, "-c", "import server_harness as h; h.serve_main()", str(step_delay),
+           "serve", "stories260k", "--port", str(port), "--kv-cache-memory", "8MiB", "--log-level", "warning",
+           *flags]
+    path = os.pathsep.join([tests_dir, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path},
+                            start_new_session=True)
+
+
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_then_exits_0():
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "treadle.entrypoints.cli", "serve", "stories260k", "--port", str(port),
-           "--kv-cache-memory", "8MiB", "--enable-test-hooks", "--shutdown-timeout", "30", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = serve_subprocess(port, 0.03, "--shutdown-timeout", "30")
     try:
         wait_until(lambda: proc.poll() is not None or _health(url) == 200, 120, "server start")
         assert proc.poll() is None, "the server exited at start-up"
-        set_hooks(url, step_delay=0.03)
         with httpx.stream("POST", url + CMPL, json={**LONG, "max_tokens": 40, "stream": True}, timeout=60) as resp:
             events = sse_events(resp)
             assert json.loads(next(events))["choices"][0]["finish_reason"] is None
-            proc.send_signal(signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGTERM)  # the whole group: the engine process ignores it and drains too
             wait_until(lambda: _health(url) == 503, 10, "draining")
             late = httpx.post(url + CMPL, json={"prompt": "Once", "max_tokens": 2}, timeout=10)
             assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
@@ -101,9 +113,16 @@ def test_sigterm_drains_in_flight_then_exits_0():
         assert len(chunks) == 40 - 1  # every token after the first chunk arrived
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_group(proc)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the server and anything it started (the engine process), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
 
 
 def _health(url: str) -> int | None:
@@ -122,8 +141,11 @@ def test_drain_timeout_ends_every_request_with_an_error_then_exits():
     """In-process drain (the SIGTERM handler's path without the signal): new work is refused
     at once; at --shutdown-timeout each unfinished stream gets an OpenAI error event and
     [DONE], a non-streaming request a 503 body, and the server is gone within a second."""
-    timeout, body = 1.0, {**LONG, "max_tokens": 450}
-    llm = AsyncLLM.from_args(str(resolve_model("stories260k")), **{**ENGINE_KW, "max_num_seqs": 1})
+    with engine(resolve_model("stories260k"), max_num_seqs=1) as llm:
+        _drain_timeout(llm, timeout=1.0, body={**LONG, "max_tokens": 450})
+
+
+def _drain_timeout(llm, timeout: float, body: dict) -> None:
     app = build_app(llm, "tiny")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -160,7 +182,6 @@ def test_drain_timeout_ends_every_request_with_an_error_then_exits():
     finally:
         server.should_exit = True
         thread.join(10)
-        llm.shutdown()
         sock.close()
 
 
@@ -173,7 +194,7 @@ def test_second_sigterm_ends_streams_with_an_error_and_exits_at_once():
     cmd = [sys.executable, "-m", "treadle.entrypoints.cli", "serve", "stories260k", "--port", str(port),
            "--kv-cache-memory", "8MiB", "--max-num-seqs", "1", "--shutdown-timeout", "30", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     streams: list[list[str]] = [[] for _ in range(6)]
     clients = [threading.Thread(target=_stream_events, args=(url, {**LONG, "max_tokens": 400}, events), daemon=True)
                for events in streams]
@@ -202,7 +223,8 @@ def test_second_sigterm_ends_streams_with_an_error_and_exits_at_once():
             ["WARNING treadle: shutdown: aborted 6 unfinished request(s) with a 503 error"]
     finally:
         if proc.poll() is None:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the server and its engine process
             proc.communicate()
 
 

@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from server_harness import MODEL_NAME, engine_idle, metric_values, serve, set_hooks, wait_until
+from server_harness import MODEL_NAME, StepControl, engine_idle, metric_values, serve, wait_until
 
 from treadle.loaders.resolve import resolve_model
 
@@ -15,18 +15,23 @@ CMPL = "/v1/completions"
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serve(resolve_model("stories260k"), enable_test_hooks=True) as (srv, _):
+def control():
+    return StepControl()
+
+
+@pytest.fixture(scope="module")
+def server(control):
+    with serve(resolve_model("stories260k"), control=control) as (srv, _):
         yield srv
 
 
 @pytest.fixture
-def slow_steps(server):
+def slow_steps(control):
     """Steps take 100 ms, so a client can leave mid-generation, and "within a step or two"
     has a meaning even on a busy machine."""
-    set_hooks(server.url, step_delay=0.1)
+    control.set_step_delay(0.1)
     yield
-    set_hooks(server.url, step_delay=0)
+    control.set_step_delay(0)
 
 
 def test_64_concurrent_streams_complete(server):

@@ -172,10 +172,12 @@ class LLMEngine:
 
 
 class StepFailedError(TreadleError):
-    """A step raised; ``request_ids`` (parent ids) were aborted with it, the engine goes on."""
+    """A step raised; ``request_ids`` (parent ids) were aborted with it, the engine goes on.
+    ``cause``: the exception, or its repr when it happened in an engine-core process."""
 
-    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
-        super().__init__(f"the engine step failed ({cause!r}); {len(request_ids)} request(s) aborted")
+    def __init__(self, request_ids: list[str], cause: BaseException | str) -> None:
+        what = cause if isinstance(cause, str) else repr(cause)
+        super().__init__(f"the engine step failed ({what}); {len(request_ids)} request(s) aborted")
         self.request_ids = request_ids
         self.cause = cause
 

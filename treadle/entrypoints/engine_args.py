@@ -28,7 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
         else:
             kw.update(default=f.default, type=meta.pop("type", type(f.default)), choices=meta.pop("choices", None))
         p.add_argument(*flags, **kw)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores; serve's engine process: all but one)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

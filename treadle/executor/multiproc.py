@@ -33,6 +33,7 @@ logger = logging.getLogger("treadle")
 
 _POLL_MS = 100
 _STOP_GRACE_S = 5.0
+_REAP_TIMEOUT_S = 1.0  # how long to wait for a dead worker to be reaped before reading its exit code
 _LOOPBACK = "tcp://127.0.0.1"
 
 
@@ -147,10 +148,24 @@ def _dead_procs(procs: list[Any]) -> list[Any]:
 
 
 def _death_message(proc: Any) -> str:
+    """Why a worker whose sentinel fired is gone. The sentinel fires before the process is
+    reaped, when ``exitcode`` still reads None: join it briefly first."""
+    proc.join(_REAP_TIMEOUT_S)
     code = proc.exitcode
-    how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
-           else f"exited with code {code}")
+    if code is None:
+        how = "died (its exit status could not be read)"
+    elif code < 0:
+        how = f"was killed by {_signal_name(-code)}"
+    else:
+        how = f"exited with code {code}"
     return f"worker process {proc.name} (pid {proc.pid}) {how}; the engine cannot continue"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _free_port() -> int:

@@ -1,8 +1,9 @@
-"""The FastAPI app: ``build_app(async_llm, ...)`` wires state, auth, errors and routes.
+"""The FastAPI app: ``build_app(llm, ...)`` wires state, auth, errors and routes.
 
 Routes: /v1/completions, /v1/chat/completions (completions.py, chat.py) and, here,
-/v1/models, /health, /metrics, /version, /tokenize, /detokenize, plus the test
-hooks under /internal/test/ when ``enable_test_hooks`` is set.
+/v1/models, /health, /metrics, /version, /tokenize, /detokenize. ``llm`` is any
+EngineClient: the engine-core process client (``treadle serve``) or the in-thread
+AsyncLLM (``--engine-in-process``, tests).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import treadle
-from treadle.engine.async_engine import AsyncLLM
+from treadle.engine.engine_client import EngineClient
 from treadle.server import chat, completions
 from treadle.server.body_limit import BodyLimit
 from treadle.server.errors import APIError, install_error_handlers
@@ -34,7 +35,6 @@ from treadle.server.protocol import (
     DetokenizeResponse,
     HealthResponse,
     ModelList,
-    TestHookRequest,
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
@@ -44,21 +44,20 @@ from treadle.server.state import ServerLimits, ServerState, default_max_request_
 router = APIRouter()
 
 
-def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
-              limits: ServerLimits | None = None, enable_test_hooks: bool = False) -> FastAPI:
-    """An app serving ``async_llm`` as ``served_model_name``. ``api_key``: required as a
+def build_app(llm: EngineClient, served_model_name: str, api_key: str | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
+    """An app serving ``llm`` as ``served_model_name``. ``api_key``: required as a
     Bearer token on everything but /health, /metrics and /version. ``limits``: what one
-    request may ask for (see ServerLimits). ``enable_test_hooks`` exposes
-    /internal/test/hooks (slow or failing steps) for tests; never in production."""
+    request may ask for (see ServerLimits)."""
     app = FastAPI(title="Treadle", version=treadle.__version__, docs_url=None, redoc_url=None)
     limits = limits or ServerLimits()
     app.state.treadle = ServerState(
-        llm=async_llm, served_model_name=served_model_name, metrics=ServerMetrics(async_llm, served_model_name),
-        limits=limits, api_key=api_key, enable_test_hooks=enable_test_hooks,
+        llm=llm, served_model_name=served_model_name, metrics=ServerMetrics(llm, served_model_name),
+        limits=limits, api_key=api_key,
     )
     install_error_handlers(app)
     install_openapi(app, api_key_required=bool(api_key))
-    max_bytes = limits.max_request_bytes or default_max_request_bytes(async_llm.max_model_len)
+    max_bytes = limits.max_request_bytes or default_max_request_bytes(llm.max_model_len)
     app.add_middleware(BodyLimit, max_bytes=max_bytes)
     if api_key:  # added last, so outermost: no body is read for a client without the key
         app.add_middleware(_RequireKey, api_key=api_key)
@@ -154,18 +153,3 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
         raise APIError.bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
     return {"prompt": state.llm.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-
-@router.post("/internal/test/hooks", include_in_schema=False)
-async def test_hooks(body: TestHookRequest, request: Request) -> dict[str, str]:
-    """Test hooks (only with enable_test_hooks): ``step_delay`` seconds before each step
-    (a slow or stuck engine), ``fail_next_step`` (the next step raises, as a model error would)."""
-    state = _state(request)
-    if not state.enable_test_hooks:
-        raise APIError(404, "not found", None, "not_found")
-    if body.step_delay is not None:
-        if body.step_delay < 0:
-            raise APIError.bad_request("step_delay must be non-negative", "step_delay")
-        state.llm.set_step_delay(body.step_delay)
-    if body.fail_next_step:
-        state.llm.fail_next_step()
-    return {"status": "ok"}

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from treadle.config import EngineDeadError, InvalidRequestError, TreadleError
-from treadle.engine.async_engine import QueueFullError
+from treadle.engine.engine_core import QueueFullError
 
 logger = logging.getLogger("treadle")
 

@@ -23,7 +23,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response
 
 from treadle.config import EngineDeadError, InvalidRequestError, TreadleError
-from treadle.engine.async_engine import OutputGroup
+from treadle.engine.engine_client import OutputGroup
 from treadle.engine.llm_engine import PromptType, StepFailedError
 from treadle.engine.outputs import CompletionOutput, RequestOutput
 from treadle.sampling_params import SamplingParams

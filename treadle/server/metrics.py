@@ -1,8 +1,9 @@
 """Prometheus metrics for one app, in its own CollectorRegistry (no global state).
 
 Request-level counters and histograms are updated as requests finish; engine
-gauges (running, waiting, KV usage, preemptions) are read at scrape time from
-the snapshot the engine thread publishes, so scraping never touches the engine.
+gauges (running, waiting, KV usage, preemptions, steps, tokens) are read at scrape
+time from the snapshot the engine loop publishes (each step, from the engine thread
+or the engine-core process), so scraping never touches the engine.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from treadle.engine.async_engine import AsyncLLM
+from treadle.engine.engine_client import EngineClient
 from treadle.engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -19,9 +20,10 @@ _TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 
 
 class _EngineCollector:
-    """Gauges read from ``AsyncLLM.snapshot`` at scrape time."""
+    """Gauges read at scrape time from the snapshot the engine loop last published
+    (in this process, or received from the engine-core process)."""
 
-    def __init__(self, llm: AsyncLLM, model: str, in_flight: Callable[[], int]) -> None:
+    def __init__(self, llm: EngineClient, model: str, in_flight: Callable[[], int]) -> None:
         self.llm, self.model, self.in_flight = llm, model, in_flight
 
     def collect(self) -> Iterator[Metric]:
@@ -43,6 +45,10 @@ class _EngineCollector:
         for name, doc, value in [
             ("treadle:num_preemptions", "Sequences preempted (recomputed later).", snap.num_preemptions),
             ("treadle:engine_steps", "Engine steps run.", snap.num_steps),
+            ("treadle:engine_generated_tokens", "Tokens sampled by the engine (aborted requests too).",
+             snap.num_generated_tokens),
+            ("treadle:engine_computed_tokens", "Tokens run through the model (prompt, recompute, decode).",
+             snap.num_computed_tokens),
         ]:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model], float(value))
@@ -50,7 +56,7 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, llm: AsyncLLM, model: str) -> None:
+    def __init__(self, llm: EngineClient, model: str) -> None:
         self.registry = CollectorRegistry()
         self.model = model
         labels = ["model_name"]

@@ -142,11 +142,6 @@ class DetokenizeRequest(_Body):
     tokens: list[Int]
 
 
-class TestHookRequest(_Body):
-    step_delay: float | None = None
-    fail_next_step: bool = False
-
-
 # -- response bodies (documentation for the OpenAPI spec; extra fields allowed) --------------
 class _Out(BaseModel):
     model_config = ConfigDict(extra="allow")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from treadle.engine.async_engine import AsyncLLM, OutputGroup
+from treadle.engine.engine_client import EngineClient, OutputGroup
 from treadle.server.errors import APIError
 from treadle.server.metrics import ServerMetrics
 
@@ -32,12 +32,11 @@ class ServerLimits:
 
 @dataclass
 class ServerState:
-    llm: AsyncLLM
+    llm: EngineClient
     served_model_name: str
     metrics: ServerMetrics
     limits: ServerLimits = ServerLimits()
     api_key: str | None = None
-    enable_test_hooks: bool = False
     draining: bool = False
     open_groups: set[OutputGroup] = field(default_factory=set)  # admitted and not yet released
 

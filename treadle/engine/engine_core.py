@@ -1,0 +1,99 @@
+"""EngineCore: the engine side of every engine client, whichever carries the commands.
+
+Both step loops (the ``AsyncLLM`` thread and the engine-core process of
+``core_proc.py``) drive an ``LLMEngine`` through this one class, so admission with
+backpressure, the handling of requests the engine cannot take, and the gauges that
+/metrics reads are written once. It is not thread-safe: one loop owns it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from treadle.config import TreadleError
+from treadle.engine.llm_engine import LLMEngine, PromptType, StepFailedError
+from treadle.engine.outputs import RequestOutput
+from treadle.sampling_params import SamplingParams
+
+logger = logging.getLogger("treadle")
+
+
+class QueueFullError(TreadleError):
+    """More requests are waiting than the caller allowed (backpressure)."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine gauges and counters, refreshed by the step loop on every iteration."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_computed_tokens: int = 0  # run through the model: prompt, recompute and decode tokens
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a step produced: outputs, or the StepFailedError naming the requests it failed."""
+
+    outputs: list[RequestOutput]
+    failed: StepFailedError | None = None
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def admit(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
+              max_waiting: int | None, arrival_time: float) -> None:
+        """Queue one request, or raise a TreadleError saying why not (too long, queue full,
+        unreadable). A request the engine fails on is rolled back; the engine stays usable."""
+        waiting = self.engine.scheduler.num_waiting  # sequences, not requests
+        if max_waiting is not None and waiting and waiting + params.n > max_waiting:
+            raise QueueFullError(f"{waiting} sequences are already waiting (limit {max_waiting})")
+        try:
+            self.engine.add_request(request_id, prompt, params, priority, arrival_time)
+        except TreadleError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a request the engine cannot take must not stop the loop
+            logger.exception("add_request failed for %s", request_id)
+            self.engine.abort_request(request_id)
+            raise TreadleError(f"the engine could not admit the request: {e}") from None
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.engine.abort_request(request_ids)
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> StepResult:
+        """One engine step. A StepFailedError fails only its own requests (the engine has
+        aborted them; the result names them) and the loop goes on; any other exception
+        (EngineDeadError: a lost worker) propagates and ends the loop."""
+        try:
+            return StepResult(self.engine.step())
+        except StepFailedError as e:  # the engine has logged it
+            return StepResult([], e)
+
+    def health(self) -> str | None:
+        """None while the engine's workers are alive, else why not (an idle engine learns
+        of a lost worker only here; a busy one from its failing step)."""
+        return self.engine.health()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def snapshot(self) -> EngineSnapshot:
+        eng = self.engine
+        kv = eng.kv_manager
+        return EngineSnapshot(
+            num_running=eng.scheduler.num_running, num_waiting=eng.scheduler.num_waiting,
+            kv_usage=kv.usage(), num_free_blocks=kv.num_free_blocks, num_blocks=kv.pool.num_blocks,
+            num_preemptions=eng.stats.num_preemptions, num_steps=eng.stats.num_steps,
+            num_generated_tokens=eng.stats.num_generated_tokens, num_computed_tokens=eng.stats.num_tokens_computed,
+        )
