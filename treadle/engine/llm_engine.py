@@ -209,3 +209,11 @@ class EngineStats:
         self.num_preemptions += sched.num_preemptions
         self.num_generated_tokens += sum(r.num_new_tokens for r in touched)
         self.num_tokens_computed += sched.total_num_scheduled_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"steps": self.num_steps, "preemptions": self.num_preemptions,
+                               "tokens_computed": self.num_tokens_computed,
+                               "generated_tokens": self.num_generated_tokens}
+        if self.spec_decode is not None:
+            out["spec_decode"] = self.spec_decode.as_dict()
+        return out
