@@ -61,6 +61,7 @@ class EngineSnapshot:
     num_blocks: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    spec_decode: dict[str, Any] | None = None  # SpecDecodeStats.as_dict(), when speculating
 
 
 @dataclass
@@ -270,6 +271,7 @@ class AsyncLLM:
             num_running=eng.scheduler.num_running, num_waiting=eng.scheduler.num_waiting,
             kv_usage=kv.usage(), num_free_blocks=kv.num_free_blocks, num_blocks=kv.pool.num_blocks,
             num_preemptions=eng.stats.num_preemptions, num_steps=eng.stats.num_steps,
+            spec_decode=None if eng.stats.spec_decode is None else eng.stats.spec_decode.as_dict(),
         )
 
     def _fail_everything(self, error: EngineDeadError) -> None:
