@@ -190,7 +190,8 @@ class StepFailedError(TreadleError):
         """A decode-only step's time goes to the fallback controller (prompt chunks would dominate it)."""
         if self.spec is not None and all(s.request_id in result.sampled for s in sched.scheduled):
             self.spec.observe_step(len(sched.scheduled), any(s.draft_token_ids for s in sched.scheduled),
-                                   sum(len(t) for t in result.sampled.values()), seconds)
+                                   sum(len(t) for t in result.sampled.values()), seconds,
+                                   sched.total_num_scheduled_tokens)
 
 
 class EngineStats:
