@@ -177,6 +177,13 @@ class LLMEngine:
         self.abort_request(parents)
         return parents
 
+    def _observe_speculation(self, sched: SchedulerOutput, result: ModelRunnerOutput, seconds: float) -> None:
+        """A decode-only step's time goes to the fallback controller (prompt chunks would dominate it)."""
+        if self.spec is not None and all(s.request_id in result.sampled for s in sched.scheduled):
+            self.spec.observe_step(len(sched.scheduled), any(s.draft_token_ids for s in sched.scheduled),
+                                   sum(len(t) for t in result.sampled.values()), seconds,
+                                   sched.total_num_scheduled_tokens)
+
 
 class StepFailedError(TreadleError):
     """A step raised; ``request_ids`` (parent ids) were aborted with it, the engine goes on."""
@@ -185,13 +192,6 @@ class StepFailedError(TreadleError):
         super().__init__(f"the engine step failed ({cause!r}); {len(request_ids)} request(s) aborted")
         self.request_ids = request_ids
         self.cause = cause
-
-    def _observe_speculation(self, sched: SchedulerOutput, result: ModelRunnerOutput, seconds: float) -> None:
-        """A decode-only step's time goes to the fallback controller (prompt chunks would dominate it)."""
-        if self.spec is not None and all(s.request_id in result.sampled for s in sched.scheduled):
-            self.spec.observe_step(len(sched.scheduled), any(s.draft_token_ids for s in sched.scheduled),
-                                   sum(len(t) for t in result.sampled.values()), seconds,
-                                   sched.total_num_scheduled_tokens)
 
 
 class EngineStats:
