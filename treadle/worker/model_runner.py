@@ -217,6 +217,7 @@ class ModelRunner:
         """Logits at each speculating request's 1 + K rows (one matmul), then the verifier."""
         index = torch.cat([torch.arange(i, i + len(d) + 1) for _, i, d in rows]).to(hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
+        assert logits is not None, "speculation runs on one rank, which samples"
         at = 0
         for rid, _, drafts in rows:
             state = self.requests[rid]
