@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every figure in docs/benchmarks.md, in the order the doc gives them.
 # Runs sequentially (never two benchmarks at once); results land in $OUT.
-#   bash benchmarks/docs_benchmarks.sh [step ...]    # steps: issue peers latency random serve q4 cpu kquant (default: all)
+#   bash benchmarks/docs_benchmarks.sh [step ...]    # steps: issue peers latency random serve q4 cpu kquant spec (default: all)
 # Steps before `cpu` were measured when the engine's default was float weights: `treadle+none`
 # reproduces that configuration now that a GGUF file runs natively by default.
 set -euo pipefail
@@ -11,7 +11,7 @@ M=smollm2-135m-instruct
 R=/tmp/treadle-bench/random-llama-150m
 OUT=${OUT:-/tmp/treadle-bench/results}
 mkdir -p "$OUT" docs/img
-steps=${*:-issue peers latency random serve q4 cpu kquant}
+steps=${*:-issue peers latency random serve q4 cpu kquant spec}
 
 # --threads 1: the docs machine had 2 cores shared with other jobs; with 2 threads torch's
 # workers kept waiting on a descheduled sibling and every backend ran ~4x slower.
@@ -73,6 +73,14 @@ for step in $steps; do
         --input-len 256 --output-len 32 --iters 3 $TH --save-result "$OUT/kquant_$f.json" 2>"$OUT/kquant_$f.err" \
         | tee "$OUT/kquant_$f.txt"
     done ;;
+  spec)  # speculative decoding (n-gram): off vs on at batch 1 and at 32 concurrent, grounded prompts
+    SPEC='{"method": "ngram", "num_speculative_tokens": 4}'
+    $T bench latency --model $M --workload grounded --output-len 128 --backends treadle-nospec,treadle \
+      --speculative-config "$SPEC" --iters 3 --no-roofline $TH --save-result "$OUT/spec_latency.json" \
+      2>"$OUT/spec_latency.err" | tee "$OUT/spec_latency.txt"
+    $T bench throughput --model $M --workload grounded --num-prompts 32 --output-len 128 --concurrency 32 \
+      --repeats 2 --backends treadle-nospec,treadle --speculative-config "$SPEC" --no-roofline $TH \
+      --save-result "$OUT/spec_c32.json" 2>"$OUT/spec_c32.err" | tee "$OUT/spec_c32.txt" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -57,7 +57,7 @@ def time_decode_step(eng, timed: TimedBackend) -> tuple[float, ...]:  # noqa: AN
     result = ModelRunnerOutput(sampled={})
     for state, tok in zip(states, tokens):
         state.output_token_ids.append(tok)
-        result.sampled[state.data.request_id] = tok
+        result.sampled[state.data.request_id] = [tok]
     t4 = time.perf_counter()
     touched = eng.scheduler.update_from_output(sched, result)
     t5 = time.perf_counter()

@@ -162,10 +162,10 @@ def test_step_frames_round_trip() -> None:
     codec = Codec()
     params = SamplingParams(n=2, temperature=0.7, stop="x", stop_token_ids=[5], seed=3, logprobs=2, max_tokens=9)
     sched = SchedulerOutput([NewRequestData("a", [1, 2, 3], params, (2, 1), seed_offset=1)],
-                            [ScheduledRequest("a", [4, 5], 16, 3)], ["gone"], num_preemptions=2)
+                            [ScheduledRequest("a", [4, 5], 16, 3, [8, 9])], ["gone"], num_preemptions=2)
     assert codec.decode_step(codec.encode(sched)) == sched
-    out = ModelRunnerOutput({"a": 7}, {"a": TokenLogprobs(7, -0.1234567890123, 1, [(7, -0.1234567890123)])},
-                            {"a": [TokenLogprobs(2, -3.5, 4, [(9, -0.5)])]})
+    out = ModelRunnerOutput({"a": [7, 8]}, {"a": [TokenLogprobs(7, -0.1234567890123, 1, [(7, -0.1234567890123)])]},
+                            {"a": [TokenLogprobs(2, -3.5, 4, [(9, -0.5)])]}, {"a": [3, 4]})
     assert codec.decode_output(codec.encode(out)) == out  # float64: logprobs unchanged
 
 

@@ -18,6 +18,8 @@ LAYERS: dict[str, float] = {
     "treadle.sampling_params": 1,
     "treadle.envs": 1,  # the registry of environment variables
     "treadle.core": 2,  # scheduler, KV block manager: torch-free
+    "treadle.spec_decode.fallback": 1.5,  # the fallback controller, a torch-free collaborator of the scheduler
+    "treadle.spec_decode.metrics": 1.4,  # speculation's counters, torch-free
     "treadle.kernels": 2,  # C kernels and their ctypes faces
     "treadle.vocab": 2,
     "treadle.layers": 3,  # linear, norms, RoPE, attention backends, fused decoder layer
@@ -26,7 +28,9 @@ LAYERS: dict[str, float] = {
     "treadle.quantization": 4,  # linear methods
     "treadle.models": 4,  # model files and their layouts
     "treadle.loaders": 5,
-    "treadle.worker": 6,  # model runner, fused-layer planner, CUDA graphs, sampler
+    "treadle.worker.sampler": 5.4,  # the sampler (the verifier reuses its processing)
+    "treadle.spec_decode": 5.6,  # proposers and the verifier (rejection sampler), used by the runner
+    "treadle.worker": 6,  # model runner, fused-layer planner, CUDA graphs
     "treadle.executor": 7,  # drives the workers (in process or in worker processes)
     "treadle.engine": 8,
     "treadle.entrypoints.engine_args": 9,
@@ -35,7 +39,8 @@ LAYERS: dict[str, float] = {
     "treadle.bench": 10,
     "treadle.entrypoints": 11,
 }
-TORCH_FREE = ("treadle.core", "treadle.config", "treadle.sampling_params")
+TORCH_FREE = ("treadle.core", "treadle.config", "treadle.sampling_params", "treadle.spec_decode.fallback",
+              "treadle.spec_decode.metrics")
 
 
 def _modules() -> dict[str, Path]:

@@ -30,7 +30,7 @@ def fake_run(sched_out: SchedulerOutput, sched: Scheduler, token: int = 7) -> Mo
     for s in sched_out.scheduled:
         r = sched.requests[s.request_id]
         if s.num_computed_tokens + s.num_scheduled_tokens == r.num_tokens:
-            sampled[s.request_id] = token
+            sampled[s.request_id] = [token]
     return ModelRunnerOutput(sampled=sampled)
 
 
@@ -144,7 +144,7 @@ def test_stop_token_and_max_tokens_finish():
     r = req("a", 4, max_tokens=10)
     s.add_request(r)
     o = s.schedule()
-    s.update_from_output(o, ModelRunnerOutput(sampled={"a": 2}))  # EOS
+    s.update_from_output(o, ModelRunnerOutput(sampled={"a": [2]}))  # EOS
     assert r.status is RequestStatus.FINISHED_STOPPED and r.stop_reason == 2
     r2 = req("b", 4, max_tokens=2)
     s.add_request(r2)

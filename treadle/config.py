@@ -170,6 +170,23 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "medusa")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` names), resolved: the proposer
+    (``method``), K drafts per verify, the n-gram window, and whether the fallback controller
+    may turn speculation off where it does not pay."""
+
+    method: str  # "ngram" (the only one implemented so far)
+    num_speculative_tokens: int  # K
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    fallback: bool
+    model: str | None = None  # draft_model / eagle / medusa: the draft's path or name
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -181,3 +198,4 @@ class EngineConfig:
     attention_backend: str  # a concrete backend name: "reference" | "cpu" | "triton"
     enforce_eager: bool  # True: no CUDA graphs (always True off CUDA)
     fused_layers: bool  # CPU: decoder layers swapped for the fused one-call layer where they can be
+    speculative: SpeculativeConfig | None = None  # None: no speculation (the normal path)

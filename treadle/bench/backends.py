@@ -1,5 +1,6 @@
 """Offline backends run side by side on one workload: Treadle (continuous
-batching, chunked prefill), Treadle in static batches, Hugging Face
+batching, chunked prefill; with ``--speculative-config`` it speculates, ``treadle-nospec``
+is the same engine without), Treadle in static batches, Hugging Face
 transformers generate() and llama.cpp (through llama-cpp-python, in llamacpp.py).
 
 Every backend runs greedy decoding with EOS ignored, so each request yields
@@ -24,7 +25,7 @@ from treadle.bench.workloads import BenchRequest
 
 Progress = Callable[[int], Any] | None  # called with the number of requests just finished
 
-BACKENDS = ("treadle", "static", "hf", "llamacpp")
+BACKENDS = ("treadle", "treadle-nospec", "static", "hf", "llamacpp")
 
 
 class Backend(Protocol):
@@ -167,9 +168,11 @@ def make_backend(name: str, engine_kwargs: dict[str, Any], n_ctx: int) -> Backen
     """``name`` is a backend, optionally with a Treadle quantization after a '+'
     (``treadle+gguf`` keeps a GGUF's 4-bit blocks, ``static+int8``, ...)."""
     base, _, quant = name.partition("+")
-    if base in ("treadle", "static"):
-        kw = dict(engine_kwargs, quantization=quant) if quant else engine_kwargs
-        backend = TreadleBackend(kw, continuous=base == "treadle")
+    if base in ("treadle", "treadle-nospec", "static"):
+        kw = dict(engine_kwargs, quantization=quant) if quant else dict(engine_kwargs)
+        if base == "treadle-nospec":  # beside "treadle" with --speculative-config: off vs on in one run
+            kw["speculative_config"] = None
+        backend = TreadleBackend(kw, continuous=base != "static")
         backend.name = name
         return backend
     if quant:

@@ -15,7 +15,7 @@ from treadle.entrypoints.engine_args import DEFAULT_MODEL, add_engine_args, engi
 if TYPE_CHECKING:
     from treadle.bench.offline import OfflineSetup
 
-BACKENDS = ("treadle", "static", "hf", "llamacpp")  # torch, transformers, httpx load only when a command runs
+BACKENDS = ("treadle", "treadle-nospec", "static", "hf", "llamacpp")  # torch, transformers, httpx load only when a command runs
 
 
 def int_list(text: str) -> list[int]:
@@ -81,9 +81,12 @@ def _offline_setup(args: argparse.Namespace, max_concurrency: int) -> tuple[Offl
     from treadle.loaders import open_model_source, parse_dtype
 
     kw = engine_kwargs(args)
-    cfg = open_model_source(kw["model"]).config
+    source = open_model_source(kw["model"])
+    cfg, tok = source.config, source.tokenizer
     spec = workload_spec(args)
-    max_len = args.max_model_len or min(cfg.max_position_embeddings, max_total_len(make_workload(spec, cfg.vocab_size)))
+    max_len = args.max_model_len or min(cfg.max_position_embeddings,
+                                        max_total_len(make_workload(spec, cfg.vocab_size, tokenizer=tok,
+                                                                     token_salt=-1 if spec.kind == "grounded" else 0)))
     kw["max_model_len"] = max_len
     given = args.max_num_seqs if args.max_num_seqs != EngineArgs.max_num_seqs else 0
     kw["max_num_seqs"] = max(given, max_concurrency)
@@ -95,7 +98,7 @@ def _offline_setup(args: argparse.Namespace, max_concurrency: int) -> tuple[Offl
         raise SystemExit("no backend could be loaded")
     offline.warm_up(backends, cfg.vocab_size)
     shape = ModelShape.from_config(cfg, 4)
-    return offline.OfflineSetup(spec, cfg.vocab_size, max_len, backends, shape, peaks), dtype_bytes
+    return offline.OfflineSetup(spec, cfg.vocab_size, max_len, backends, shape, peaks, tok), dtype_bytes
 
 
 def _print_peaks(setup: OfflineSetup) -> None:
@@ -108,6 +111,14 @@ def _print_peaks(setup: OfflineSetup) -> None:
             print(f"{b.name}: {b.weight_bytes / 2**20:.1f} MiB of weights read per decode step")
 
 
+def _print_speculation(setup: OfflineSetup) -> None:
+    from treadle.bench import offline
+
+    report = offline.speculation_report(setup.backends)
+    if report:
+        print(report)
+
+
 def cmd_throughput(args: argparse.Namespace) -> int:
     from treadle.bench import offline
     from treadle.bench.report import save_result
@@ -116,6 +127,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     print(f"\nworkload: {setup.spec.describe()}; medians over {args.repeats} repeats (min-max)")
     _print_peaks(setup)
     print(offline.throughput_table(setup, args.concurrency))
+    _print_speculation(setup)
     if args.plot:
         from treadle.bench import plots
 
@@ -128,7 +140,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
                                                f"{setup.spec.describe()}, concurrency {args.concurrency[-1]}"))
     if args.save_result:
         save_result(args.save_result, {"kind": "throughput", "args": vars_of(args), "workload": setup.spec,
-                                       "peaks": setup.peaks, "runs": setup.runs})
+                                       "peaks": setup.peaks, "runs": setup.runs,
+                                       "spec_decode": offline.spec_stats(setup.backends)})
     return 0
 
 
@@ -141,6 +154,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
           f"medians over {args.iters} requests (min-max)")
     _print_peaks(setup)
     print(offline.latency_table(rows))
+    _print_speculation(setup)
     if args.plot:
         from treadle.bench import plots
 
@@ -149,7 +163,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
                                                "batch 1 " + setup.spec.describe()))
     if args.save_result:
         save_result(args.save_result, {"kind": "latency", "args": vars_of(args), "workload": setup.spec,
-                                       "peaks": setup.peaks, "rows": rows})
+                                       "peaks": setup.peaks, "rows": rows,
+                                       "spec_decode": offline.spec_stats(setup.backends)})
     return 0
 
 
@@ -163,7 +178,7 @@ def _serve_prompts(args: argparse.Namespace, salt: int) -> tuple[list, list]:
     from treadle.loaders import open_model_source
 
     source = open_model_source(args.model)
-    reqs = make_workload(workload_spec(args), source.config.vocab_size, token_salt=salt)
+    reqs = make_workload(workload_spec(args), source.config.vocab_size, token_salt=salt, tokenizer=source.tokenizer)
     if args.prompt_format == "ids":
         return reqs, [r.prompt_token_ids for r in reqs]
     return reqs, [source.tokenizer.decode(r.prompt_token_ids) for r in reqs]

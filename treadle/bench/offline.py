@@ -36,6 +36,7 @@ class OfflineSetup:
     backends: list[Backend]
     shape: ModelShape
     peaks: MachinePeaks | None
+    tokenizer: Any = None  # the grounded workload's prompts are text
     runs: list[RunSummary] = field(default_factory=list)
     records: dict[str, list[RequestRecord]] = field(default_factory=dict)  # for CDFs: last run per backend
 
@@ -59,6 +60,33 @@ def roofline_for(setup: OfflineSetup, backend: Backend, dtype_bytes: int) -> Roo
     return Roofline(setup.peaks, shape, backend.weight_bytes)
 
 
+def speculation_report(backends: Sequence[Backend]) -> str:
+    """One line per speculating Treadle backend: its spec_decode counters over every run
+    (warm-up included)."""
+    lines = []
+    for b in backends:
+        stats = getattr(getattr(b, "engine", None), "stats", None)
+        spec = stats.spec_decode if stats is not None else None
+        if spec is None:
+            continue
+        d = spec.as_dict()
+        lines.append(f"{b.name} speculation: mean acceptance length {d['mean_acceptance_length']:.2f} "
+                     f"({d['accepted_tokens']}/{d['draft_tokens']} drafts accepted, {d['emitted_tokens']} tokens "
+                     f"from {d['drafts']} verifies), accepted by position {d['accepted_per_position']}, "
+                     f"fallbacks: batch {d['batch_fallbacks']}, request {d['request_fallbacks']}, "
+                     f"probes {d['probes']}")
+    return "\n".join(lines)
+
+
+def spec_stats(backends: Sequence[Backend]) -> dict[str, Any]:
+    out = {}
+    for b in backends:
+        stats = getattr(getattr(b, "engine", None), "stats", None)
+        if stats is not None and stats.spec_decode is not None:
+            out[b.name] = stats.spec_decode.as_dict()
+    return out
+
+
 def warm_up(backends: Sequence[Backend], vocab_size: int) -> None:
     spec = WorkloadSpec("fixed", 2, input_len=LengthRange(16, 16), output_len=LengthRange(4, 4), seed=12345)
     reqs = make_workload(spec, vocab_size)
@@ -73,7 +101,8 @@ def run_throughput(setup: OfflineSetup, concurrencies: Sequence[int], repeats: i
         for ci, c in enumerate(concurrencies):
             for rep in range(repeats):  # fresh token ids per run: no prefix-cache hits from an earlier run
                 salt = 1 + rep + ci * repeats
-                reqs = make_workload(setup.spec, setup.vocab_size, setup.max_len, token_salt=salt)
+                reqs = make_workload(setup.spec, setup.vocab_size, setup.max_len, token_salt=salt,
+                                     tokenizer=setup.tokenizer)
                 order = setup.backends[rep % len(setup.backends):] + setup.backends[: rep % len(setup.backends)]
                 for b in order:
                     bar.set_postfix_str(f"{b.name} c={c} rep={rep}")
@@ -106,7 +135,7 @@ def _value(r: RunSummary, key: str) -> float | None:
 
 def reference_backend(names: Sequence[str]) -> str | None:
     """The backend ratios are taken against: the first Treadle (continuous) one listed."""
-    return next((n for n in names if n == "treadle" or n.startswith("treadle+")), None)
+    return next((n for n in names if n.partition("+")[0] in ("treadle", "treadle-nospec")), None)
 
 
 def throughput_table(setup: OfflineSetup, concurrencies: Sequence[int]) -> str:
@@ -144,7 +173,8 @@ def run_latency(setup: OfflineSetup, iters: int, dtype_bytes: int) -> list[Laten
     per: dict[str, list[RequestRecord]] = {b.name: [] for b in setup.backends}
     with tqdm(total=iters * len(setup.backends), desc="bench latency", unit="req", file=sys.stderr) as bar:
         for it in range(iters):
-            req = make_workload(setup.spec, setup.vocab_size, setup.max_len, token_salt=it + 1)[:1]
+            req = make_workload(setup.spec, setup.vocab_size, setup.max_len, token_salt=it + 1,
+                                tokenizer=setup.tokenizer)[:1]
             for b in setup.backends:
                 per[b.name] += b.run(req, 1).records
                 bar.update(1)

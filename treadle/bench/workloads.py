@@ -10,6 +10,10 @@
 - ``shared-prefix``: every prompt starts with the same ``prefix_len``-token
   "system prompt" (one of ``num_prefixes`` of them), followed by a random
   suffix of ``input_len`` tokens; exercises the prefix cache.
+- ``grounded``: input-grounded chat turns: repeat or lightly edit a given passage
+  (``passages.py``; needs the model's tokenizer and chat template); the output
+  length is the passage's length in tokens (clipped to ``output_len``), so most
+  of the answer is in the prompt: what n-gram speculation exploits.
 
 Token ids are uniform over ``[low_token, vocab_size)``, skipping the low ids
 where most tokenizers keep their special tokens.
@@ -17,10 +21,13 @@ where most tokenizers keep their special tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-WORKLOADS = ("fixed", "random", "chat", "shared-prefix")
+from treadle.bench.passages import INSTRUCTIONS, PASSAGES
+
+WORKLOADS = ("fixed", "random", "chat", "shared-prefix", "grounded")
 
 CHAT_PROMPT = (180.0, 0.9, 8, 1024)  # median, sigma, min, max
 CHAT_OUTPUT = (120.0, 0.7, 8, 512)
@@ -86,14 +93,38 @@ def _lognormal(rng: np.random.Generator, n: int, shape: tuple[float, float, int,
     return np.clip(np.round(rng.lognormal(np.log(median), sigma, size=n)), lo, hi).astype(int)
 
 
+def grounded_request(spec: WorkloadSpec, tokenizer: Any, passage: str, instruction: str) -> BenchRequest:
+    text = instruction.format(passage=passage)
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]),
+                              add_special_tokens=False)
+    return BenchRequest(prompt, min(len(tokenizer.encode(passage, add_special_tokens=False)) + 8, spec.output_len.hi))
+
+
+def grounded_workload(spec: WorkloadSpec, tokenizer: Any, token_salt: int = 0) -> list[BenchRequest]:
+    """Chat prompts asking to repeat or edit a passage; passage and instruction picked by
+    (seed, salt, index), the output length is the passage's token count (at most output_len).
+    ``token_salt=-1``: every passage x instruction once (for sizing max_model_len)."""
+    if tokenizer is None:
+        raise ValueError("the grounded workload needs the model's tokenizer")
+    if token_salt == -1:
+        return [grounded_request(spec, tokenizer, p, i) for p in PASSAGES for i in INSTRUCTIONS]
+    rng = np.random.default_rng([spec.seed, token_salt])
+    return [grounded_request(spec, tokenizer, PASSAGES[int(rng.integers(len(PASSAGES)))],
+                             INSTRUCTIONS[int(rng.integers(len(INSTRUCTIONS)))]) for _ in range(spec.num_prompts)]
+
+
 def make_workload(
-    spec: WorkloadSpec, vocab_size: int, max_total_len: int | None = None, token_salt: int = 0
+    spec: WorkloadSpec, vocab_size: int, max_total_len: int | None = None, token_salt: int = 0,
+    tokenizer: Any = None,
 ) -> list[BenchRequest]:
     """The requests of a workload; the same arguments give the same list. The
     lengths depend on ``spec.seed`` only; ``token_salt`` redraws the token ids,
-    so repeated runs do not hit a prefix cache filled by the previous run."""
+    so repeated runs do not hit a prefix cache filled by the previous run
+    (``grounded`` prompts are text: the salt picks other passages / instructions)."""
     if spec.kind not in WORKLOADS:
         raise ValueError(f"unknown workload {spec.kind!r}; choose one of {', '.join(WORKLOADS)}")
+    if spec.kind == "grounded":
+        return grounded_workload(spec, tokenizer, token_salt)
     rng = np.random.default_rng(spec.seed)
     tok_rng = np.random.default_rng([spec.seed, token_salt])
     n = spec.num_prompts

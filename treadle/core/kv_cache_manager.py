@@ -85,6 +85,16 @@ class KVCacheManager:
             keys.append(key)
             parent = hash(key)
 
+    def trim(self, request: Request) -> None:
+        """Rollback after rejected drafts: give back the tail blocks holding no computed token.
+        They were never indexed (only blocks whose tokens are all computed are)."""
+        blocks = self._blocks.get(request.request_id)
+        keep = self.blocks_needed(request.num_computed_tokens)
+        if blocks is not None and len(blocks) > keep:
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(list(reversed(tail)))
+
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
         self._keys.pop(request.request_id, None)

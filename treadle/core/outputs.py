@@ -24,12 +24,14 @@ class NewRequestData:
 @dataclass
 class ScheduledRequest:
     """One request's share of this step: compute tokens
-    [num_computed_tokens, num_computed_tokens + num_scheduled_tokens)."""
+    [num_computed_tokens, num_computed_tokens + num_scheduled_tokens). With speculation the
+    last ``len(draft_token_ids)`` of them are drafts to verify (lookahead slots)."""
 
     request_id: str
     block_ids: list[int]
     num_computed_tokens: int
-    num_scheduled_tokens: int
+    num_scheduled_tokens: int  # drafts included
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -60,6 +62,9 @@ class TokenLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int]  # request id -> new token (only requests that reached their end)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> new tokens (only requests that reached their end): one token, or with
+    # speculation the accepted drafts then the correction / bonus token
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # per sampled token
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # this step's chunk
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step

@@ -37,6 +37,13 @@ class Request:
     num_cached_prompt_tokens: int = 0  # prefix-cache hit on first admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for the next step
+    num_new_tokens: int = 0  # tokens appended by the last step (1, or more with speculation)
+
+    @property
+    def num_drafts_allowed(self) -> int:
+        """Most drafts the next step may verify: output left after one sure token."""
+        return max(0, self.max_tokens - len(self.output_token_ids) - 1)
 
     @property
     def num_prompt_tokens(self) -> int:

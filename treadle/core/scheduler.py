@@ -6,6 +6,12 @@ first (decodes, or the rest of a chunked prompt), then chunks of waiting
 prompts. Chunked prefill (SplitFuse), prefix-cache hits and preemption by
 recompute all fall out of that rule; the policy pieces (queue order, victim
 choice) are small functions below.
+
+Speculative decoding reserves lookahead slots only: a running request's target is its
+tokens plus the drafts the runner proposed last step (``Request.spec_token_ids``, when the
+fallback controller lets them run), so its 1 + K tokens share the step's budget with prompt
+chunks; on the way back rejected drafts wind ``num_computed_tokens`` back and the blocks that
+held only them are freed (``KVCacheManager.trim``).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.outputs import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from treadle.core.request import Request, RequestStatus
 from treadle.core.waiting_queue import WaitingQueue
+from treadle.spec_decode.fallback import FallbackController
 
 
 def queue_key(req: Request) -> tuple[int, float]:
@@ -29,9 +36,13 @@ def choose_victim(running: list[Request]) -> Request:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 spec: FallbackController | None = None) -> None:
+        """``spec``: speculation is configured (drafts returned by the runner are scheduled
+        where it allows); None: drafts are never scheduled."""
         self.config = config
         self.kv = kv
+        self.spec = spec
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self._waiting: WaitingQueue[Request] = WaitingQueue(queue_key)
@@ -82,6 +93,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
+        self._gate_drafts()
         preempted = self._schedule_running(scheduled, budget)
         budget -= sum(scheduled.values())
         new_reqs: list[NewRequestData] = []
@@ -95,9 +107,9 @@ class Scheduler:
             if req.request_id not in self._seen_by_runner:
                 self._seen_by_runner.add(req.request_id)
                 new_reqs.append(self._new_request_data(req))
-            out.append(
-                ScheduledRequest(req.request_id, self.kv.block_ids(req.request_id), req.num_computed_tokens, n)
-            )
+            drafts = req.spec_token_ids[: max(0, req.num_computed_tokens + n - req.num_tokens)]
+            out.append(ScheduledRequest(req.request_id, self.kv.block_ids(req.request_id),
+                                        req.num_computed_tokens, n, drafts))
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         return SchedulerOutput(new_reqs, out, finished, preempted)
 
@@ -106,7 +118,7 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING or budget <= 0:
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = choose_victim([r for r in self.running if r.status is RequestStatus.RUNNING])
                 self._preempt(victim)
@@ -118,6 +130,21 @@ class Scheduler:
                 scheduled[req.request_id] = n
                 budget -= n
         return preempted
+
+    def _gate_drafts(self) -> None:
+        """Keep the drafts only where the fallback controller says speculation pays."""
+        if self.spec is None:
+            return
+        with_drafts = [r for r in self.running if r.spec_token_ids]
+        if not with_drafts:
+            return
+        if not self.spec.speculate_batch(len(self.running)):
+            for req in with_drafts:
+                req.spec_token_ids = []
+            return
+        for req in with_drafts:
+            if not self.spec.speculate_request(req.request_id):
+                req.spec_token_ids = []
 
     def _schedule_waiting(self, scheduled: dict[str, int], budget: int) -> None:
         deferred: list[Request] = []
@@ -155,6 +182,7 @@ class Scheduler:
         self.running.remove(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._push_waiting(req)
@@ -166,24 +194,53 @@ class Scheduler:
 
     # -- results -------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Advance progress, append sampled tokens, finish requests. Returns the
-        requests that got a new token or finished this step."""
+        """Advance progress, append sampled tokens (accepted drafts first), roll back rejected
+        drafts, finish requests. Returns the requests that got new tokens or finished."""
         touched: list[Request] = []
         for s in sched.scheduled:
             req = self.requests.get(s.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted meanwhile
-            req.num_computed_tokens += s.num_scheduled_tokens
-            self.kv.cache_computed_blocks(req)
-            token = result.sampled.get(s.request_id)
-            if token is None:
+            tokens = result.sampled.get(s.request_id)
+            if tokens is None:
+                req.num_computed_tokens += s.num_scheduled_tokens
+                self.kv.cache_computed_blocks(req)
                 continue
+            num_rejected = len(s.draft_token_ids) - (len(tokens) - 1)
+            req.num_computed_tokens += s.num_scheduled_tokens - num_rejected
+            req.spec_token_ids = []
+            if s.draft_token_ids:
+                self._observe_verify(req, len(s.draft_token_ids), len(tokens) - 1)
+            req.num_new_tokens = self._append_tokens(req, tokens)
+            if req.status.finished:
+                touched.append(req)
+                continue
+            if num_rejected:
+                self.kv.trim(req)
+            self.kv.cache_computed_blocks(req)
+            req.spec_token_ids = result.draft_token_ids.get(req.request_id, [])[: self._max_drafts(req)]
+            touched.append(req)
+        return touched
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> int:
+        """Append until a token stops the request; returns how many were appended."""
+        for i, token in enumerate(tokens):
             req.append_token(token)
             status = req.check_stop()
             if status is not None:
                 self.finish(req, status)
-            touched.append(req)
-        return touched
+                return i + 1
+        return len(tokens)
+
+    def _max_drafts(self, req: Request) -> int:
+        if self.spec is None:
+            return 0
+        return min(req.num_drafts_allowed, self.config.max_model_len - req.num_tokens)
+
+    def _observe_verify(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        if self.spec is not None:
+            self.spec.stats.record_verify(num_drafts, num_accepted)
+            self.spec.observe_verify(req.request_id, len(self.running), num_accepted)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         if req.status.finished:
@@ -193,6 +250,9 @@ class Scheduler:
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self._waiting.remove(req)  # O(1): lazy deletion
         req.status = status
+        req.spec_token_ids = []
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
         if req.request_id in self._seen_by_runner:

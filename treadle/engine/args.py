@@ -55,6 +55,17 @@ class EngineArgs:
                                        flags=("-pp", "--pipeline-parallel-size"))
     comm_overlap: bool = _arg(False, "tensor parallelism: cut each step into two micro-batches whose "
                                      "all-reduces run while the other computes")
+    speculative_config: dict[str, Any] | str | None = _arg(
+        None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+              '(keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, fallback, model)',
+        type=str)
+
+
+# the keys of ``speculative_config`` and their defaults (the resolver settles the rest)
+SPECULATIVE_DEFAULTS: dict[str, Any] = {
+    "method": None, "model": None, "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4, "fallback": True,
+}
 
 
 def engine_args(model: str | None = None, **kwargs: Any) -> EngineArgs:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from treadle.config import TreadleError
 from treadle.engine.llm_engine import LLMEngine, PromptType, StepFailedError
@@ -35,6 +36,7 @@ class EngineSnapshot:
     num_steps: int = 0
     num_generated_tokens: int = 0
     num_computed_tokens: int = 0  # run through the model: prompt, recompute and decode tokens
+    spec_decode: dict[str, Any] | None = None  # SpecDecodeStats.as_dict(), when speculating
 
 
 @dataclass(frozen=True)
@@ -96,4 +98,5 @@ class EngineCore:
             kv_usage=kv.usage(), num_free_blocks=kv.num_free_blocks, num_blocks=kv.pool.num_blocks,
             num_preemptions=eng.stats.num_preemptions, num_steps=eng.stats.num_steps,
             num_generated_tokens=eng.stats.num_generated_tokens, num_computed_tokens=eng.stats.num_tokens_computed,
+            spec_decode=None if eng.stats.spec_decode is None else eng.stats.spec_decode.as_dict(),
         )

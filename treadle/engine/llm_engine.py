@@ -13,7 +13,7 @@ from typing import Any
 
 from treadle.config import EngineConfig, EngineDeadError, InvalidRequestError, TreadleError
 from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.core.outputs import SchedulerOutput
+from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
 from treadle.core.request import Request, RequestStatus
 from treadle.core.scheduler import Scheduler
 from treadle.engine.args import EngineArgs, engine_args
@@ -24,6 +24,8 @@ from treadle.engine.resolver import create_engine_config
 from treadle.executor import Executor, create_executor
 from treadle.loaders import ModelSource, open_model_source
 from treadle.sampling_params import SamplingParams
+from treadle.spec_decode.fallback import FallbackController
+from treadle.spec_decode.metrics import SpecDecodeStats
 
 logger = logging.getLogger("treadle")
 
@@ -46,10 +48,12 @@ class LLMEngine:
                     config.parallel.distributed_executor_backend)
         self.kv_manager = KVCacheManager(capacity.num_blocks, capacity.block_size,
                                          config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        spec = config.speculative
+        self.spec = None if spec is None else FallbackController(spec.fallback)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.spec)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        self.stats = EngineStats()
+        self.stats = EngineStats(None if self.spec is None else self.spec.stats)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -145,9 +149,12 @@ class LLMEngine:
         sched: SchedulerOutput | None = None
         try:
             sched = self.scheduler.schedule()
+            started = time.perf_counter()
             result = self.executor.execute(sched)  # EngineDeadError: the engine is dead
+            seconds = time.perf_counter() - started
             touched = self.scheduler.update_from_output(sched, result)
             self.stats.record(sched, touched)
+            self._observe_speculation(sched, result, seconds)
             updated = self.outputs.process(
                 touched, result, lambda req: self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             )
@@ -170,6 +177,13 @@ class LLMEngine:
         self.abort_request(parents)
         return parents
 
+    def _observe_speculation(self, sched: SchedulerOutput, result: ModelRunnerOutput, seconds: float) -> None:
+        """A decode-only step's time goes to the fallback controller (prompt chunks would dominate it)."""
+        if self.spec is not None and all(s.request_id in result.sampled for s in sched.scheduled):
+            self.spec.observe_step(len(sched.scheduled), any(s.draft_token_ids for s in sched.scheduled),
+                                   sum(len(t) for t in result.sampled.values()), seconds,
+                                   sched.total_num_scheduled_tokens)
+
 
 class StepFailedError(TreadleError):
     """A step raised; ``request_ids`` (parent ids) were aborted with it, the engine goes on.
@@ -183,9 +197,11 @@ class StepFailedError(TreadleError):
 
 
 class EngineStats:
-    """Counters the metrics endpoint and benchmarks read."""
+    """Counters the metrics endpoint and benchmarks read (``spec_decode``: speculation's
+    counters, None when speculation is off)."""
 
-    def __init__(self) -> None:
+    def __init__(self, spec_decode: SpecDecodeStats | None = None) -> None:
+        self.spec_decode = spec_decode
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_tokens_computed = 0  # tokens run through the model (prompt, recompute, decode)
@@ -194,5 +210,13 @@ class EngineStats:
     def record(self, sched: SchedulerOutput, touched: list[Request]) -> None:
         self.num_steps += 1
         self.num_preemptions += sched.num_preemptions
-        self.num_generated_tokens += len(touched)
+        self.num_generated_tokens += sum(r.num_new_tokens for r in touched)
         self.num_tokens_computed += sched.total_num_scheduled_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"steps": self.num_steps, "preemptions": self.num_preemptions,
+                               "tokens_computed": self.num_tokens_computed,
+                               "generated_tokens": self.num_generated_tokens}
+        if self.spec_decode is not None:
+            out["spec_decode"] = self.spec_decode.as_dict()
+        return out

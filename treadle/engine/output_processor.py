@@ -81,20 +81,22 @@ class OutputProcessor:
             if pid is None:
                 continue
             parent, child = self.parents[pid], self.parents[pid].children[req.request_id]
-            token = req.output_token_ids[-1]
-            child.token_ids.append(token)
-            child.new_token_ids.append(token)
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
                 parent.metrics.num_cached_tokens = req.num_cached_prompt_tokens
-            lp = result.logprobs.get(req.request_id)
-            if lp is not None and child.logprobs is not None:
-                child.logprobs.append(self._decoded(lp))
-                child.cumulative_logprob = (child.cumulative_logprob or 0.0) + lp.logprob
-            stop = child.detok.add_token(token)
-            if stop is not None and not req.status.finished:
-                stop_cb(req)
-                req.stop_reason = stop
+            new_tokens = req.output_token_ids[len(req.output_token_ids) - req.num_new_tokens:]
+            lps = result.logprobs.get(req.request_id) or []
+            for i, token in enumerate(new_tokens):
+                child.token_ids.append(token)
+                child.new_token_ids.append(token)
+                if i < len(lps) and child.logprobs is not None:
+                    child.logprobs.append(self._decoded(lps[i]))
+                    child.cumulative_logprob = (child.cumulative_logprob or 0.0) + lps[i].logprob
+                stop = child.detok.add_token(token)
+                if stop is not None and not req.status.finished:
+                    stop_cb(req)
+                    req.stop_reason = stop
+                    break  # later tokens of a verify step come after the stop string
             if req.status.finished:
                 self.finish_child(req)
             if pid not in updated:

@@ -15,6 +15,7 @@ It owns:
                       ranks; no CUDA graphs with several ranks
     attention backend auto -> cpu on the CPU, triton (or reference) on CUDA
     CUDA graphs       off unless the device is CUDA and enforce_eager is False
+    speculation       speculative_config (a dict or its JSON) -> SpeculativeConfig, or None
 
 ``create_engine_config`` is the impure shell around it: it opens the checkpoint (once; the
 source is handed on to loading) and reads the device's free memory.
@@ -22,21 +23,25 @@ source is handed on to loading) and reads the device's free memory.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+from typing import Any
 
 import torch
 
 from treadle.config import (
+    SPEC_METHODS,
     CacheConfig,
     EngineConfig,
     LoadConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     TreadleError,
 )
 from treadle.distributed import check_parallel_sizes, shard_config, stage_layers
-from treadle.engine.args import EXECUTOR_BACKENDS, EngineArgs, parse_bytes
+from treadle.engine.args import EXECUTOR_BACKENDS, SPECULATIVE_DEFAULTS, EngineArgs, parse_bytes
 from treadle.engine.memory import available_memory, plan_kv_cache, weight_bytes
 from treadle.layers.attention.selector import resolve_backend_name
 from treadle.loaders import ModelSource, open_model_source, parse_dtype
@@ -78,6 +83,7 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
         attention_backend=resolve_backend_name(args.attention_backend, device),
         enforce_eager=args.enforce_eager or device.type != "cuda" or world > 1,
         fused_layers=args.fused_layers,
+        speculative=_speculative_on_one_rank(args),
     )
 
 
@@ -143,3 +149,45 @@ def _rank_config(cfg: ModelConfig, parallel: ParallelConfig) -> ModelConfig:
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     layers = max(len(stage_layers(cfg.num_layers, pp, s)) for s in range(pp))
     return dataclasses.replace(shard_config(cfg, tp, 0), num_layers=layers)
+
+
+
+def _speculative_on_one_rank(args: EngineArgs) -> SpeculativeConfig | None:
+    spec = resolve_speculative(args.speculative_config)
+    if spec is not None and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        raise TreadleError("speculative decoding is not available with tensor or pipeline parallelism yet")
+    return spec
+
+
+def resolve_speculative(raw: dict[str, Any] | str | None) -> SpeculativeConfig | None:
+    """``speculative_config`` (a dict, or its JSON text from the CLI) -> SpeculativeConfig;
+    None or an empty value -> None. Unknown keys and bad values are one-line TreadleErrors."""
+    if raw is None or raw == "" or raw == {}:
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise TreadleError(f"speculative_config is not valid JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(raw, dict):
+        raise TreadleError("speculative_config must be a JSON object, e.g. {\"method\": \"ngram\"}")
+    unknown = sorted(set(raw) - set(SPECULATIVE_DEFAULTS))
+    if unknown:
+        raise TreadleError(f"unknown speculative_config key {unknown[0]!r}; known: "
+                           f"{', '.join(SPECULATIVE_DEFAULTS)}")
+    spec = {**SPECULATIVE_DEFAULTS, **raw}
+    method = spec["method"] or ("draft_model" if spec["model"] else None)
+    if method not in SPEC_METHODS:
+        raise TreadleError(f"speculative_config method {method!r} is not one of {', '.join(SPEC_METHODS)}")
+    if method != "ngram":
+        raise TreadleError(f"speculative method {method!r} is not available yet; use 'ngram'")
+    ints = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+    for key in ints:
+        if not isinstance(spec[key], int) or isinstance(spec[key], bool) or spec[key] < 1:
+            raise TreadleError(f"speculative_config {key} must be an integer of at least 1")
+    if spec["prompt_lookup_min"] > spec["prompt_lookup_max"]:
+        raise TreadleError("speculative_config prompt_lookup_min must not exceed prompt_lookup_max")
+    if not isinstance(spec["fallback"], bool):
+        raise TreadleError("speculative_config fallback must be true or false")
+    return SpeculativeConfig(method=method, model=spec["model"], fallback=spec["fallback"],
+                             **{k: spec[k] for k in ints})

@@ -30,6 +30,12 @@ class LLM:
         """Stop the engine's workers now (they also stop when the LLM is collected or at exit)."""
         self.engine.shutdown()
 
+    def get_stats(self) -> dict[str, Any]:
+        """The engine's counters so far: steps, preemptions, tokens, and with speculation
+        ``spec_decode`` (drafted / accepted / emitted tokens, mean acceptance length,
+        acceptance by position, fallbacks and probes)."""
+        return self.engine.stats.as_dict()
+
     def get_tokenizer(self):  # noqa: ANN201
         return self.engine.tokenizer
 

@@ -42,7 +42,7 @@ class Worker:
         self.runner = ModelRunner(loaded.model, kv, cache.block_size, sched.max_num_batched_tokens,
                                   sched.max_model_len, device, config.load.seed, graphs,
                                   config.fused_layers and parallel.tp_size == 1, parallel,
-                                  config.parallel.comm_overlap)
+                                  config.parallel.comm_overlap, config.speculative)
         self._capacity = KVCapacity(cache.num_blocks, cache.block_size)
 
     def kv_capacity(self) -> KVCapacity:

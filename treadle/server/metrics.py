@@ -53,6 +53,36 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model], float(value))
             yield c
+        if snap.spec_decode is not None:
+            yield from self._spec_decode(snap.spec_decode)
+
+    def _spec_decode(self, spec: dict) -> Iterator[Metric]:
+        """vLLM's spec_decode_* counters with our prefix, and the fallback controller's decisions."""
+        for key, name, doc in _SPEC_COUNTERS:
+            c = CounterMetricFamily(f"treadle:spec_decode_{name}", doc, labels=["model_name"])
+            c.add_metric([self.model], float(spec[key]))
+            yield c
+        per_pos = CounterMetricFamily("treadle:spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafts accepted at each draft position.", labels=["model_name", "position"])
+        for pos, value in enumerate(spec["accepted_per_position"]):
+            per_pos.add_metric([self.model, str(pos)], float(value))
+        yield per_pos
+        g = GaugeMetricFamily("treadle:spec_decode_mean_acceptance_length",
+                              "Tokens emitted per verify (1 + accepted drafts).", labels=["model_name"])
+        g.add_metric([self.model], float(spec["mean_acceptance_length"]))
+        yield g
+
+
+_SPEC_COUNTERS = (
+    ("drafts", "num_drafts", "Verifies of a request with at least one draft."),
+    ("draft_tokens", "num_draft_tokens", "Draft tokens verified."),
+    ("accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),
+    ("emitted_tokens", "num_emitted_tokens", "Tokens emitted by verifies (accepted + correction or bonus)."),
+    ("batch_fallbacks", "num_batch_fallbacks", "Steps whose drafts were dropped: speculation did not pay "
+                                                "at that batch size."),
+    ("request_fallbacks", "num_request_fallbacks", "Requests switched off for low acceptance."),
+    ("probes", "num_probes", "Steps or requests that re-measured speculation or plain decoding."),
+)
 
 
 class ServerMetrics:

@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from treadle.config import ModelConfig
+from treadle.config import ModelConfig, SpeculativeConfig
 from treadle.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from treadle.distributed import ParallelContext
 from treadle.distributed.overlap import split_tokens
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, StepInputBuilder
 from treadle.models.llama import LlamaForCausalLM
+from treadle.spec_decode.ngram import NgramProposer
+from treadle.spec_decode.rejection_sampler import verify
 from treadle.worker.cuda_graph import CUDAGraphRunner
 from treadle.worker.fused_layers import fuse_decoder_layers
 from treadle.worker.sampler import Sampler, SamplingRow, logprobs_at
@@ -42,6 +44,10 @@ class CachedRequestState:
     def num_tokens(self) -> int:
         return len(self.data.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.data.prompt_token_ids + self.output_token_ids
+
     def sampling_row(self) -> SamplingRow:
         p = self.data.sampling_params
         stops = tuple(dict.fromkeys((*self.data.eos_token_ids, *p.stop_token_ids)))
@@ -53,7 +59,8 @@ class BatchInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
-    sample_rows: list[tuple[str, int]]  # (request id, flat index of its last token)
+    sample_rows: list[tuple[str, int]]  # (request id, flat index of its last token), requests without drafts
+    verify_rows: list[tuple[str, int, list[int]]]  # (request id, flat index of its last real token, drafts)
     prompt_rows: list[tuple[str, int, int, int]]  # (request id, flat start, first position, count)
     micro: list[tuple[torch.Tensor, AttentionMetadata]] | None = None  # overlap: (positions, meta) per half
 
@@ -90,6 +97,7 @@ class ModelRunner:
         fused_layers: bool = True,
         parallel: ParallelContext | None = None,
         overlap: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """``overlap`` (tensor parallelism without pipeline stages): cut each step of two or
         more tokens into two micro-batches whose all-reduces overlap compute."""
@@ -102,6 +110,8 @@ class ModelRunner:
         self.graphs = graphs  # replays captured decode steps on CUDA
         self.requests: dict[str, CachedRequestState] = {}
         self.backend: AttentionBackend = model.backend
+        self.proposer = None if speculative is None else NgramProposer(
+            speculative.num_speculative_tokens, speculative.prompt_lookup_min, speculative.prompt_lookup_max)
         if fused_layers and self.device.type == "cpu":
             fuse_decoder_layers(model)
         # persistent host buffers, reused every step
@@ -116,17 +126,24 @@ class ModelRunner:
             self._ids = np.zeros(n_tok, dtype=np.int64)
         query_lens, seq_lens, tables = [], [], []
         sample_rows: list[tuple[str, int]] = []
+        verify_rows: list[tuple[str, int, list[int]]] = []
         prompt_rows: list[tuple[str, int, int, int]] = []
         cursor = 0
         for s in sched.scheduled:
             state = self.requests[s.request_id]
             start, n = s.num_computed_tokens, s.num_scheduled_tokens
-            self._ids[cursor : cursor + n] = state.token_slice(start, start + n)
+            drafts = s.draft_token_ids
+            real = n - len(drafts)  # drafts sit after the request's real tokens
+            self._ids[cursor : cursor + real] = state.token_slice(start, start + real)
+            self._ids[cursor + real : cursor + n] = drafts
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(s.block_ids)
-            if start + n == state.num_tokens:
-                sample_rows.append((s.request_id, cursor + n - 1))
+            if start + real == state.num_tokens:
+                if drafts:
+                    verify_rows.append((s.request_id, cursor + real - 1, drafts))
+                else:
+                    sample_rows.append((s.request_id, cursor + n - 1))
             n_prompt = len(state.data.prompt_token_ids)
             if state.data.sampling_params.prompt_logprobs is not None and start < n_prompt:
                 prompt_rows.append((s.request_id, cursor, start, min(n, n_prompt - start)))
@@ -134,7 +151,7 @@ class ModelRunner:
         positions, meta = self.inputs.build(query_lens, seq_lens, tables)
         meta.plan = self.backend.plan(meta)  # once per step, read by every layer
         input_ids = torch.from_numpy(self._ids[:cursor]).to(self.device)
-        batch = BatchInputs(input_ids, positions, meta, sample_rows, prompt_rows)
+        batch = BatchInputs(input_ids, positions, meta, sample_rows, verify_rows, prompt_rows)
         if self.overlap and cursor >= 2:
             batch.micro = []
             for builder, part in zip(self._micro_inputs, split_tokens(query_lens, seq_lens, tables, cursor // 2)):
@@ -180,17 +197,36 @@ class ModelRunner:
         result = ModelRunnerOutput(sampled={})
         if hidden is not None and batch.prompt_rows:
             result.prompt_logprobs = self._prompt_logprobs(hidden, batch)
-        if not batch.sample_rows:
-            return result
-        states = [self.requests[rid] for rid, _ in batch.sample_rows]
-        tokens, logprobs = self._sample(hidden, batch, states)
-        for state, token, lp in zip(states, tokens, logprobs):
-            rid = state.data.request_id
-            state.output_token_ids.append(token)
-            result.sampled[rid] = token
-            if lp is not None:
-                result.logprobs[rid] = lp
+        if batch.sample_rows:
+            states = [self.requests[rid] for rid, _ in batch.sample_rows]
+            tokens, logprobs = self._sample(hidden, batch, states)
+            for state, token, lp in zip(states, tokens, logprobs):
+                rid = state.data.request_id
+                state.output_token_ids.append(token)
+                result.sampled[rid] = [token]
+                if lp is not None:
+                    result.logprobs[rid] = [lp]
+        if batch.verify_rows and hidden is not None:  # speculation runs on one rank (resolver)
+            self._verify(hidden, batch.verify_rows, result)
+        if self.proposer is not None:
+            for rid in result.sampled:
+                result.draft_token_ids[rid] = self.proposer.propose(self.requests[rid].all_token_ids)
         return result
+
+    def _verify(self, hidden: torch.Tensor, rows: list[tuple[str, int, list[int]]], result: ModelRunnerOutput) -> None:
+        """Logits at each speculating request's 1 + K rows (one matmul), then the verifier."""
+        index = torch.cat([torch.arange(i, i + len(d) + 1) for _, i, d in rows]).to(hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        assert logits is not None, "speculation runs on one rank, which samples"
+        at = 0
+        for rid, _, drafts in rows:
+            state = self.requests[rid]
+            out = verify(self.sampler, logits[at : at + len(drafts) + 1], state.sampling_row(), drafts)
+            at += len(drafts) + 1
+            state.output_token_ids.extend(out.tokens)
+            result.sampled[rid] = out.tokens
+            if out.logprobs is not None:
+                result.logprobs[rid] = out.logprobs
 
     def _sample(self, hidden: torch.Tensor | None, batch: BatchInputs,
                 states: list[CachedRequestState]) -> tuple[list[int], list[TokenLogprobs | None]]:

@@ -97,19 +97,43 @@ class Sampler:
         tokens: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
         for i, row in enumerate(rows):
-            tokens.append(self._sample_row(logits[i], row))
+            tokens.append(self.sample_row(logits[i], row))
             n = row.params.logprobs
             logprobs.append(None if n is None else logprobs_at(logits[i].log_softmax(-1), tokens[-1], n))
         return tokens, logprobs
 
-    def _sample_row(self, logits: torch.Tensor, row: SamplingRow) -> int:
-        p = row.params
-        if p.needs_penalties:
-            logits = apply_penalties(logits, row)
-        if len(row.output_token_ids) < p.min_tokens and row.stop_token_ids:
-            logits = logits.clone()
-            logits[list(row.stop_token_ids)] = float("-inf")
-        if p.greedy:
+    def sample_row(self, logits: torch.Tensor, row: SamplingRow) -> int:
+        """One row's token: logits [V] after every sampling parameter, argmax when greedy."""
+        logits = processed_logits(logits, row)
+        if row.params.greedy:
             return int(logits.argmax())
-        probs = filter_logits(logits, p).softmax(-1)
+        return self.draw(filter_logits(logits, row.params).softmax(-1), row)
+
+    def target_probs(self, logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+        """The distribution a non-greedy row samples from: logits [V] -> probs [V] after
+        penalties, min_tokens, temperature, top-k/top-p/min-p (the verifier's p)."""
+        return filter_logits(processed_logits(logits, row), row.params).softmax(-1)
+
+    def draw(self, probs: torch.Tensor, row: SamplingRow) -> int:
+        """A token from probs [V] (which may be unnormalised) by the exponential race; a seeded
+        row's noise comes from (seed, tokens generated so far)."""
         return int((probs / self._noise(row, probs.shape[0]).to(probs.device)).argmax())
+
+    def uniform(self, row: SamplingRow) -> float:
+        """One U(0, 1) draw for an accept test: a seeded row's from (seed, tokens generated so
+        far), apart from the noise ``draw`` uses at the same position."""
+        if row.params.seed is None:
+            return float(torch.rand((), generator=self.generator))
+        step_seed = hash((row.params.seed + row.seed_offset, len(row.output_token_ids), 1))  # ints: hash() is stable
+        return float(torch.rand((), generator=torch.Generator().manual_seed(step_seed & 0x7FFF_FFFF_FFFF_FFFF)))
+
+
+def processed_logits(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """logits [V] -> penalised logits [V] with EOS / stop ids masked until min_tokens."""
+    p = row.params
+    if p.needs_penalties:
+        logits = apply_penalties(logits, row)
+    if len(row.output_token_ids) < p.min_tokens and row.stop_token_ids:
+        logits = logits.clone()
+        logits[list(row.stop_token_ids)] = float("-inf")
+    return logits

@@ -27,6 +27,12 @@ through the block table without a gather; on all-decode steps it also writes the
 in mixed steps those are written with the prompt chunks' first); the torch path above
 serves other dtypes and machines without a C compiler.
 
+Short queries are decode rows too: a sequence with at most ``DECODE_ROWS_MAX`` new tokens (a
+speculative verify: the last token and K drafts) becomes one decode row per token, row j
+attending to the keys before position ``seq_len - query_len + j`` and itself. Every row's
+K/V is written before any row attends (both kernels), so this is exact causal attention,
+and a verify-only step stays an all-decode step (the one-call C layer).
+
 Prefill (and chunked prefill) runs SDPA per sequence with 4-D inputs (the flash CPU
 kernel; 3-D inputs fall back to the math kernel), causal without cached context,
 otherwise with an explicit [q_len, seq_len] mask over the gathered context.
@@ -44,6 +50,7 @@ from treadle.kernels.attention import paged_decode
 from treadle.layers.attention.backend import AttentionBackend, AttentionSpec
 from treadle.layers.attention.metadata import AttentionMetadata, DecodeKernelArgs, StepPlan
 
+DECODE_ROWS_MAX = 8  # queries this short run as decode rows (speculative verifies)
 _SPLIT_MIN_TOKENS = 256  # decode contexts up to this long are not split
 _WORK_PER_THREAD = 4  # split so that (seqs x KV heads x chunks) >= this many per thread
 
@@ -124,26 +131,30 @@ class _StepPlan(StepPlan):
 
 
 def build_plan(meta: AttentionMetadata) -> _StepPlan:
-    decode_seqs: list[int] = []
+    row_seqs: list[int] = []  # per decode row: its sequence
+    row_index: list[int] = []  # its flat token
+    lens: list[int] = []  # its context length, itself included
     prefill: list[_PrefillSeq] = []
     start = 0
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens, meta.seq_lens, strict=True)):
-        if q_len == 1:
-            decode_seqs.append(i)
+        if 1 <= q_len <= DECODE_ROWS_MAX:
+            row_seqs += [i] * q_len
+            row_index += range(start, start + q_len)
+            lens += range(s_len - q_len + 1, s_len + 1)
         elif q_len > 1:
             prefill.append(_PrefillSeq(seq=i, start=start, query_len=q_len, seq_len=s_len))
         start += q_len
     decode = None
-    if decode_seqs:
-        idx = torch.tensor(decode_seqs, dtype=torch.int64, device=meta.block_tables.device)
-        lens = [meta.seq_lens[i] for i in decode_seqs]
+    if row_seqs:
+        device = meta.block_tables.device
+        idx = torch.tensor(row_seqs, dtype=torch.int64, device=device)
         tables = meta.block_tables[idx]
         decode = _DecodePlan(
-            token_index=meta.query_start_loc[idx].long(),
+            token_index=torch.tensor(row_index, dtype=torch.int64, device=device),
             seq_lens=lens,
             block_tables=tables.long().cpu(),
             max_blocks=-(-max(lens) // meta.block_size),
-            all_tokens=len(decode_seqs) == meta.num_tokens,
+            all_tokens=len(row_seqs) == meta.num_tokens,
         )
         if tables.is_cpu and tables.shape[1] >= decode.max_blocks and native.available():
             # all-decode: the kernel writes the new K/V itself; mixed: _write_kv writes every row first

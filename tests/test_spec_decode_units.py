@@ -1,0 +1,343 @@
+"""Speculative decoding, unit level: the config, the n-gram proposer, the scheduler's
+lookahead slots and rollback (hand-built runner outputs), the fallback controller, the
+verifier (greedy, and its distribution against plain sampling), and attention with
+verify-shaped query lengths."""
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from treadle.config import SchedulerConfig, SpeculativeConfig, TreadleError
+from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
+from treadle.core.request import Request, RequestStatus
+from treadle.core.scheduler import Scheduler
+from treadle.engine.resolver import resolve_speculative
+from treadle.entrypoints.engine_args import add_engine_args, engine_kwargs
+from treadle.layers.attention import AttentionSpec, ReferenceBackend, build_attention_metadata
+from treadle.layers.attention.cpu import CPUBackend
+from treadle.sampling_params import SamplingParams
+from treadle.spec_decode.fallback import FallbackController
+from treadle.spec_decode.ngram import NgramProposer
+from treadle.spec_decode.rejection_sampler import verify
+from treadle.worker.sampler import Sampler, SamplingRow
+
+# -- config ---------------------------------------------------------------------------------
+
+
+def test_speculative_config_from_dict_json_and_cli() -> None:
+    assert resolve_speculative(None) is None and resolve_speculative("") is None
+    cfg = resolve_speculative({"method": "ngram", "num_speculative_tokens": 3})
+    assert cfg == SpeculativeConfig("ngram", 3, 2, 4, True)
+    assert resolve_speculative('{"method": "ngram", "prompt_lookup_min": 1, "fallback": false}') == \
+        SpeculativeConfig("ngram", 4, 1, 4, False)
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = engine_kwargs(p.parse_args(["--speculative-config", '{"method": "ngram"}']))
+    assert resolve_speculative(kw["speculative_config"]).method == "ngram"
+    assert engine_kwargs(p.parse_args([]))["speculative_config"] is None
+
+
+@pytest.mark.parametrize("raw,match", [
+    ("{nope", "not valid JSON"), ('["ngram"]', "JSON object"), ({"method": "magic"}, "not one of"),
+    ({"method": "ngram", "k": 2}, "unknown speculative_config key 'k'"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "at least 1"),
+    ({"method": "ngram", "prompt_lookup_min": 5}, "must not exceed"),
+    ({"method": "ngram", "fallback": "yes"}, "true or false"),
+    ({"method": "eagle"}, "not available yet"),
+])
+def test_speculative_config_errors_are_one_line(raw: object, match: str) -> None:
+    with pytest.raises(TreadleError, match=match) as info:
+        resolve_speculative(raw)  # type: ignore[arg-type]
+    assert "\n" not in str(info.value)
+
+
+# -- n-gram proposer --------------------------------------------------------------------------
+
+
+def test_ngram_proposes_the_continuation_of_the_latest_match() -> None:
+    p = NgramProposer(3, 2, 4)
+    assert p.propose([1, 2, 3, 4, 5, 9, 2, 3]) == [4, 5, 9]
+    assert p.propose([1, 2, 3, 4, 1, 2, 3, 7, 1, 2, 3]) == [7, 1, 2]  # latest of two matches, longest n
+    assert p.propose([5, 6, 7, 8]) == []  # nothing recurs
+    assert p.propose([1, 2, 3, 1, 2]) == [3, 1, 2]
+    assert p.propose([1, 2, 3, 1, 2], max_drafts=1) == [3]
+    assert p.propose([1, 2, 9, 1, 2]) == [9, 1, 2]
+    assert NgramProposer(3, 3, 3).propose([1, 2, 9, 1, 2]) == []  # a 2-gram is below the minimum
+
+
+# -- scheduler: lookahead slots and rollback ------------------------------------------------
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32) -> Scheduler:
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=256,
+                          enable_chunked_prefill=True)
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size), FallbackController(enabled=False))
+
+
+def make_req(rid: str, prompt: list[int], max_tokens: int = 20) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), max_tokens, eos_token_ids=(2,))
+
+
+def step(s: Scheduler, sampled: dict[str, list[int]], drafts: dict[str, list[int]]) -> SchedulerOutput:
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(sampled=sampled, draft_token_ids=drafts))
+    return out
+
+
+def test_drafts_are_lookahead_slots_and_rejections_roll_back() -> None:
+    s = make_scheduler()
+    r = make_req("a", [10, 11, 12, 13, 14, 15])  # 6 tokens, block size 4
+    s.add_request(r)
+    step(s, {"a": [20]}, {"a": [21, 22, 23, 24]})
+    assert (r.num_computed_tokens, r.num_tokens, r.spec_token_ids) == (6, 7, [21, 22, 23, 24])
+    out = s.schedule()
+    (sr,) = out.scheduled
+    assert (sr.num_computed_tokens, sr.num_scheduled_tokens, sr.draft_token_ids) == (6, 5, [21, 22, 23, 24])
+    assert len(sr.block_ids) == 3  # 11 slots: the lookahead is reserved
+    # drafts 21 and 22 accepted, 23 rejected -> correction 30
+    s.update_from_output(out, ModelRunnerOutput(sampled={"a": [21, 22, 30]}, draft_token_ids={"a": []}))
+    assert r.output_token_ids == [20, 21, 22, 30]
+    assert r.num_computed_tokens == 9  # 6 + last token + 2 accepted; rejected slots wound back
+    assert len(s.kv.block_ids("a")) == 3 and s.kv.num_free_blocks == 61
+    # everything rejected: the third block held only rejected drafts and goes back
+    r2 = make_req("b", [40, 41, 42, 43, 44, 45, 46])
+    s.add_request(r2)
+    step(s, {"a": [31], "b": [50]}, {"a": [], "b": [51, 52, 53]})
+    free_before = s.kv.num_free_blocks
+    out = s.schedule()
+    assert [x.draft_token_ids for x in out.scheduled] == [[], [51, 52, 53]]
+    assert len(out.scheduled[1].block_ids) == 3 and s.kv.num_free_blocks == free_before - 1  # lookahead block
+    s.update_from_output(out, ModelRunnerOutput(sampled={"a": [32], "b": [60]}))
+    assert (r2.num_computed_tokens, r2.num_tokens) == (8, 9)
+    assert len(s.kv.block_ids("b")) == 2 and s.kv.num_free_blocks == free_before  # given back
+
+
+def test_prefix_index_never_holds_rejected_tokens() -> None:
+    s = make_scheduler()
+    r = make_req("a", [10, 11, 12])
+    s.add_request(r)
+    step(s, {"a": [20]}, {"a": [91, 92, 93, 94, 95]})  # drafts would fill block 1 and spill into 2
+    step(s, {"a": [21]}, {})  # every draft rejected
+    assert r.num_computed_tokens == 4
+    keys = [b.key for b in s.kv._blocks["a"] if b.key is not None]
+    assert keys == [(0, (10, 11, 12, 20))]  # only the computed, accepted block
+    assert all(b.key is None or not set(b.key[1]) & {91, 92, 93, 94, 95} for b in s.kv.pool.blocks)
+
+
+def test_drafts_share_the_budget_with_prompt_chunks_and_respect_limits() -> None:
+    s = make_scheduler(budget=8)
+    r = make_req("a", [1, 3, 4], max_tokens=4)
+    s.add_request(r)
+    step(s, {"a": [5]}, {"a": [6, 7, 8, 9, 10]})
+    assert r.spec_token_ids == [6, 7]  # max_tokens 4: one token is sure, two drafts left
+    s.add_request(make_req("b", list(range(100, 120))))
+    out = s.schedule()
+    assert [(x.request_id, x.num_scheduled_tokens, x.draft_token_ids) for x in out.scheduled] == \
+        [("a", 3, [6, 7]), ("b", 5, [])]  # b's first chunk takes what the verify leaves
+    s.update_from_output(out, ModelRunnerOutput(sampled={"a": [6, 7, 8]}))
+    assert r.status is RequestStatus.FINISHED_LENGTH and r.output_token_ids == [5, 6, 7, 8]
+
+
+def test_stop_token_inside_accepted_drafts_finishes_and_frees() -> None:
+    s = make_scheduler()
+    r = make_req("a", [1, 3, 4])
+    s.add_request(r)
+    step(s, {"a": [5]}, {"a": [6, 2, 7]})
+    out = step(s, {"a": [6, 2, 7, 8]}, {})
+    assert out.scheduled[0].draft_token_ids == [6, 2, 7]
+    assert r.status is RequestStatus.FINISHED_STOPPED and r.output_token_ids == [5, 6, 2]
+    assert s.kv.num_free_blocks == 64
+
+
+def test_preemption_drops_drafts_and_recomputes() -> None:
+    s = make_scheduler(num_blocks=4)
+    a, b = make_req("a", [1, 3, 4, 5, 6, 7, 8], 8), make_req("b", [9, 10, 11, 12, 13, 14, 15], 8)
+    a.arrival_time, b.arrival_time = 0.0, 1.0
+    s.add_request(a)
+    s.add_request(b)
+    step(s, {"a": [20], "b": [30]}, {"a": [21, 22, 23], "b": [31, 32, 33]})
+    out = s.schedule()  # a's lookahead needs a third block: b (latest) is preempted
+    assert out.num_preemptions == 1 and b.status is RequestStatus.PREEMPTED and b.spec_token_ids == []
+    assert [x.request_id for x in out.scheduled] == ["a"] and out.scheduled[0].draft_token_ids == [21, 22, 23]
+
+
+# -- fallback controller ----------------------------------------------------------------------
+
+
+def test_fallback_stops_a_slow_batch_size_and_probes_again() -> None:
+    c = FallbackController(enabled=True, probe_every=8)
+    assert c.speculate_batch(32)  # spec unmeasured: try it
+    c.observe_step(32, True, 40, 0.2)  # 200 tokens/s speculating
+    assert not c.speculate_batch(32)  # plain unmeasured: probe it
+    c.observe_step(32, False, 32, 0.1)  # 320 tokens/s plain
+    decisions = [c.speculate_batch(32) for _ in range(16)]
+    assert decisions.count(True) == 1  # only the probe speculates (the next one comes later)
+    assert c.stats.num_batch_fallbacks == 15 and c.stats.num_probes == 2
+    assert c.speculate_batch(1)  # another bucket is measured on its own
+
+
+def test_fallback_switches_off_a_request_that_does_not_accept() -> None:
+    c = FallbackController(enabled=True, probe_every=4)
+    c.speculate_batch(1)
+    c.observe_step(1, True, 1, 0.13)  # a verify costs 1.3 plain steps: 0.3 accepted drafts to break even
+    c.observe_step(1, False, 1, 0.10)
+    for _ in range(6):
+        c.observe_verify("r", 1, 0)
+    assert c.stats.num_request_fallbacks >= 1
+    assert not c.speculate_request("r")
+    seen = []
+    for _ in range(6):
+        c.speculate_batch(1)
+        seen.append(c.speculate_request("r"))
+    assert True in seen and c.stats.num_probes >= 1  # probed again later
+    off = FallbackController(enabled=False)
+    off.observe_verify("r", 1, 0)
+    off.observe_step(1, True, 1, 10.0)
+    assert off.speculate_batch(64) and off.speculate_request("r")
+
+
+# -- the verifier --------------------------------------------------------------------------------
+
+
+def row(**kw: object) -> SamplingRow:
+    return SamplingRow(SamplingParams(**kw), [1, 2], [3], (0,))
+
+
+def test_greedy_verify_accepts_the_argmax_prefix() -> None:
+    logits = torch.full((4, 10), -5.0)
+    for j, t in enumerate([4, 5, 6, 7]):
+        logits[j, t] = 5.0
+    s = Sampler(0)
+    assert verify(s, logits, row(temperature=0), [4, 5, 6]).tokens == [4, 5, 6, 7]  # all + bonus
+    assert verify(s, logits, row(temperature=0), [4, 9, 6]).tokens == [4, 5]  # correction at the mismatch
+    assert verify(s, logits, row(temperature=0, logprobs=1), [8, 5, 6]).logprobs[0].token_id == 4
+    # a repetition penalty counts accepted drafts as output: 5 is penalised at row 2
+    pen = torch.zeros((2, 10))
+    pen[0, 5], pen[1, 5], pen[1, 6] = 3.0, 3.0, 2.0
+    assert verify(s, pen, row(temperature=0, repetition_penalty=2.0), [5]).tokens == [5, 6]
+
+
+def tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a / a.sum() - b / b.sum()).abs().sum())
+
+
+def tv_bound(num_categories: int, n: int) -> float:
+    """n draws from a distribution over K categories against the distribution itself: each cell
+    count has standard deviation sqrt(n p_i), so E[TV] <= sum_i sqrt(p_i / n) / 2 <= 0.5 sqrt(K / n)
+    (Cauchy-Schwarz); TV's own spread is well below its mean here, so 3x is a safe bound."""
+    return 3 * 0.5 * math.sqrt(num_categories / n)
+
+
+@pytest.mark.parametrize("point_mass", [False, True], ids=["draft-q", "ngram"])
+def test_speculative_sampling_has_the_target_distribution(point_mass: bool) -> None:
+    """Two positions: the emitted first token and, when the first draft is accepted, the
+    second (else a plain step samples it). Their joint distribution must be p1 x p2, the
+    target after temperature and top-k. A verifier that resamples from p instead of
+    norm(max(p - q, 0)) is off by TV 0.15 here, and "always accept" by more: both far
+    above the bound."""
+    g = torch.Generator().manual_seed(1)
+    V, n = 4, 3000
+    logits = torch.randn(3, V, generator=g) * 1.5
+    q = torch.softmax(torch.randn(2, V, generator=g) * 2, -1)
+    s = Sampler(7)
+    base = row(temperature=0.8, top_k=3)
+    p1, p2 = s.target_probs(logits[0], base), s.target_probs(logits[1], base)
+    target = (p1[:, None] * p2[None, :]).flatten()
+    spec = torch.zeros(V * V)
+    for _ in range(n):
+        drafts = [int(torch.multinomial(q[j], 1, generator=g)) for j in range(2)]
+        out = verify(s, logits, base, drafts, None if point_mass else q).tokens
+        if len(out) == 1:  # rejected at once: the second token comes from a plain step
+            out = [out[0], s.sample_row(logits[1], SamplingRow(base.params, [1, 2], [3, out[0]], (0,)))]
+        spec[out[0] * V + out[1]] += 1
+    support = int((target > 0).sum())
+    bound = tv_bound(support, n)
+    assert tv(spec, target) < bound
+    always_accept = (q[0][:, None] * q[1][None, :]).flatten()
+    assert tv(always_accept, target) > 3 * bound  # the test can tell a biased verifier
+
+
+def test_seeded_ngram_verify_gives_the_plain_seeded_tokens() -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 12, generator=g)
+    s = Sampler(0)
+    base = row(temperature=1.0, seed=11)
+    plain, out = [], list(base.output_token_ids)
+    for j in range(4):
+        plain.append(s.sample_row(logits[j], SamplingRow(base.params, [1, 2], out + plain, (0,))))
+    got = verify(s, logits, base, plain[:3]).tokens
+    assert got == plain  # every draft is the plain token: all accepted, the bonus too
+
+
+# -- attention with verify-shaped query lengths -------------------------------------------------
+
+
+def dense_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta, spec: AttentionSpec) -> torch.Tensor:
+    """Oracle: per sequence, gather its whole context from the (written) cache and attend
+    causally with plain matmuls."""
+    out, at, bs = [], 0, meta.block_size
+    for i, (ql, sl) in enumerate(zip(meta.query_lens, meta.seq_lens)):
+        pos = torch.arange(sl)
+        slots = meta.block_tables[i].long()[pos // bs] * bs + pos % bs
+        k = kc.flatten(0, 1)[slots].repeat_interleave(spec.num_heads // spec.num_kv_heads, 1)
+        v = vc.flatten(0, 1)[slots].repeat_interleave(spec.num_heads // spec.num_kv_heads, 1)
+        qi = q[at : at + ql]
+        scores = torch.einsum("qhd,khd->hqk", qi.double(), k.double()) * spec.scale
+        mask = pos[None, :] > torch.arange(sl - ql, sl)[:, None]
+        scores = scores.masked_fill(mask, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()))
+        at += ql
+    return torch.cat(out).float()
+
+
+@pytest.mark.parametrize("backend_cls", [ReferenceBackend, CPUBackend], ids=["reference", "cpu"])
+def test_verify_rows_mixed_with_prompt_chunks_and_decodes(backend_cls: type) -> None:
+    """1 + K query rows per speculating request (K = 4, 2), beside plain decodes and prompt
+    chunks, against a dense oracle."""
+    g = torch.Generator().manual_seed(5)
+    query_lens, seq_lens, bs = [5, 1, 37, 3, 1, 12], [40, 17, 37, 130, 64, 29], 16
+    heads, kv_heads, hd = 8, 2, 32
+    need = [-(-s // bs) for s in seq_lens]
+    perm = torch.randperm(sum(need) + 3, generator=g).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at : at + n])
+        at += n
+    shape = (len(perm), bs, kv_heads, hd)
+    kc, vc = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    n = sum(query_lens)
+    q, k, v = (torch.randn(n, h, hd, generator=g) for h in (heads, kv_heads, kv_heads))
+    meta = build_attention_metadata(query_lens, seq_lens, tables, bs)
+    spec = AttentionSpec(heads, kv_heads, hd, hd**-0.5, None)
+    backend = backend_cls()
+    meta.plan = backend.plan(meta)
+    out = backend.forward(q, k, v, kc, vc, meta, spec)
+    torch.testing.assert_close(out.reshape(n, heads, hd), dense_attention(q, kc, vc, meta, spec),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_fallback_predicts_a_large_batch_from_the_step_cost_model() -> None:
+    """Steps cost 10 ms + 2 ms per row; drafts of 4 with 1 accepted per verify pay at batch 1
+    (2 tokens in 20 ms vs 1 in 12) but not at 32 (64 tokens in 330 ms vs 32 in 74): the
+    controller does not even try speculation at 32."""
+    c = FallbackController(enabled=True, probe_every=8)
+    for rows in (1, 5, 2, 10, 3):
+        c.observe_step(1, rows > 3, 1, 0.010 + 0.002 * rows, rows)
+    for _ in range(4):
+        c.stats.record_verify(4, 1)
+    assert c._predicted_to_pay(1) is True
+    assert not c.speculate_batch(32) and c.stats.num_batch_fallbacks == 1 and c.stats.num_probes == 0
+
+
+def test_fallback_probes_less_often_while_the_decision_holds() -> None:
+    c = FallbackController(enabled=True, probe_every=4)
+    c.speculate_batch(16)
+    c.observe_step(16, True, 20, 0.2)  # 100 tokens/s speculating
+    c.speculate_batch(16)
+    c.observe_step(16, False, 16, 0.1)  # 160 plain
+    probes = [i for i in range(40) if c.speculate_batch(16)]
+    assert len(probes) == 3 and probes[1] - probes[0] < probes[2] - probes[1]  # 4, then 8, then 16 steps apart
