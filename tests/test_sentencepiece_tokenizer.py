@@ -54,7 +54,7 @@ def test_no_tokenizer_says_both_ways_out(tmp_path: Path) -> None:
 def test_unigram_model_is_refused(tmp_path: Path) -> None:
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n".join(["hello world again and again"] * 50))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=30,
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=15,
                                    model_type="unigram", minloglevel=2)
     with pytest.raises(TreadleError, match="only BPE"):
         Tokenizer.from_hf_dir(tmp_path)
