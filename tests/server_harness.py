@@ -67,8 +67,9 @@ class ServerThread:
 
 
 @contextlib.contextmanager
-def serve(model_dir: Path, heartbeat_timeout: float = 60.0, **app_kw: Any) -> Iterator[tuple[ServerThread, AsyncLLM]]:
-    llm = AsyncLLM.from_args(str(model_dir), heartbeat_timeout=heartbeat_timeout, **ENGINE_KW)
+def serve(model_dir: Path, heartbeat_timeout: float = 60.0, engine_kw: dict[str, Any] | None = None,
+          **app_kw: Any) -> Iterator[tuple[ServerThread, AsyncLLM]]:
+    llm = AsyncLLM.from_args(str(model_dir), heartbeat_timeout=heartbeat_timeout, **{**ENGINE_KW, **(engine_kw or {})})
     try:
         with ServerThread(build_app(llm, MODEL_NAME, **app_kw)) as srv:
             yield srv, llm

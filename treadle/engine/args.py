@@ -55,6 +55,8 @@ class EngineArgs:
                                        flags=("-pp", "--pipeline-parallel-size"))
     comm_overlap: bool = _arg(False, "tensor parallelism: cut each step into two micro-batches whose "
                                      "all-reduces run while the other computes")
+    skip_tokenizer_init: bool = _arg(False, "load no tokenizer: prompts are token ids and outputs carry token "
+                                            "ids only (no text, stop strings, chat or structured output)")
 
 
 def engine_args(model: str | None = None, **kwargs: Any) -> EngineArgs:

@@ -24,6 +24,7 @@ from treadle.engine.resolver import create_engine_config
 from treadle.executor import Executor, create_executor
 from treadle.loaders import ModelSource, open_model_source
 from treadle.sampling_params import SamplingParams
+from treadle.tokenizer import Tokenizer
 
 logger = logging.getLogger("treadle")
 
@@ -80,11 +81,18 @@ class LLMEngine:
             if ids is None:
                 if text is None:
                     raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
-                return text, self.tokenizer.encode(text)
+                return text, self.tokenizer_for("a text prompt").encode(text)
             return text, self._token_ids(ids, "prompt_token_ids")
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer_for("a text prompt").encode(prompt)
         return None, self._token_ids(prompt, "prompt token ids")
+
+    def tokenizer_for(self, what: str, param: str = "prompt") -> Tokenizer:
+        """The tokenizer; without one (skip_tokenizer_init) ``what`` is refused, naming the way out."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"{what} needs a tokenizer, and this engine was started with "
+                                      "skip_tokenizer_init; send token ids (prompt_token_ids) instead", param)
+        return self.tokenizer
 
     def _token_ids(self, ids: object, what: str, param: str = "prompt") -> list[int]:
         """``ids`` as a list of ints in the vocabulary, or an InvalidRequestError naming ``what``."""
@@ -108,6 +116,8 @@ class LLMEngine:
         if request_id in self.outputs.parents:
             raise TreadleError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        if params.stop:
+            self.tokenizer_for("a stop string", "stop")
         self._token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
         max_len = self.scheduler_config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, max_len - len(ids))

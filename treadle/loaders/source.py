@@ -19,7 +19,7 @@ class ModelSource:
     path: Path
     config: ModelConfig
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # HF-named tensors, streamed
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: opened with skip_tokenizer_init (token ids only)
     # GGUF only: HF weight name -> (GGUF type name, HF shape), and a stream that hands the
     # tensors ``keep_raw`` names over still quantized (GGUFBlocks), the rest as floats
     tensor_types: dict[str, tuple[str, tuple[int, ...]]] | None = None

@@ -72,7 +72,7 @@ class _ChatView(GenerationView):
         return 1
 
     def prompts(self) -> list[PromptType]:
-        text = render_chat(self.state.llm.tokenizer, self.body.messages, self.body.add_generation_prompt)
+        text = render_chat(self.state.tokenizer("messages"), self.body.messages, self.body.add_generation_prompt)
         return [self.tokenized(text, add_special_tokens=False)]
 
     def _logprobs(self, c: CompletionOutput, start: int, end: int) -> dict[str, Any] | None:

@@ -123,7 +123,7 @@ class GenerationView(ABC):
         if len(text) > self.state.max_prompt_chars:
             raise APIError(400, f"the prompt has {len(text)} characters, more than this model's context "
                                 f"({max_len} tokens) can hold", self.prompt_param, "context_length_exceeded")
-        ids = self.state.llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids = self.state.tokenizer(self.prompt_param).encode(text, add_special_tokens=add_special_tokens)
         if len(ids) > max_len:  # refused here, in the worker thread: the engine never sees the list
             raise APIError(400, f"the prompt has {len(ids)} tokens, more than max_model_len ({max_len})",
                            self.prompt_param, "context_length_exceeded")
