@@ -6,8 +6,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from server_harness import serve
+
 from treadle.config import TreadleError
 from treadle.entrypoints.llm import LLM
 from treadle.loaders.resolve import resolve_model
