@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from treadle.config import InvalidRequestError
+from treadle.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -43,6 +44,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match this grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +69,8 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if not all(isinstance(s, str) for s in cast(list[object], self.stop)):  # a list since __post_init__
             raise SamplingParamsError("stop", "stop must be a string or a list of strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise SamplingParamsError("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
 
     def _validate(self) -> None:
         checks: list[tuple[bool, str, str]] = [
@@ -95,6 +99,9 @@ class SamplingParams:
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]",
             ),
         ]
+        if self.structured_outputs is not None:  # the grammar ends the output with a stop token
+            checks.append((not self.ignore_eos, "ignore_eos", "ignore_eos cannot be combined with structured output"))
+            checks.append((self.min_tokens == 0, "min_tokens", "min_tokens cannot be combined with structured output"))
         for ok, param, message in checks:
             if not ok:
                 raise SamplingParamsError(param, message)

@@ -36,6 +36,7 @@ from treadle.config import EngineDeadError, TreadleError
 from treadle.engine.llm_engine import LLMEngine, PromptType, StepFailedError
 from treadle.engine.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams
+from treadle.structured import StructuredOutputsParams
 
 logger = logging.getLogger("treadle")
 
@@ -124,6 +125,12 @@ class AsyncLLM:
         return cls(LLMEngine.from_args(model, **engine_kwargs), heartbeat_timeout)
 
     # -- event-loop side ------------------------------------------------------------
+    def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile a structured-output spec into the cache the engine's add_request and an
+        in-process runner read (thread-safe; call it from a worker thread, never the event
+        loop). An invalid spec is an InvalidRequestError naming the problem."""
+        self._engine.compile_grammar(spec)
+
     def group(self) -> OutputGroup:
         return OutputGroup(self)
 

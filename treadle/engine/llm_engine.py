@@ -24,6 +24,7 @@ from treadle.engine.resolver import create_engine_config
 from treadle.executor import Executor, create_executor
 from treadle.loaders import ModelSource, open_model_source
 from treadle.sampling_params import SamplingParams
+from treadle.structured import StructuredOutputsParams
 from treadle.tokenizer import Tokenizer
 
 logger = logging.getLogger("treadle")
@@ -38,6 +39,7 @@ class LLMEngine:
         source = source if source is not None else open_model_source(config.load.model_path)
         self.config = config
         self.model_config, self.tokenizer = source.config, source.tokenizer
+        self._source = source
         self.scheduler_config = config.scheduler
         self.executor: Executor = create_executor(config, source)
         capacity = self.executor.kv_capacity()
@@ -87,6 +89,13 @@ class LLMEngine:
             return prompt, self.tokenizer_for("a text prompt").encode(prompt)
         return None, self._token_ids(prompt, "prompt token ids")
 
+    def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile ``spec`` into the shared cache (thread-safe: the server calls it from its
+        tokenizer thread, so the step loop finds it compiled); an invalid one is an
+        InvalidRequestError naming the problem."""
+        self.tokenizer_for("structured output", "structured_outputs")
+        self._source.grammars.compile(spec)
+
     def tokenizer_for(self, what: str, param: str = "prompt") -> Tokenizer:
         """The tokenizer; without one (skip_tokenizer_init) ``what`` is refused, naming the way out."""
         if self.tokenizer is None:
@@ -118,6 +127,8 @@ class LLMEngine:
         text, ids = self.tokenize_prompt(prompt)
         if params.stop:
             self.tokenizer_for("a stop string", "stop")
+        if params.structured_outputs is not None:
+            self.compile_grammar(params.structured_outputs)
         self._token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
         max_len = self.scheduler_config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, max_len - len(ids))

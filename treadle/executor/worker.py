@@ -14,6 +14,7 @@ from treadle.distributed import ParallelContext, shard_config, stage_layers
 from treadle.executor.base import KVCapacity
 from treadle.layers.attention.selector import select_backend
 from treadle.loaders import ModelSource, load_model, open_model_source, parse_dtype
+from treadle.structured.matchers import GrammarMatchers
 from treadle.worker.cuda_graph import maybe_graph_runner
 from treadle.worker.model_runner import ModelRunner, allocate_kv_cache
 
@@ -40,10 +41,11 @@ class Worker:
                                     -(-sched.max_model_len // cache.block_size), cache.block_size)
         if graphs is not None:
             graphs.capture()
+        grammars = GrammarMatchers(lambda: source.grammars) if source.tokenizer is not None else None
         self.runner = ModelRunner(loaded.model, kv, cache.block_size, sched.max_num_batched_tokens,
                                   sched.max_model_len, device, config.load.seed, graphs,
                                   config.fused_layers and parallel.tp_size == 1, parallel,
-                                  config.parallel.comm_overlap)
+                                  config.parallel.comm_overlap, grammars)
         self._capacity = KVCapacity(cache.num_blocks, cache.block_size)
 
     def kv_capacity(self) -> KVCapacity:

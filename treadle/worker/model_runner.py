@@ -22,6 +22,7 @@ from treadle.distributed import ParallelContext
 from treadle.distributed.overlap import split_tokens
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, StepInputBuilder
 from treadle.models.llama import LlamaForCausalLM
+from treadle.structured.matchers import GrammarMatchers
 from treadle.worker.cuda_graph import CUDAGraphRunner
 from treadle.worker.fused_layers import fuse_decoder_layers
 from treadle.worker.sampler import Sampler, SamplingRow, logprobs_at
@@ -90,9 +91,11 @@ class ModelRunner:
         fused_layers: bool = True,
         parallel: ParallelContext | None = None,
         overlap: bool = False,
+        grammars: GrammarMatchers | None = None,
     ) -> None:
         """``overlap`` (tensor parallelism without pipeline stages): cut each step of two or
-        more tokens into two micro-batches whose all-reduces overlap compute."""
+        more tokens into two micro-batches whose all-reduces overlap compute. ``grammars``:
+        structured output (None: the model has no tokenizer, so no request can be constrained)."""
         self.model = model
         self.parallel = parallel or ParallelContext.single(model.config.vocab_size)
         self.kv_caches = kv_caches
@@ -100,6 +103,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(seed)
         self.graphs = graphs  # replays captured decode steps on CUDA
+        self.grammars = grammars
         self.requests: dict[str, CachedRequestState] = {}
         self.backend: AttentionBackend = model.backend
         if fused_layers and self.device.type == "cpu":
@@ -167,8 +171,14 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
+            if self.grammars is not None:
+                self.grammars.remove(rid)
         for new in sched.new_requests:
             self.requests[new.request_id] = CachedRequestState(new)
+            spec = new.sampling_params.structured_outputs
+            if spec is not None and self.grammars is not None:
+                stops = dict.fromkeys((*new.eos_token_ids, *new.sampling_params.stop_token_ids))
+                self.grammars.add(new.request_id, spec, list(stops))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -183,17 +193,20 @@ class ModelRunner:
         if not batch.sample_rows:
             return result
         states = [self.requests[rid] for rid, _ in batch.sample_rows]
-        tokens, logprobs = self._sample(hidden, batch, states)
+        constrained = self.grammars is not None and self.grammars.active
+        tokens, logprobs = self._sample(hidden, batch, states, constrained)
         for state, token, lp in zip(states, tokens, logprobs):
             rid = state.data.request_id
+            if constrained and self.grammars is not None:
+                self.grammars.accept(rid, token)
             state.output_token_ids.append(token)
             result.sampled[rid] = token
             if lp is not None:
                 result.logprobs[rid] = lp
         return result
 
-    def _sample(self, hidden: torch.Tensor | None, batch: BatchInputs,
-                states: list[CachedRequestState]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def _sample(self, hidden: torch.Tensor | None, batch: BatchInputs, states: list[CachedRequestState],
+                constrained: bool = False) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Tokens (and logprobs) of the sampled rows. The sampling rank (the last) samples;
         the other ranks of its stage help gather the logits, and every other rank gets the
         tokens by broadcast (its copy of each request's tokens stays in step)."""
@@ -203,6 +216,8 @@ class ModelRunner:
             index = torch.tensor([i for _, i in batch.sample_rows], device=hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, index))
             if logits is not None:
+                if constrained and self.grammars is not None:  # grammar-forbidden tokens -> -inf
+                    self.grammars.mask(logits, [rid for rid, _ in batch.sample_rows])
                 tokens, logprobs = self.sampler(logits, [s.sampling_row() for s in states])
         return self.parallel.broadcast_tokens(tokens, len(states)), logprobs
 
