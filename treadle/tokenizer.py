@@ -117,7 +117,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """``tools``: OpenAI tool definitions, handed to the template as ``tools`` (templates
+        that know tools format them into the prompt; None when the request has none)."""
         if self.chat_template is None:
             raise TreadleError("this model has no chat template; send plain prompts instead")
         if self._template is None:
@@ -129,6 +132,7 @@ class Tokenizer:
             return self._template.render(
                 messages=[_flatten_message(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
