@@ -24,6 +24,8 @@ LAYERS: dict[str, float] = {
     "treadle.tokenizer": 3,
     "treadle.distributed": 3.5,  # process groups, collectives, tensor-parallel sharding rules
     "treadle.quantization": 4,  # linear methods
+    "treadle.structured": 4,  # grammar compiler (on the tokenizer) and the runner's token bitmasks
+    "treadle.sentencepiece_model": 2,  # reads tokenizer.model for the tokenizer
     "treadle.models": 4,  # model files and their layouts
     "treadle.loaders": 5,
     "treadle.worker": 6,  # model runner, fused-layer planner, CUDA graphs, sampler

@@ -13,7 +13,7 @@ __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "Struct
 _LAZY = {
     "LLM": "treadle.entrypoints.llm",
     "SamplingParams": "treadle.sampling_params",
-    "StructuredOutputsParams": "treadle.structured.params",
+    "StructuredOutputsParams": "treadle.sampling_params",
     "RequestOutput": "treadle.engine.outputs",
     "CompletionOutput": "treadle.engine.outputs",
 }

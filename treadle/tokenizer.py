@@ -215,8 +215,8 @@ class Tokenizer:
 
 def _sentencepiece_backend(path: Path) -> BackendTokenizer:
     """A SentencePiece BPE ``tokenizer.model`` as a ``tokenizers`` tokenizer."""
-    from treadle.loaders.sentencepiece_model import read_sentencepiece_model
-    from treadle.loaders.vocab import sentencepiece_bpe
+    from treadle.sentencepiece_model import read_sentencepiece_model
+    from treadle.vocab import sentencepiece_bpe
 
     sp = read_sentencepiece_model(path)
     return sentencepiece_bpe(sp.pieces, sp.scores, sp.types, sp.unk_id, sp.add_dummy_prefix)

@@ -11,6 +11,6 @@
 The scheduler is untouched: a finished grammar allows only stop tokens, and the
 ordinary EOS rule ends the request. Engine: xgrammar (see compiler.py for why).
 """
-from treadle.structured.params import StructuredOutputsParams
+from treadle.sampling_params import StructuredOutputsParams
 
 __all__ = ["StructuredOutputsParams"]

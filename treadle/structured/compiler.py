@@ -18,7 +18,8 @@ from collections.abc import Sequence
 import xgrammar as xgr
 
 from treadle.config import InvalidRequestError
-from treadle.structured.params import PARAM, StructuredOutputsParams
+from treadle.sampling_params import STRUCTURED_PARAM as PARAM
+from treadle.sampling_params import StructuredOutputsParams
 from treadle.tokenizer import Tokenizer
 
 CACHE_SIZE = 256

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from treadle.structured.params import StructuredOutputsParams
+from treadle.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:  # xgrammar is imported on first use: an engine that never constrains never loads it
     import xgrammar as xgr

@@ -1,7 +1,7 @@
 """Read a SentencePiece ``tokenizer.model`` (a ModelProto protobuf) without protobuf or
 sentencepiece installed: the pieces, scores and types, and the two settings the
 tokenizer needs. The BPE model becomes a ``tokenizers`` tokenizer via
-``treadle.loaders.vocab.sentencepiece_bpe`` (the same builder GGUF's llama vocabularies use).
+``treadle.vocab.sentencepiece_bpe`` (the same builder GGUF's llama vocabularies use).
 
 Wire format read here (field number: meaning), all else skipped:
 
