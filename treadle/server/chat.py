@@ -71,7 +71,9 @@ class _ChatView(GenerationView):
 
     def structured_request(self) -> StructuredRequest | None:
         asked = super().structured_request()
-        forced = forced_request(self.tools) if self.tools is not None else None
+        if self.tools is None:
+            return asked
+        forced = forced_request(self.tools)
         if forced is not None and asked is not None:
             raise APIError.bad_request(f"tool_choice {self.tools.choice!r} cannot be combined with {asked.param}",
                                        asked.param)
