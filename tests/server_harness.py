@@ -161,7 +161,8 @@ def start_engine(model_dir: Path, heartbeat_timeout: float = 60.0, control: Step
     kw = {**ENGINE_KW, **engine_kw}
     if in_process:
         return AsyncLLM(factory(str(model_dir), **kw), heartbeat_timeout)
-    return EngineCoreClient(str(model_dir), functools.partial(factory, str(model_dir), **kw), heartbeat_timeout)
+    return EngineCoreClient(str(model_dir), functools.partial(factory, str(model_dir), **kw), heartbeat_timeout,
+                            skip_tokenizer_init=bool(kw.get("skip_tokenizer_init", False)))
 
 
 @contextlib.contextmanager
@@ -176,8 +177,10 @@ def engine(model_dir: Path, heartbeat_timeout: float = 60.0, control: StepContro
 
 @contextlib.contextmanager
 def serve(model_dir: Path, heartbeat_timeout: float = 60.0, control: StepControl | None = None,
-          in_process: bool = False, **app_kw: Any) -> Iterator[tuple[ServerThread, EngineClient]]:
-    with engine(model_dir, heartbeat_timeout, control, in_process) as llm:
+          in_process: bool = False, engine_kw: dict[str, Any] | None = None,
+          **app_kw: Any) -> Iterator[tuple[ServerThread, EngineClient]]:
+    """``engine_kw``: EngineArgs over ENGINE_KW; ``app_kw``: build_app's options."""
+    with engine(model_dir, heartbeat_timeout, control, in_process, **(engine_kw or {})) as llm:
         with ServerThread(build_app(llm, MODEL_NAME, **app_kw)) as srv:
             yield srv, llm
 

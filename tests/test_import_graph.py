@@ -26,6 +26,8 @@ LAYERS: dict[str, float] = {
     "treadle.tokenizer": 3,
     "treadle.distributed": 3.5,  # process groups, collectives, tensor-parallel sharding rules
     "treadle.quantization": 4,  # linear methods
+    "treadle.structured": 4,  # grammar compiler (on the tokenizer) and the runner's token bitmasks
+    "treadle.sentencepiece_model": 2,  # reads tokenizer.model for the tokenizer
     "treadle.models": 4,  # model files and their layouts
     "treadle.loaders": 5,
     "treadle.worker.sampler": 5.4,  # the sampler (the verifier reuses its processing)

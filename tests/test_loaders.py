@@ -212,7 +212,9 @@ def test_missing_paths(model_dir: Path, tmp_path: Path) -> None:
     assert msg.startswith(f"{tmp_path / 'nope.gguf'}: no such file or directory")
     path = _copy(model_dir, tmp_path / "m")
     (path / "tokenizer.json").unlink()
-    assert _one_line_error(open_hf_dir, path) == f"{path}: no tokenizer.json (only the tokenizers-library format is supported)"
+    assert _one_line_error(open_hf_dir, path) == (
+        f"{path}: no tokenizer (neither tokenizer.json nor tokenizer.model); add one, or pass "
+        "skip_tokenizer_init=True (--skip-tokenizer-init) to work in token ids")
     (path / "config.json").unlink()
     assert _one_line_error(open_hf_dir, path).startswith(f"{path / 'config.json'}: no such file")
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 _LAZY = {
     "LLM": "treadle.entrypoints.llm",
     "SamplingParams": "treadle.sampling_params",
+    "StructuredOutputsParams": "treadle.sampling_params",
     "RequestOutput": "treadle.engine.outputs",
     "CompletionOutput": "treadle.engine.outputs",
 }

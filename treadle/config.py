@@ -136,6 +136,7 @@ class LoadConfig:
     dtype: str  # "float32" | "bfloat16" | "float16"
     quantization: str  # "none" | "gguf" | a weight-only name ("int8", "int4-g64", ...)
     seed: int
+    skip_tokenizer_init: bool  # no tokenizer anywhere: token ids in and out
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,72 @@
 """Per-request sampling parameters (names follow vLLM's SamplingParams)."""
 from __future__ import annotations
 
+import json as jsonlib
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 from treadle.config import InvalidRequestError
 
 MAX_LOGPROBS = 20
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_PARAM = "structured_outputs"
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's names), as plain data: exactly one of
+    ``json`` (a JSON schema, as a dict or JSON text), ``regex``, ``choice`` (a list of
+    strings), ``grammar`` (EBNF in xgrammar's dialect: ``root ::= ...``) or ``json_object``
+    (any JSON object). It travels inside SamplingParams to the workers, so it holds only
+    strings, lists and bools; ``key`` names the compiled grammar in caches."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(f"structured output needs exactly one of {', '.join(_KINDS)}; "
+                                      f"got {', '.join(given) or 'none'}", STRUCTURED_PARAM)
+        if isinstance(self.json, dict):
+            self.json = jsonlib.dumps(self.json)  # property order is generation order: keep it
+        checks = [
+            (self.json is None or isinstance(self.json, str), "json must be a JSON schema (an object or its text)"),
+            (self.regex is None or isinstance(self.regex, str), "regex must be a string"),
+            (self.grammar is None or isinstance(self.grammar, str), "grammar must be a string"),
+            (self.choice is None or (isinstance(self.choice, list) and len(self.choice) > 0
+                                     and all(isinstance(c, str) for c in self.choice)),
+             "choice must be a non-empty list of strings"),
+            (isinstance(self.json_object, bool), "json_object must be a boolean"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message, STRUCTURED_PARAM)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec text): equal keys compile to the same grammar."""
+        kind = self.kind
+        if kind == "choice":
+            return kind, jsonlib.dumps(self.choice)
+        if kind == "json_object":
+            return kind, ""
+        return kind, str(getattr(self, kind))
 
 
 class SamplingParamsError(InvalidRequestError):
@@ -43,6 +95,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match this grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +120,8 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if not all(isinstance(s, str) for s in cast(list[object], self.stop)):  # a list since __post_init__
             raise SamplingParamsError("stop", "stop must be a string or a list of strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise SamplingParamsError("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
 
     def _validate(self) -> None:
         checks: list[tuple[bool, str, str]] = [
@@ -95,6 +150,9 @@ class SamplingParams:
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]",
             ),
         ]
+        if self.structured_outputs is not None:  # the grammar ends the output with a stop token
+            checks.append((not self.ignore_eos, "ignore_eos", "ignore_eos cannot be combined with structured output"))
+            checks.append((self.min_tokens == 0, "min_tokens", "min_tokens cannot be combined with structured output"))
         for ok, param, message in checks:
             if not ok:
                 raise SamplingParamsError(param, message)

@@ -117,7 +117,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """``tools``: OpenAI tool definitions, handed to the template as ``tools`` (templates
+        that know tools format them into the prompt; None when the request has none)."""
         if self.chat_template is None:
             raise TreadleError("this model has no chat template; send plain prompts instead")
         if self._template is None:
@@ -129,6 +132,7 @@ class Tokenizer:
             return self._template.render(
                 messages=[_flatten_message(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
@@ -141,23 +145,30 @@ class Tokenizer:
         """tokenizer.json + tokenizer_config.json (+ chat_template.jinja, special_tokens_map.json)."""
         path = Path(path)
         tok_file = path / "tokenizer.json"
-        if not tok_file.is_file():
-            raise TreadleError(f"{path}: no tokenizer.json (only the tokenizers-library format is supported)")
-        try:
-            backend = BackendTokenizer.from_file(str(tok_file))
-        except Exception as e:  # the library raises bare Exceptions on malformed files
-            raise TreadleError(f"{tok_file}: not a valid tokenizer.json ({e})") from None
         cfg = read_json_object(path / "tokenizer_config.json")
         specials = read_json_object(path / "special_tokens_map.json")
+        if tok_file.is_file():
+            try:
+                backend = BackendTokenizer.from_file(str(tok_file))
+            except Exception as e:  # the library raises bare Exceptions on malformed files
+                raise TreadleError(f"{tok_file}: not a valid tokenizer.json ({e})") from None
+            default_add_bos = False
+        elif (path / "tokenizer.model").is_file():
+            backend = _sentencepiece_backend(path / "tokenizer.model")
+            default_add_bos = True  # LlamaTokenizer's default, as Llama-2 and Mistral rely on
+        else:
+            raise TreadleError(f"{path}: no tokenizer (neither tokenizer.json nor tokenizer.model); add one, "
+                               "or pass skip_tokenizer_init=True (--skip-tokenizer-init) to work in token ids")
         template_file = path / "chat_template.jinja"
         template = template_file.read_text() if template_file.is_file() else _pick_template(cfg.get("chat_template"))
         has_post = backend.post_processor is not None
+        vocab = backend.get_vocab(with_added_tokens=True)
         return Tokenizer(
             backend,
-            bos_token=_token_text(cfg.get("bos_token", specials.get("bos_token"))),
-            eos_token=_token_text(cfg.get("eos_token", specials.get("eos_token"))),
+            bos_token=_token_text(cfg.get("bos_token", specials.get("bos_token", "<s>" if "<s>" in vocab else None))),
+            eos_token=_token_text(cfg.get("eos_token", specials.get("eos_token", "</s>" if "</s>" in vocab else None))),
             chat_template=template,
-            add_bos_token=None if has_post else bool(cfg.get("add_bos_token", False)),
+            add_bos_token=None if has_post else bool(cfg.get("add_bos_token", default_add_bos)),
             add_eos_token=None if has_post else bool(cfg.get("add_eos_token", False)),
             extra_eos_token_ids=extra_eos_token_ids,
         )
@@ -200,6 +211,15 @@ class Tokenizer:
             add_eos_token=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
             extra_eos_token_ids=extra_eos_token_ids,
         )
+
+
+def _sentencepiece_backend(path: Path) -> BackendTokenizer:
+    """A SentencePiece BPE ``tokenizer.model`` as a ``tokenizers`` tokenizer."""
+    from treadle.sentencepiece_model import read_sentencepiece_model
+    from treadle.vocab import sentencepiece_bpe
+
+    sp = read_sentencepiece_model(path)
+    return sentencepiece_bpe(sp.pieces, sp.scores, sp.types, sp.unk_id, sp.add_dummy_prefix)
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

@@ -179,7 +179,7 @@ def _serve_prompts(args: argparse.Namespace, salt: int) -> tuple[list, list]:
 
     source = open_model_source(args.model)
     reqs = make_workload(workload_spec(args), source.config.vocab_size, token_salt=salt, tokenizer=source.tokenizer)
-    if args.prompt_format == "ids":
+    if args.prompt_format == "ids" or source.tokenizer is None:
         return reqs, [r.prompt_token_ids for r in reqs]
     return reqs, [source.tokenizer.decode(r.prompt_token_ids) for r in reqs]
 

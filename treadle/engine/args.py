@@ -59,6 +59,8 @@ class EngineArgs:
         None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
               '(keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, fallback, model)',
         type=str)
+    skip_tokenizer_init: bool = _arg(False, "load no tokenizer: prompts are token ids and outputs carry token "
+                                            "ids only (no text, stop strings, chat or structured output)")
 
 
 # the keys of ``speculative_config`` and their defaults (the resolver settles the rest)

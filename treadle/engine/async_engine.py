@@ -39,6 +39,7 @@ from treadle.engine.engine_client import EngineClient, Sink, post_by_loop
 from treadle.engine.engine_core import EngineCore
 from treadle.engine.llm_engine import LLMEngine, PromptType
 from treadle.sampling_params import SamplingParams
+from treadle.structured import StructuredOutputsParams
 
 logger = logging.getLogger("treadle")
 
@@ -65,6 +66,7 @@ class _Abort:
 class AsyncLLM(EngineClient):
     def __init__(self, engine: LLMEngine, heartbeat_timeout: float = 60.0) -> None:
         self._core = EngineCore(engine)  # touched only by the engine thread after start
+        self._compile_grammar = engine.compile_grammar  # thread-safe: the compiler's cache is locked
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_model_len = engine.scheduler_config.max_model_len
@@ -92,6 +94,10 @@ class AsyncLLM(EngineClient):
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._submit(_Add(request_id, prompt, params, priority, max_waiting, time.monotonic(), sink, done))
         await asyncio.wrap_future(done)
+
+    def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Into the cache the engine's add_request and an in-process runner read."""
+        self._compile_grammar(spec)
 
     def abort(self, request_ids: list[str] | str) -> None:
         self._submit(_Abort([request_ids] if isinstance(request_ids, str) else list(request_ids)))

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import zmq
 
-from treadle.config import EngineDeadError, TreadleError
+from treadle.config import EngineDeadError, InvalidRequestError, TreadleError
 from treadle.engine.core_messages import (
     AbortRequests,
     AddRequest,
@@ -64,7 +64,7 @@ from treadle.engine.engine_core import EngineSnapshot
 from treadle.engine.llm_engine import LLMEngine, PromptType, StepFailedError
 from treadle.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from treadle.loaders import open_model_source
-from treadle.sampling_params import SamplingParams
+from treadle.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("treadle")
 
@@ -97,13 +97,15 @@ class _Stream:
 
 class EngineCoreClient(EngineClient):
     def __init__(self, model: str, engine_factory: Callable[[], LLMEngine], heartbeat_timeout: float = 60.0,
-                 threads: int | None = None, startup_timeout: float = 1800.0) -> None:
+                 threads: int | None = None, startup_timeout: float = 1800.0, skip_tokenizer_init: bool = False) -> None:
         """Start an engine process running ``engine_factory()`` (picklable: it travels to a
         spawned process) for ``model``, whose tokenizer this process loads; returns once
         the engine is ready, or raises TreadleError (with the engine's own error).
-        ``threads``: the engine process's torch threads (default: this process's)."""
-        source = open_model_source(model)  # the tokenizer and config only; the weights stay unread
+        ``threads``: the engine process's torch threads (default: this process's).
+        ``skip_tokenizer_init``: as the engine's (this process loads no tokenizer either)."""
+        source = open_model_source(model, skip_tokenizer_init)  # tokenizer and config; weights stay unread
         self.tokenizer, self.model_config = source.tokenizer, source.config
+        self._source = source  # its grammar compiler (built on first use) checks specs here
         self.heartbeat_timeout = heartbeat_timeout
         self.dead_error: BaseException | None = None
         self.snapshot = EngineSnapshot()
@@ -144,7 +146,8 @@ class EngineCoreClient(EngineClient):
     @classmethod
     def from_args(cls, model: str, heartbeat_timeout: float = 60.0, threads: int | None = None,
                   **engine_kwargs: Any) -> EngineCoreClient:
-        return cls(model, functools.partial(LLMEngine.from_args, model, **engine_kwargs), heartbeat_timeout, threads)
+        return cls(model, functools.partial(LLMEngine.from_args, model, **engine_kwargs), heartbeat_timeout, threads,
+                   skip_tokenizer_init=bool(engine_kwargs.get("skip_tokenizer_init", False)))
 
     @property
     def engine_pid(self) -> int | None:
@@ -171,15 +174,25 @@ class EngineCoreClient(EngineClient):
             raise
         await asyncio.wrap_future(done)
 
+    def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compiled with this process's own compiler (a bad spec fails here, before it is
+        sent); the engine process compiles it again, once per spec, at add_request."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured output needs a tokenizer, and this engine was started with "
+                                      "skip_tokenizer_init", "structured_outputs")
+        self._source.grammars.compile(spec)
+
     def _prompt(self, prompt: PromptType) -> tuple[str | None, list[int], Any]:
         """(prompt text, prompt ids, what to send). The server sends prompts it has already
         tokenized (on a worker thread), which go as they are, as do ids and malformed
         prompts (the engine checks them); a bare text from a Python caller is tokenized
-        here, as the engine would."""
+        here, as the engine would (without a tokenizer it goes as it is: the engine refuses it)."""
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         if not isinstance(text, str) or (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
             ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
             return (text if isinstance(text, str) else None), (list(ids) if isinstance(ids, list) else []), prompt
+        if self.tokenizer is None:
+            return text, [], prompt
         ids = self.tokenizer.encode(text)
         return text, ids, {"prompt": text, "prompt_token_ids": ids}
 

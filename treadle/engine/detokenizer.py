@@ -14,7 +14,8 @@ _CONTEXT = 5  # prompt tokens kept as left context for the first decodes
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """``tokenizer`` None: no text at all (token ids only)."""
         self.tokenizer = tokenizer
         self.skip_special = params.skip_special_tokens
         self.stops: list[str] = list(params.stop or [])
@@ -27,6 +28,8 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> str | None:
         """Append one token; returns the stop string it completed, if any."""
+        if self.tokenizer is None:
+            return None
         self._ids.append(token_id)
         decode = self.tokenizer.decode
         prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self.skip_special)

@@ -23,7 +23,7 @@ from treadle.config import EngineDeadError, ModelConfig
 from treadle.engine.engine_core import EngineSnapshot
 from treadle.engine.llm_engine import PromptType
 from treadle.engine.outputs import RequestOutput
-from treadle.sampling_params import SamplingParams
+from treadle.sampling_params import SamplingParams, StructuredOutputsParams
 from treadle.tokenizer import Tokenizer
 
 
@@ -63,7 +63,7 @@ class EngineClient(ABC):
     gauges), ``dead_error`` (None while alive) and ``num_open_requests`` (maintained by
     the OutputGroups: admitted and not yet finished or closed)."""
 
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: skip_tokenizer_init (token ids in and out)
     model_config: ModelConfig
     max_model_len: int
     heartbeat_timeout: float
@@ -96,6 +96,13 @@ class EngineClient(ABC):
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the step loop within about ``timeout`` seconds; open requests fail with
         EngineDeadError. Idempotent."""
+
+    @abstractmethod
+    def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile a structured-output spec, or raise an InvalidRequestError naming its
+        problem (also when there is no tokenizer). Blocking: the server calls it from its
+        tokenizer worker thread, never the event loop, so a bad spec is a 400 there and
+        the step loop finds a good one cached."""
 
     def group(self) -> OutputGroup:
         return OutputGroup(self)

@@ -26,6 +26,8 @@ from treadle.loaders import ModelSource, open_model_source
 from treadle.sampling_params import SamplingParams
 from treadle.spec_decode.fallback import FallbackController
 from treadle.spec_decode.metrics import SpecDecodeStats
+from treadle.structured import StructuredOutputsParams
+from treadle.tokenizer import Tokenizer
 
 logger = logging.getLogger("treadle")
 
@@ -39,6 +41,7 @@ class LLMEngine:
         source = source if source is not None else open_model_source(config.load.model_path)
         self.config = config
         self.model_config, self.tokenizer = source.config, source.tokenizer
+        self._source = source
         self.scheduler_config = config.scheduler
         self.executor: Executor = create_executor(config, source)
         capacity = self.executor.kv_capacity()
@@ -84,11 +87,25 @@ class LLMEngine:
             if ids is None:
                 if text is None:
                     raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
-                return text, self.tokenizer.encode(text)
+                return text, self.tokenizer_for("a text prompt").encode(text)
             return text, self._token_ids(ids, "prompt_token_ids")
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer_for("a text prompt").encode(prompt)
         return None, self._token_ids(prompt, "prompt token ids")
+
+    def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile ``spec`` into the shared cache (thread-safe: the server calls it from its
+        tokenizer thread, so the step loop finds it compiled); an invalid one is an
+        InvalidRequestError naming the problem."""
+        self.tokenizer_for("structured output", "structured_outputs")
+        self._source.grammars.compile(spec)
+
+    def tokenizer_for(self, what: str, param: str = "prompt") -> Tokenizer:
+        """The tokenizer; without one (skip_tokenizer_init) ``what`` is refused, naming the way out."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"{what} needs a tokenizer, and this engine was started with "
+                                      "skip_tokenizer_init; send token ids (prompt_token_ids) instead", param)
+        return self.tokenizer
 
     def _token_ids(self, ids: object, what: str, param: str = "prompt") -> list[int]:
         """``ids`` as a list of ints in the vocabulary, or an InvalidRequestError naming ``what``."""
@@ -112,6 +129,10 @@ class LLMEngine:
         if request_id in self.outputs.parents:
             raise TreadleError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        if params.stop:
+            self.tokenizer_for("a stop string", "stop")
+        if params.structured_outputs is not None:
+            self.compile_grammar(params.structured_outputs)
         self._token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
         max_len = self.scheduler_config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, max_len - len(ids))

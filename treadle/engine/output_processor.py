@@ -41,7 +41,8 @@ class ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        """``tokenizer`` None (skip_tokenizer_init): outputs carry token ids and empty text."""
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.parent_of: dict[str, str] = {}  # child request id -> parent request id
@@ -58,12 +59,13 @@ class OutputProcessor:
         self.parents[request_id] = ParentState(request_id, prompt, prompt_ids, params, children,
                                                RequestMetrics(arrival), first)
 
+    def _token_text(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def _decoded(self, lp: TokenLogprobs) -> dict[int, Logprob]:
-        entries = {tid: Logprob(v, r + 1, self.tokenizer.decode([tid], skip_special_tokens=False))
-                   for r, (tid, v) in enumerate(lp.top)}
+        entries = {tid: Logprob(v, r + 1, self._token_text(tid)) for r, (tid, v) in enumerate(lp.top)}
         if lp.token_id not in entries:
-            entries[lp.token_id] = Logprob(lp.logprob, lp.rank,
-                                           self.tokenizer.decode([lp.token_id], skip_special_tokens=False))
+            entries[lp.token_id] = Logprob(lp.logprob, lp.rank, self._token_text(lp.token_id))
         return entries
 
     def process(self, touched: list[Request], result: ModelRunnerOutput, stop_cb) -> list[str]:

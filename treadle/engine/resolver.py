@@ -74,7 +74,8 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
     return EngineConfig(
         model=source.config,
         load=LoadConfig(model_path=str(source.path), dtype=str(dtype).removeprefix("torch."),
-                        quantization=quantization, seed=args.seed),
+                        quantization=quantization, seed=args.seed,
+                        skip_tokenizer_init=args.skip_tokenizer_init),
         cache=CacheConfig(block_size=plan.block_size, num_blocks=plan.num_blocks,
                           bytes_per_block=plan.bytes_per_block, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=scheduler,
@@ -92,7 +93,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
     device = _parse_device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise TreadleError(f"device {args.device!r}: CUDA is not available on this machine")
-    source = open_model_source(args.model)
+    source = open_model_source(args.model, args.skip_tokenizer_init)
     return resolve_config(args, source, available_memory(device)), source
 
 

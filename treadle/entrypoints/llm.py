@@ -102,7 +102,7 @@ class LLM:
     ) -> list[RequestOutput]:
         one = bool(messages) and isinstance(messages[0], dict)
         conversations = cast(list[list[dict[str, Any]]], [messages] if one else messages)
-        tok = self.engine.tokenizer
+        tok = self.engine.tokenizer_for("chat")
         texts = [tok.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         prompts = [{"prompt": t, "prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm)

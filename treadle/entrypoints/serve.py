@@ -64,7 +64,8 @@ def start_engine(args: argparse.Namespace, engine_factory: Callable[..., LLMEngi
     if args.engine_in_process:
         return AsyncLLM(build(), args.heartbeat_timeout), model
     threads = args.threads or max(1, torch.get_num_threads() - 1)
-    return EngineCoreClient(model, build, args.heartbeat_timeout, threads), model
+    return EngineCoreClient(model, build, args.heartbeat_timeout, threads,
+                            skip_tokenizer_init=bool(kw.get("skip_tokenizer_init", False))), model
 
 
 def run_serve(args: argparse.Namespace, engine_factory: Callable[..., LLMEngine] | None = None) -> int:

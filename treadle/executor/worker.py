@@ -13,7 +13,8 @@ from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
 from treadle.distributed import ParallelContext, shard_config, stage_layers
 from treadle.executor.base import KVCapacity
 from treadle.layers.attention.selector import select_backend
-from treadle.loaders import ModelSource, load_model, parse_dtype
+from treadle.loaders import ModelSource, load_model, open_model_source, parse_dtype
+from treadle.structured.matchers import GrammarMatchers
 from treadle.worker.cuda_graph import maybe_graph_runner
 from treadle.worker.model_runner import ModelRunner, allocate_kv_cache
 
@@ -29,8 +30,9 @@ class Worker:
         dtype = parse_dtype(config.load.dtype)
         backend = select_backend(config.attention_backend, device)
         torch.manual_seed(config.load.seed)
-        loaded = load_model(source if source is not None else config.load.model_path, backend, dtype, device,
-                            config.load.quantization, parallel)
+        if source is None:
+            source = open_model_source(config.load.model_path, config.load.skip_tokenizer_init)
+        loaded = load_model(source, backend, dtype, device, config.load.quantization, parallel)
         cache, sched = config.cache, config.scheduler
         local = shard_config(loaded.config, parallel.tp_size, parallel.tp_rank)
         layers = stage_layers(local.num_layers, parallel.pp_size, parallel.pp_rank)
@@ -39,10 +41,12 @@ class Worker:
                                     -(-sched.max_model_len // cache.block_size), cache.block_size)
         if graphs is not None:
             graphs.capture()
+        grammars = GrammarMatchers(lambda: source.grammars) if source.tokenizer is not None else None
         self.runner = ModelRunner(loaded.model, kv, cache.block_size, sched.max_num_batched_tokens,
                                   sched.max_model_len, device, config.load.seed, graphs,
                                   config.fused_layers and parallel.tp_size == 1, parallel,
-                                  config.parallel.comm_overlap, config.speculative)
+                                  config.parallel.comm_overlap, speculative=config.speculative,
+                                  grammars=grammars)
         self._capacity = KVCapacity(cache.num_blocks, cache.block_size)
 
     def kv_capacity(self) -> KVCapacity:

@@ -25,23 +25,24 @@ if TYPE_CHECKING:
 class LoadedModel:
     model: LlamaForCausalLM
     config: ModelConfig
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None
     path: Path
 
 
-def open_model_source(name_or_path: str) -> ModelSource:
-    """Resolve a short name or a path and open it (HF directory or GGUF file)."""
+def open_model_source(name_or_path: str, skip_tokenizer_init: bool = False) -> ModelSource:
+    """Resolve a short name or a path and open it (HF directory or GGUF file); with
+    ``skip_tokenizer_init`` no tokenizer is read (``source.tokenizer`` is None)."""
     from treadle.loaders.resolve import resolve_model
 
     path = resolve_model(name_or_path)
     if path.is_dir():
         from treadle.loaders.hf import open_hf_dir
 
-        return open_hf_dir(path)
+        return open_hf_dir(path, skip_tokenizer_init)
     if path.suffix == ".gguf":
         from treadle.loaders.gguf import open_gguf
 
-        return open_gguf(path)
+        return open_gguf(path, skip_tokenizer_init)
     raise TreadleError(f"{path}: not a Hugging Face model directory or a .gguf file")
 
 

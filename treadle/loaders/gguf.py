@@ -200,7 +200,7 @@ def _check_extents(refs: list[GGUFTensorRef], path: Path) -> None:
             raise TreadleError(f"{path}: tensor {t.name!r} extends past the end of the file (truncated?)")
 
 
-def open_gguf(path: str | Path) -> ModelSource:
+def open_gguf(path: str | Path, skip_tokenizer_init: bool = False) -> ModelSource:
     path = Path(path)
     reader = open_gguf_reader(path)
     try:
@@ -212,7 +212,8 @@ def open_gguf(path: str | Path) -> ModelSource:
     _check_extents(refs, path)
     check_tensors(path, {ref.hf_name: ref.shape for ref in refs}, config)
     try:
-        tokenizer = Tokenizer.from_gguf_metadata(md, extra_eos_token_ids=config.eos_token_ids)
+        tokenizer = None if skip_tokenizer_init else Tokenizer.from_gguf_metadata(
+            md, extra_eos_token_ids=config.eos_token_ids)
     except TreadleError as e:
         raise TreadleError(f"{path}: {e}") from None
 

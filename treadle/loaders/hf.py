@@ -144,7 +144,7 @@ def stream_safetensors(
             raise TreadleError(f"{file}: cannot read weights ({e})") from None
 
 
-def open_hf_dir(path: str | Path) -> ModelSource:
+def open_hf_dir(path: str | Path, skip_tokenizer_init: bool = False) -> ModelSource:
     path = Path(path)
     if not path.is_dir():
         raise TreadleError(f"{path}: no such directory")
@@ -159,7 +159,7 @@ def open_hf_dir(path: str | Path) -> ModelSource:
         found |= shapes
         shards.append((file, list(shapes)))
     check_tensors(path, found, config)
-    tokenizer = Tokenizer.from_hf_dir(path, extra_eos_token_ids=config.eos_token_ids)
+    tokenizer = None if skip_tokenizer_init else Tokenizer.from_hf_dir(path, extra_eos_token_ids=config.eos_token_ids)
     return ModelSource(
         path=path,
         config=config,

@@ -132,7 +132,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 
 def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
     """In a worker thread: the chat template and the tokenizer may take a while."""
-    tok = state.llm.tokenizer
+    tok = state.tokenizer("messages" if body.messages is not None else "prompt")
     if body.messages is not None:
         text, special, param = chat.render_chat(tok, body.messages, body.add_generation_prompt), False, "messages"
     else:
@@ -151,5 +151,5 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise APIError.bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
-    return {"prompt": state.llm.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+    return {"prompt": state.tokenizer("tokens").decode(body.tokens, skip_special_tokens=False)}
 

@@ -15,17 +15,22 @@ from treadle.server.errors import APIError
 from treadle.server.generation import GenerationView
 from treadle.server.openapi import GENERATION_RESPONSES
 from treadle.server.protocol import ChatCompletionRequest, ChatCompletionResponse, ChatMessage
+from treadle.server.state import ServerState
+from treadle.server.structured import StructuredRequest
+from treadle.server.tools import HERMES_OPEN, forced_request, parse_tool_calls, streamable, tool_mode
 from treadle.tokenizer import Tokenizer
 
 router = APIRouter()
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> str:
     """The chat template applied to ``messages`` (the text holds any BOS the template writes)."""
     if not messages:
         raise APIError.bad_request("messages must not be empty", "messages")
     try:
-        return tokenizer.apply_chat_template([m.as_template_input() for m in messages], add_generation_prompt)
+        return tokenizer.apply_chat_template([m.as_template_input() for m in messages], add_generation_prompt,
+                                             tools)
     except TreadleError as e:
         raise APIError.bad_request(str(e), "messages") from None
     except Exception as e:  # noqa: BLE001 - a template tripping over user content is the user's 400
@@ -59,6 +64,21 @@ class _ChatView(GenerationView):
     prompt_param = "messages"
     body: ChatCompletionRequest
 
+    def __init__(self, state: ServerState, body: ChatCompletionRequest) -> None:
+        super().__init__(state, body)
+        self.tools = tool_mode(body)
+        self._streamed: dict[int, int] = {}  # content characters sent, per choice (tool mode)
+
+    def structured_request(self) -> StructuredRequest | None:
+        asked = super().structured_request()
+        if self.tools is None:
+            return asked
+        forced = forced_request(self.tools)
+        if forced is not None and asked is not None:
+            raise APIError.bad_request(f"tool_choice {self.tools.choice!r} cannot be combined with {asked.param}",
+                                       asked.param)
+        return forced or asked
+
     def sampling_params(self) -> SamplingParams:
         body = self.body
         if body.top_logprobs is not None and not body.logprobs:
@@ -72,7 +92,8 @@ class _ChatView(GenerationView):
         return 1
 
     def prompts(self) -> list[PromptType]:
-        text = render_chat(self.state.llm.tokenizer, self.body.messages, self.body.add_generation_prompt)
+        text = render_chat(self.state.tokenizer("messages"), self.body.messages, self.body.add_generation_prompt,
+                           self.tools.tools if self.tools is not None else None)
         return [self.tokenized(text, add_special_tokens=False)]
 
     def _logprobs(self, c: CompletionOutput, start: int, end: int) -> dict[str, Any] | None:
@@ -82,9 +103,16 @@ class _ChatView(GenerationView):
                              self.body.top_logprobs or 0)
 
     def choice(self, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c, 0, len(c.token_ids)), "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        if self.tools is not None:
+            content, calls = parse_tool_calls(self.tools, c.text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": c.index, "message": message, "logprobs": self._logprobs(c, 0, len(c.token_ids)),
+                "finish_reason": finish, "stop_reason": c.stop_reason}
 
     def opening_chunks(self) -> list[str]:
         return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -92,6 +120,27 @@ class _ChatView(GenerationView):
 
     def delta(self, out: RequestOutput, c: CompletionOutput, index: int) -> dict[str, Any]:
         end = len(c.token_ids)
-        delta = {"content": c.new_text} if c.new_text or c.finish_reason is None else {}
+        finish = c.finish_reason
+        if self.tools is None:
+            delta: dict[str, Any] = {"content": c.new_text} if c.new_text or finish is None else {}
+        else:
+            delta, finish = self._tool_delta(c, index)
         return {"index": c.index, "delta": delta, "logprobs": self._logprobs(c, end - len(c.new_token_ids), end),
-                "finish_reason": c.finish_reason}
+                "finish_reason": finish}
+
+    def _tool_delta(self, c: CompletionOutput, index: int) -> tuple[dict[str, Any], str | None]:
+        """Content streams while it surely is content; a tool call is sent whole at the end."""
+        assert self.tools is not None
+        text, sent = c.text, self._streamed.get(index, 0)
+        if c.finish_reason is None:
+            upto = max(sent, streamable(self.tools, text))
+            self._streamed[index] = upto
+            return ({"content": text[sent:upto]} if upto > sent else {}), None
+        content, calls = parse_tool_calls(self.tools, text)
+        if not calls:
+            return ({"content": text[sent:]} if len(text) > sent else {}), c.finish_reason
+        cut = text.find(HERMES_OPEN)
+        rest = text[sent:cut].rstrip() if content and cut > sent else ""
+        delta: dict[str, Any] = {"content": rest} if rest else {}
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+        return delta, "tool_calls" if c.finish_reason == "stop" else c.finish_reason

@@ -25,7 +25,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return await _CompletionView(request.app.state.treadle, body).respond(request)
 
 
-def legacy_logprobs(tokenizer: Tokenizer, ids: list[int], entries: list[dict[int, Logprob] | None],
+def legacy_logprobs(tokenizer: Tokenizer | None, ids: list[int], entries: list[dict[int, Logprob] | None],
                     text_offset: int) -> dict[str, list[Any]]:
     """OpenAI's completions shape: tokens, token_logprobs, top_logprobs, text_offset.
     An entry of None (the first prompt token) has no logprob. top_logprobs maps token text
@@ -37,8 +37,10 @@ def legacy_logprobs(tokenizer: Tokenizer, ids: list[int], entries: list[dict[int
     offsets: list[int] = []
     for tid, entry in zip(ids, entries):
         chosen = entry.get(tid) if entry else None
-        text = chosen.decoded_token if chosen and chosen.decoded_token is not None else \
-            tokenizer.decode([tid], skip_special_tokens=False)
+        if chosen and chosen.decoded_token is not None:
+            text = chosen.decoded_token
+        else:
+            text = "" if tokenizer is None else tokenizer.decode([tid], skip_special_tokens=False)
         tokens.append(text)
         token_logprobs.append(chosen.logprob if chosen else None)
         top: dict[str, float] = {}
@@ -89,8 +91,8 @@ class _CompletionView(GenerationView):
         return out
 
     def prompt_text(self, out: RequestOutput) -> str:
-        if out.prompt is not None:
-            return out.prompt
+        if out.prompt is not None or self.tokenizer is None:
+            return out.prompt or ""
         return self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
 
     def choice_index(self, out: RequestOutput, c: CompletionOutput) -> int:

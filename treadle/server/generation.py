@@ -31,6 +31,7 @@ from treadle.server.errors import APIError, engine_error
 from treadle.server.protocol import MAX_N, SamplingFields
 from treadle.server.sse import SSE_DONE, sse, sse_error
 from treadle.server.state import ServerState
+from treadle.server.structured import StructuredRequest, structured_request
 
 T = TypeVar("T")
 
@@ -48,6 +49,7 @@ class GenerationView(ABC):
         self.state, self.body = state, body
         self.request_id = new_id(self.id_prefix)
         self.created = int(time.time())
+        self.structured: StructuredRequest | None = None  # set by make_params
 
     # -- what subclasses give ----------------------------------------------------------
     @abstractmethod
@@ -82,6 +84,10 @@ class GenerationView(ABC):
         """Chunks sent when a prompt's first output arrives (completions: echo)."""
         return []
 
+    def structured_request(self) -> StructuredRequest | None:
+        """What the output must match (chat adds tool calls); None: free text."""
+        return structured_request(self.body)
+
     # -- the skeleton ----------------------------------------------------------------------
     async def respond(self, request: Request) -> Response:
         state = self.state
@@ -89,7 +95,7 @@ class GenerationView(ABC):
         params = self.sampling_params()
         state.check_num_sequences(self.num_prompts(), params.n)
         state.check_admitting()
-        prompts = await asyncio.to_thread(self.prompts)
+        prompts = await asyncio.to_thread(self._prepare)
         group = await submit(state, self.request_id, prompts, params, self.prompt_param)
         if self.body.stream:
             return StreamingResponse(self._sse(stream_outputs(state, group)), media_type="text/event-stream",
@@ -99,6 +105,17 @@ class GenerationView(ABC):
         return JSONResponse({"id": self.request_id, "object": self.object_name, "created": self.created,
                              "model": state.served_model_name, "choices": choices, "usage": usage(finals)})
 
+    def _prepare(self) -> list[PromptType]:
+        """In a worker thread: the prompts, and the grammar compiled into the engine's cache
+        (so a bad schema is a 400 here and the step loop never compiles)."""
+        prompts = self.prompts()
+        if self.structured is not None:
+            try:
+                self.state.llm.compile_grammar(self.structured.spec)
+            except TreadleError as e:
+                raise APIError.bad_request(str(e), self.structured.param) from None
+        return prompts
+
     def make_params(self, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
         body = self.body
@@ -106,12 +123,17 @@ class GenerationView(ABC):
             raise APIError.bad_request(f"n must be in [1, {MAX_N}]", "n")
         if body.logit_bias:
             raise APIError.bad_request("logit_bias is not supported", "logit_bias")
+        self.structured = self.structured_request()
+        if self.structured is not None and self.state.llm.tokenizer is None:
+            raise APIError.bad_request("structured output needs a tokenizer, and this server was started with "
+                                       "--skip-tokenizer-init", self.structured.param)
         try:
             return SamplingParams(
                 n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, seed=body.seed, stop=body.stop, max_tokens=max_tokens,
                 ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                structured_outputs=self.structured.spec if self.structured is not None else None,
             )
         except TreadleError as e:
             raise engine_error(e) from None
@@ -123,7 +145,7 @@ class GenerationView(ABC):
         if len(text) > self.state.max_prompt_chars:
             raise APIError(400, f"the prompt has {len(text)} characters, more than this model's context "
                                 f"({max_len} tokens) can hold", self.prompt_param, "context_length_exceeded")
-        ids = self.state.llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids = self.state.tokenizer(self.prompt_param).encode(text, add_special_tokens=add_special_tokens)
         if len(ids) > max_len:  # refused here, in the worker thread: the engine never sees the list
             raise APIError(400, f"the prompt has {len(ids)} tokens, more than max_model_len ({max_len})",
                            self.prompt_param, "context_length_exceeded")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from treadle.engine.engine_client import EngineClient, OutputGroup
 from treadle.server.errors import APIError
 from treadle.server.metrics import ServerMetrics
+from treadle.tokenizer import Tokenizer
 
 DEFAULT_MAX_SEQS_PER_REQUEST = 512
 _MIN_REQUEST_BYTES = 1 << 20
@@ -43,7 +44,14 @@ class ServerState:
     @property
     def max_prompt_chars(self) -> int:
         """A text longer than this has more than max_model_len tokens, whatever it says."""
-        return self.llm.max_model_len * self.llm.tokenizer.max_token_chars
+        return self.llm.max_model_len * self.tokenizer("prompt").max_token_chars
+
+    def tokenizer(self, param: str) -> Tokenizer:
+        """The tokenizer, or a 400 on ``param`` when the server runs without one."""
+        if self.llm.tokenizer is None:
+            raise APIError.bad_request(f"{param} needs a tokenizer, and this server was started with "
+                                       "--skip-tokenizer-init; send token ids instead", param)
+        return self.llm.tokenizer
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model_name:

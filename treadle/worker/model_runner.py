@@ -24,6 +24,7 @@ from treadle.layers.attention import AttentionBackend, AttentionMetadata, StepIn
 from treadle.models.llama import LlamaForCausalLM
 from treadle.spec_decode.ngram import NgramProposer
 from treadle.spec_decode.rejection_sampler import verify
+from treadle.structured.matchers import GrammarMatchers
 from treadle.worker.cuda_graph import CUDAGraphRunner
 from treadle.worker.fused_layers import fuse_decoder_layers
 from treadle.worker.sampler import Sampler, SamplingRow, logprobs_at
@@ -98,9 +99,11 @@ class ModelRunner:
         parallel: ParallelContext | None = None,
         overlap: bool = False,
         speculative: SpeculativeConfig | None = None,
+        grammars: GrammarMatchers | None = None,
     ) -> None:
         """``overlap`` (tensor parallelism without pipeline stages): cut each step of two or
-        more tokens into two micro-batches whose all-reduces overlap compute."""
+        more tokens into two micro-batches whose all-reduces overlap compute. ``grammars``:
+        structured output (None: the model has no tokenizer, so no request can be constrained)."""
         self.model = model
         self.parallel = parallel or ParallelContext.single(model.config.vocab_size)
         self.kv_caches = kv_caches
@@ -108,6 +111,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(seed)
         self.graphs = graphs  # replays captured decode steps on CUDA
+        self.grammars = grammars
         self.requests: dict[str, CachedRequestState] = {}
         self.backend: AttentionBackend = model.backend
         self.proposer = None if speculative is None else NgramProposer(
@@ -184,8 +188,14 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
+            if self.grammars is not None:
+                self.grammars.remove(rid)
         for new in sched.new_requests:
             self.requests[new.request_id] = CachedRequestState(new)
+            spec = new.sampling_params.structured_outputs
+            if spec is not None and self.grammars is not None:
+                stops = dict.fromkeys((*new.eos_token_ids, *new.sampling_params.stop_token_ids))
+                self.grammars.add(new.request_id, spec, list(stops))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -199,9 +209,12 @@ class ModelRunner:
             result.prompt_logprobs = self._prompt_logprobs(hidden, batch)
         if batch.sample_rows:
             states = [self.requests[rid] for rid, _ in batch.sample_rows]
-            tokens, logprobs = self._sample(hidden, batch, states)
+            constrained = self.grammars is not None and self.grammars.active
+            tokens, logprobs = self._sample(hidden, batch, states, constrained)
             for state, token, lp in zip(states, tokens, logprobs):
                 rid = state.data.request_id
+                if constrained and self.grammars is not None:
+                    self.grammars.accept(rid, token)
                 state.output_token_ids.append(token)
                 result.sampled[rid] = [token]
                 if lp is not None:
@@ -210,7 +223,9 @@ class ModelRunner:
             self._verify(hidden, batch.verify_rows, result)
         if self.proposer is not None:
             for rid in result.sampled:
-                result.draft_token_ids[rid] = self.proposer.propose(self.requests[rid].all_token_ids)
+                # a constrained request gets no drafts: it decodes one masked token per step
+                if self.grammars is None or not self.grammars.constrains(rid):
+                    result.draft_token_ids[rid] = self.proposer.propose(self.requests[rid].all_token_ids)
         return result
 
     def _verify(self, hidden: torch.Tensor, rows: list[tuple[str, int, list[int]]], result: ModelRunnerOutput) -> None:
@@ -228,8 +243,8 @@ class ModelRunner:
             if out.logprobs is not None:
                 result.logprobs[rid] = out.logprobs
 
-    def _sample(self, hidden: torch.Tensor | None, batch: BatchInputs,
-                states: list[CachedRequestState]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def _sample(self, hidden: torch.Tensor | None, batch: BatchInputs, states: list[CachedRequestState],
+                constrained: bool = False) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Tokens (and logprobs) of the sampled rows. The sampling rank (the last) samples;
         the other ranks of its stage help gather the logits, and every other rank gets the
         tokens by broadcast (its copy of each request's tokens stays in step)."""
@@ -239,6 +254,8 @@ class ModelRunner:
             index = torch.tensor([i for _, i in batch.sample_rows], device=hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, index))
             if logits is not None:
+                if constrained and self.grammars is not None:  # grammar-forbidden tokens -> -inf
+                    self.grammars.mask(logits, [rid for rid, _ in batch.sample_rows])
                 tokens, logprobs = self.sampler(logits, [s.sampling_row() for s in states])
         return self.parallel.broadcast_tokens(tokens, len(states)), logprobs
 

@@ -1,0 +1,95 @@
+"""GrammarCompiler: StructuredOutputsParams -> an xgrammar CompiledGrammar for one vocabulary,
+cached by spec (LRU). Thread-safe: the server compiles in its tokenizer thread (so a bad
+schema is a 400 before anything is queued, and the step loop finds the grammar cached);
+the model runner compiles on the rare miss (a worker process has its own cache).
+
+Why xgrammar: measured against llguidance on this CPU with SmolLM2's 49k vocabulary
+(benchmarks/grammar_engines_cpu.py, docs/benchmarks.md), its per-token mask time is as
+low and has no multi-second first-token outliers; it also takes EBNF grammars directly.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import xgrammar as xgr
+
+from treadle.config import InvalidRequestError
+from treadle.sampling_params import STRUCTURED_PARAM as PARAM
+from treadle.sampling_params import StructuredOutputsParams
+from treadle.tokenizer import Tokenizer
+
+CACHE_SIZE = 256
+_NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
+          "grammar": "grammar"}
+_SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:00:00] /src/x.cc:12: "
+
+
+def _reason(e: Exception) -> str:
+    """xgrammar's message, first line, without its C++ source location."""
+    lines = str(e).strip().splitlines()
+    return _SOURCE_PREFIX.sub("", lines[0]) if lines else type(e).__name__
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of our tokenizer: every token's text as the model numbers them
+    (ids the tokenizer lacks are empty and never allowed), its kind (byte-level or
+    SentencePiece byte-fallback, read from tokenizer.json), and the stop tokens."""
+    backend = tokenizer.backend
+    by_id = {i: t for t, i in backend.get_vocab(with_added_tokens=True).items()}
+    size = max(vocab_size, max(by_id, default=-1) + 1)
+    encoded = [by_id.get(i, "") for i in range(size)]
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+    return xgr.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=size, stop_token_ids=list(stop_token_ids),
+                             add_prefix_space=meta["add_prefix_space"])
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF matching exactly one of ``choices`` (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        self.vocab_size = self.info.vocab_size
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``spec``; an invalid schema, regex or grammar is an
+        InvalidRequestError naming the problem."""
+        key = spec.key
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        compiled = self._compile(spec)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        kind = spec.kind
+        try:
+            if kind == "json":
+                json.loads(str(spec.json))  # a clear message for text that is not JSON at all
+                return self._compiler.compile_json_schema(str(spec.json), any_whitespace=False)
+            if kind == "json_object":  # OpenAI's json_object: an object, compact like the schemas
+                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "regex":
+                return self._compiler.compile_regex(str(spec.regex))
+            if kind == "choice":
+                return self._compiler.compile_grammar(choice_grammar(list(spec.choice or [])))
+            return self._compiler.compile_grammar(str(spec.grammar))
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", PARAM) from None
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError subclasses
+            raise InvalidRequestError(f"invalid {_NAMES[kind]} for structured output: {_reason(e)}", PARAM) from None
