@@ -16,7 +16,7 @@ import time
 import torch
 
 from treadle import LLM, SamplingParams
-from treadle.core.outputs import ModelRunnerOutput
+from treadle.core.step_data import ModelRunnerOutput
 from treadle.core.request import RequestStatus
 from treadle.models.llama import LlamaAttention
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from treadle.core.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
+from treadle.core.step_data import NewRequestData, ScheduledRequest, SchedulerOutput
 from treadle.distributed import ParallelContext, shard_config
 from treadle.layers.attention.selector import select_backend
 from treadle.loaders import load_model

@@ -19,7 +19,7 @@ from server_harness import ENGINE_KW, MODEL_NAME, ServerThread, wait_until
 
 from treadle import LLM, SamplingParams
 from treadle.config import EngineDeadError, ParallelConfig, TreadleError
-from treadle.core.outputs import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from treadle.core.step_data import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from treadle.engine.args import engine_args
 from treadle.engine.async_engine import AsyncLLM
 from treadle.engine.resolver import create_engine_config

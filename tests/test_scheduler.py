@@ -6,9 +6,9 @@ import pytest
 from treadle.config import SchedulerConfig, TreadleError
 from treadle.core.block_pool import BlockPool
 from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
 from treadle.core.request import Request, RequestStatus
 from treadle.core.scheduler import Scheduler
+from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.sampling_params import SamplingParams
 
 

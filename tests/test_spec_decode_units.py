@@ -12,9 +12,9 @@ import torch
 
 from treadle.config import SchedulerConfig, SpeculativeConfig, TreadleError
 from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
 from treadle.core.request import Request, RequestStatus
 from treadle.core.scheduler import Scheduler
+from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.engine.resolver import resolve_speculative
 from treadle.entrypoints.engine_args import add_engine_args, engine_kwargs
 from treadle.layers.attention import AttentionSpec, ReferenceBackend, build_attention_metadata

@@ -19,8 +19,8 @@ from collections.abc import Iterable
 
 from treadle.config import InvalidRequestError, SchedulerConfig
 from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.core.outputs import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from treadle.core.request import Request, RequestStatus
+from treadle.core.step_data import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from treadle.core.waiting_queue import WaitingQueue
 from treadle.spec_decode.fallback import FallbackController
 

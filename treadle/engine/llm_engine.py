@@ -13,9 +13,9 @@ from typing import Any
 
 from treadle.config import EngineConfig, EngineDeadError, InvalidRequestError, TreadleError
 from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
 from treadle.core.request import Request, RequestStatus
 from treadle.core.scheduler import Scheduler
+from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.engine.args import EngineArgs, engine_args
 from treadle.engine.memory import fmt_bytes
 from treadle.engine.output_processor import OutputProcessor

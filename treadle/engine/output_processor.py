@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from treadle.core.outputs import ModelRunnerOutput, TokenLogprobs
 from treadle.core.request import Request, RequestStatus
+from treadle.core.step_data import ModelRunnerOutput, TokenLogprobs
 from treadle.engine.detokenizer import IncrementalDetokenizer
 from treadle.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from treadle.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ Contract::
     executor.check_health()                      # raises EngineDeadError once a worker is lost
     executor.shutdown()                          # idempotent; workers never outlive it
 
-- ``execute`` gets plain data and returns plain data (``core/outputs.py``); in other processes
+- ``execute`` gets plain data and returns plain data (``core/step_data.py``); in other processes
   it travels as msgpack frames. The step runs on every worker; the output is the last rank's.
 - A worker that dies, or does not answer within ``TREADLE_EXECUTE_TIMEOUT_S``, makes
   ``execute`` raise ``EngineDeadError`` (a few hundred ms after a death, never a hang); from
@@ -31,7 +31,7 @@ from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 from treadle.config import EngineConfig, EngineDeadError
-from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
+from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 
 
 class KVCapacity(NamedTuple):

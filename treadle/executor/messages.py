@@ -6,14 +6,14 @@
                        [rank, b"out", msgpack(ModelRunnerOutput)]   a step done (last rank)
                        [rank, b"err", msgpack(WorkerError)]         loading or a step failed
 
-The step input and output are the plain dataclasses of ``core/outputs.py``; msgspec encodes
+The step input and output are the plain dataclasses of ``core/step_data.py``; msgspec encodes
 and decodes them (floats as float64, so logprobs cross unchanged).
 """
 from __future__ import annotations
 
 import msgspec
 
-from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
+from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 
 STEP, STOP = b"step", b"stop"
 READY, OK, OUT, ERR = b"ready", b"ok", b"out", b"err"

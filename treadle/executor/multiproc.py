@@ -24,7 +24,7 @@ import zmq
 
 from treadle import envs
 from treadle.config import EngineConfig, EngineDeadError, TreadleError
-from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
+from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.executor.base import Executor, KVCapacity
 from treadle.executor.messages import ERR, STEP, STOP, Codec
 from treadle.executor.worker_proc import WorkerSpec, worker_main

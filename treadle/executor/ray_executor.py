@@ -26,7 +26,7 @@ import torch
 
 from treadle import envs
 from treadle.config import EngineConfig, EngineDeadError, TreadleError
-from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
+from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.executor.base import Executor, KVCapacity
 
 logger = logging.getLogger("treadle")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from treadle.config import EngineConfig, EngineDeadError
-from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
+from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.executor.base import Executor, KVCapacity
 from treadle.executor.worker import Worker
 from treadle.loaders import ModelSource

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from treadle.config import EngineConfig
-from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
+from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.distributed import ParallelContext, shard_config, stage_layers
 from treadle.executor.base import KVCapacity
 from treadle.layers.attention.selector import select_backend

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from treadle.core.outputs import TokenLogprobs
+from treadle.core.step_data import TokenLogprobs
 from treadle.worker.sampler import Sampler, SamplingRow, logprobs_at, processed_logits
 
 

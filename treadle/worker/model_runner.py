@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from treadle.config import ModelConfig, SpeculativeConfig
-from treadle.core.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
+from treadle.core.step_data import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from treadle.distributed import ParallelContext
 from treadle.distributed.overlap import split_tokens
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, StepInputBuilder

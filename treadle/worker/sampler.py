@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treadle.core.outputs import TokenLogprobs
+from treadle.core.step_data import TokenLogprobs
 from treadle.sampling_params import SamplingParams
 
 
