@@ -16,8 +16,8 @@ import time
 import torch
 
 from treadle import LLM, SamplingParams
-from treadle.core.step_data import ModelRunnerOutput
 from treadle.core.request import RequestStatus
+from treadle.core.step_data import ModelRunnerOutput
 from treadle.models.llama import LlamaAttention
 
 

@@ -87,7 +87,7 @@ def rank_main(rank: int, args: argparse.Namespace, addr: str, out: dict) -> None
         results = {}
         for tokens in args.tokens:
             kv = allocate_kv_cache(local, -(-(tokens + 1) // BLOCK) + 1, BLOCK, torch.float32, device)
-            runners = {mode: ModelRunner(loaded.model, kv, BLOCK, tokens, 4096, device, 0, None, False, ctx,
+            runners = {mode: ModelRunner(loaded.model, kv, BLOCK, tokens, device, 0, None, False, ctx,
                                          overlap=mode == "on") for mode in ("off", "on")}
             sched = step_for(tokens, source.config.vocab_size)
             for r in runners.values():

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_run import assert_no_leaks, run
 
 from treadle import LLM, SamplingParams
 from treadle.config import TreadleError
@@ -23,18 +24,6 @@ def random_prompts(n: int, vocab: int, seed: int = 1, lo: int = 3, hi: int = 60)
     return [torch.randint(2, vocab, (n_tok,), generator=g).tolist() for n_tok in lengths]
 
 
-def run(model_dir, prompts, params, **engine_kw) -> tuple[list[list[int]], LLM]:
-    kw = dict(num_kv_blocks=256, max_num_batched_tokens=64, block_size=16)
-    kw.update(engine_kw)
-    llm = LLM(str(model_dir), **kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], llm
-
-
-def assert_no_leaks(llm: LLM) -> None:
-    kv = llm.engine.kv_manager
-    assert kv.num_free_blocks == kv.pool.num_blocks
-    assert not llm.engine.scheduler.requests and not llm.engine.has_unfinished_requests()
 
 
 def hf_greedy(model_dir, prompts, max_tokens) -> list[list[int]]:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_run import assert_no_leaks, run
 
 from treadle import LLM, SamplingParams
 from treadle.loaders.resolve import resolve_model
@@ -27,19 +28,6 @@ def grounded_prompts(n: int, vocab: int, seed: int = 3) -> list[list[int]]:
     return out
 
 
-def run(model: Path | str, prompts: list[list[int]], params: SamplingParams,
-        **kw: object) -> tuple[list[list[int]], LLM]:
-    args = dict(num_kv_blocks=256, max_num_batched_tokens=64, block_size=16)
-    args.update(kw)
-    llm = LLM(str(model), **args)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], llm
-
-
-def assert_no_leaks(llm: LLM) -> None:
-    kv = llm.engine.kv_manager
-    assert kv.num_free_blocks == kv.pool.num_blocks
-    assert not llm.engine.scheduler.requests
 
 
 @pytest.fixture(scope="module", params=["tiny-random", "stories260k"])

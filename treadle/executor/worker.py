@@ -43,7 +43,7 @@ class Worker:
             graphs.capture()
         grammars = GrammarMatchers(lambda: source.grammars) if source.tokenizer is not None else None
         self.runner = ModelRunner(loaded.model, kv, cache.block_size, sched.max_num_batched_tokens,
-                                  sched.max_model_len, device, config.load.seed, graphs,
+                                  device, config.load.seed, graphs,
                                   config.fused_layers and parallel.tp_size == 1, parallel,
                                   config.parallel.comm_overlap, speculative=config.speculative,
                                   grammars=grammars)

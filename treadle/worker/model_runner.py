@@ -91,7 +91,6 @@ class ModelRunner:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         max_num_batched_tokens: int,
-        max_model_len: int,
         device: torch.device | str = "cpu",
         seed: int = 0,
         graphs: CUDAGraphRunner | None = None,
