@@ -141,7 +141,9 @@ def test_drain_timeout_ends_every_request_with_an_error_then_exits():
     """In-process drain (the SIGTERM handler's path without the signal): new work is refused
     at once; at --shutdown-timeout each unfinished stream gets an OpenAI error event and
     [DONE], a non-streaming request a 503 body, and the server is gone within a second."""
-    with engine(resolve_model("stories260k"), max_num_seqs=1) as llm:
+    control = StepControl()
+    control.set_step_delay(0.01)  # 450 tokens take seconds even on a quiet machine, so none finishes in time
+    with engine(resolve_model("stories260k"), control=control, max_num_seqs=1) as llm:
         _drain_timeout(llm, timeout=1.0, body={**LONG, "max_tokens": 450})
 
 
