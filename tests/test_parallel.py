@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import make_tiny_model
+from engine_run import assert_no_leaks
 
 from treadle import LLM, SamplingParams
 from treadle.config import EngineDeadError
@@ -119,6 +120,38 @@ def test_overlapped_micro_batches_are_token_identical(stories_reference: list) -
     """comm_overlap: each step cut in two (a prompt chunk may be cut mid-request), the halves'
     all-reduces overlapping each other's compute: the same tokens."""
     assert_same(parallel("stories260k", 2, comm_overlap=True), stories_reference)
+
+
+def test_pipeline_batch_queue_keeps_two_steps_in_flight(stories_reference: list) -> None:
+    """PP=2 keeps a step per stage in flight (the batch queue): the same tokens as one rank and
+    as PP=2 with one step in flight, and a request aborted while its step is out frees its
+    blocks once that step comes back (nothing leaks)."""
+    llm = LLM("stories260k", pipeline_parallel_size=2, **KW)
+    try:
+        assert llm.engine.executor.max_concurrent_batches == 2
+        assert_same(run(llm), stories_reference)
+        assert llm.get_stats()["max_steps_in_flight"] == 2
+        engine = llm.engine
+        for i in range(4):
+            engine.add_request(f"r{i}", PROMPTS[i], SamplingParams(max_tokens=30, ignore_eos=True))
+        engine.step()
+        engine.step()
+        engine.abort_request("r1")  # its blocks stay taken while its step is in flight
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert_no_leaks(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_pipeline_without_batch_queue_is_the_same(stories_reference: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TREADLE_PP_BATCH_QUEUE", "0")
+    llm = LLM("stories260k", pipeline_parallel_size=2, **KW)
+    try:
+        assert_same(run(llm), stories_reference)
+        assert llm.get_stats()["max_steps_in_flight"] == 1
+    finally:
+        llm.shutdown()
 
 
 def test_token_split_cuts_a_request_in_two() -> None:

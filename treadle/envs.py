@@ -24,6 +24,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("TREADLE_API_KEY", None, "default for `treadle serve --api-key`"),
     EnvVar("TREADLE_EXECUTE_TIMEOUT_S", "300", "mp executor: seconds a step may take before the engine "
                                                "declares its workers hung and dead"),
+    EnvVar("TREADLE_PP_BATCH_QUEUE", "1", "0: under pipeline parallelism keep one step in flight, not one per "
+                                          "stage (for comparisons)"),
     EnvVar("TREADLE_WORKER_START_TIMEOUT_S", "600", "mp executor: seconds workers may take to load the model"),
     EnvVar("TRITON_INTERPRET", None, "1: Triton kernels run in the interpreter (the triton backend on a CPU, "
                                      "for tests)"),

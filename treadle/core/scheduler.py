@@ -12,6 +12,12 @@ tokens plus the drafts the runner proposed last step (``Request.spec_token_ids``
 fallback controller lets them run), so its 1 + K tokens share the step's budget with prompt
 chunks; on the way back rejected drafts wind ``num_computed_tokens`` back and the blocks that
 held only them are freed (``KVCacheManager.trim``).
+
+Batch queue (pipeline parallelism): with ``max_batches`` = P > 1 the engine keeps up to P
+steps in flight. A request is in at most one of them (it is skipped, and never preempted,
+while its step is out), each step takes about 1/P of the live requests so the stages get
+equal batches, and a request finished or aborted meanwhile keeps its blocks until its step
+comes back (the workers may still be writing them).
 """
 from __future__ import annotations
 
@@ -37,12 +43,20 @@ def choose_victim(running: list[Request]) -> Request:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 spec: FallbackController | None = None) -> None:
+                 spec: FallbackController | None = None, max_batches: int = 1,
+                 send_token_ids: bool = False) -> None:
         """``spec``: speculation is configured (drafts returned by the runner are scheduled
-        where it allows); None: drafts are never scheduled."""
+        where it allows); None: drafts are never scheduled. ``max_batches``: steps the engine
+        keeps in flight. ``send_token_ids``: each scheduled request carries the output tokens
+        the workers have not seen (pipeline parallelism; see ScheduledRequest)."""
         self.config = config
         self.kv = kv
         self.spec = spec
+        self.max_batches = max_batches
+        self.send_token_ids = send_token_ids
+        self._in_flight: set[str] = set()  # requests in a step that has not come back
+        self._free_on_return: dict[str, Request] = {}  # finished while in flight: free when it returns
+        self._tokens_sent: dict[str, int] = {}  # output tokens the workers have, per request
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self._waiting: WaitingQueue[Request] = WaitingQueue(queue_key)
@@ -94,11 +108,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         self._gate_drafts()
-        preempted = self._schedule_running(scheduled, budget)
+        max_reqs = self._batch_share()
+        preempted = self._schedule_running(scheduled, budget, max_reqs)
         budget -= sum(scheduled.values())
         new_reqs: list[NewRequestData] = []
         if not preempted:
-            self._schedule_waiting(scheduled, budget)
+            self._schedule_waiting(scheduled, budget, max_reqs)
         out: list[ScheduledRequest] = []
         for req in self.running:
             n = scheduled.get(req.request_id)
@@ -109,18 +124,40 @@ class Scheduler:
                 new_reqs.append(self._new_request_data(req))
             drafts = req.spec_token_ids[: max(0, req.num_computed_tokens + n - req.num_tokens)]
             out.append(ScheduledRequest(req.request_id, self.kv.block_ids(req.request_id),
-                                        req.num_computed_tokens, n, drafts))
+                                        req.num_computed_tokens, n, drafts, self._unsent_tokens(req)))
+            self._in_flight.add(req.request_id)
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         return SchedulerOutput(new_reqs, out, finished, preempted)
 
-    def _schedule_running(self, scheduled: dict[str, int], budget: int) -> int:
+    def _batch_share(self) -> int:
+        """Most requests one step may take: all with one step in flight, else 1/P of the live
+        ones (rounded up), so P steps in flight carry equal batches."""
+        if self.max_batches == 1:
+            return self.config.max_num_seqs
+        live = len(self.running) + len(self._waiting)
+        return max(1, -(-live // self.max_batches))
+
+    def _unsent_tokens(self, req: Request) -> list[int]:
+        if not self.send_token_ids:
+            return []
+        sent = self._tokens_sent.get(req.request_id, 0)
+        self._tokens_sent[req.request_id] = len(req.output_token_ids)
+        return req.output_token_ids[sent:]
+
+    def _schedule_running(self, scheduled: dict[str, int], budget: int, max_reqs: int) -> int:
         preempted = 0
         for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING or budget <= 0:
+            if req.status is not RequestStatus.RUNNING or budget <= 0 or len(scheduled) >= max_reqs:
+                continue
+            if req.request_id in self._in_flight:
                 continue
             n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
-                victim = choose_victim([r for r in self.running if r.status is RequestStatus.RUNNING])
+                victims = [r for r in self.running
+                           if r.status is RequestStatus.RUNNING and r.request_id not in self._in_flight]
+                if not victims:  # every other request is in a step in flight: wait for one
+                    break
+                victim = choose_victim(victims)
                 self._preempt(victim)
                 budget += scheduled.pop(victim.request_id, 0)
                 preempted += 1
@@ -146,9 +183,10 @@ class Scheduler:
             if not self.spec.speculate_request(req.request_id):
                 req.spec_token_ids = []
 
-    def _schedule_waiting(self, scheduled: dict[str, int], budget: int) -> None:
+    def _schedule_waiting(self, scheduled: dict[str, int], budget: int, max_reqs: int) -> None:
         deferred: list[Request] = []
-        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(scheduled) < max_reqs):
             req = self._waiting.peek()
             if self._must_wait_for_sibling(req):
                 deferred.append(self._waiting.pop())
@@ -178,7 +216,7 @@ class Scheduler:
         return sibling is not None and sibling.num_computed_tokens < sibling.num_prompt_tokens
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
+        self.kv.free(req)  # the workers keep its tokens (``_tokens_sent`` stays)
         self.running.remove(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -196,6 +234,7 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Advance progress, append sampled tokens (accepted drafts first), roll back rejected
         drafts, finish requests. Returns the requests that got new tokens or finished."""
+        self.step_returned(sched)
         touched: list[Request] = []
         for s in sched.scheduled:
             req = self.requests.get(s.request_id)
@@ -221,6 +260,15 @@ class Scheduler:
             req.spec_token_ids = result.draft_token_ids.get(req.request_id, [])[: self._max_drafts(req)]
             touched.append(req)
         return touched
+
+    def step_returned(self, sched: SchedulerOutput) -> None:
+        """``sched``'s step is back (or failed): its requests may be scheduled again, and the
+        blocks of those finished meanwhile are freed. Idempotent."""
+        for s in sched.scheduled:
+            self._in_flight.discard(s.request_id)
+            gone = self._free_on_return.pop(s.request_id, None)
+            if gone is not None:
+                self.kv.free(gone)
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> int:
         """Append until a token stops the request; returns how many were appended."""
@@ -253,7 +301,11 @@ class Scheduler:
         req.spec_token_ids = []
         if self.spec is not None:
             self.spec.forget(req.request_id)
-        self.kv.free(req)
+        self._tokens_sent.pop(req.request_id, None)
+        if req.request_id in self._in_flight:
+            self._free_on_return[req.request_id] = req  # its step may still be writing the blocks
+        else:
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)
         if req.request_id in self._seen_by_runner:
             self._seen_by_runner.discard(req.request_id)

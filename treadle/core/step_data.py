@@ -32,6 +32,10 @@ class ScheduledRequest:
     num_computed_tokens: int
     num_scheduled_tokens: int  # drafts included
     draft_token_ids: list[int] = field(default_factory=list)
+    # pipeline parallelism: output tokens sampled since the workers last saw this request (the
+    # sampling rank is the last stage; the others learn the tokens here, not by a collective
+    # that would hold every stage to the slowest step)
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -3,12 +3,18 @@ reached only through an Executor. Synchronous; the async engine and the server d
 
     EngineArgs --resolve_config--> EngineConfig --create_executor--> workers (model, KV cache)
     step: Scheduler.schedule -> Executor.execute -> Scheduler.update_from_output -> outputs
+
+Under pipeline parallelism the step is a batch queue: schedule and submit until
+``executor.max_concurrent_batches`` steps are in flight (or nothing more can be scheduled),
+then collect the oldest and process it, so stage k works on one step while stage k+1 works
+on the one before.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from treadle.config import EngineConfig, EngineDeadError, InvalidRequestError, TreadleError
@@ -53,7 +59,10 @@ class LLMEngine:
                                          config.cache.enable_prefix_caching)
         spec = config.speculative
         self.spec = None if spec is None else FallbackController(spec.fallback)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.spec)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.spec,
+                                   max_batches=self.executor.max_concurrent_batches,
+                                   send_token_ids=config.parallel.pipeline_parallel_size > 1)
+        self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()  # submitted, not collected
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.stats = EngineStats(None if self.spec is None else self.spec.stats)
@@ -160,7 +169,8 @@ class LLMEngine:
             self.outputs.make_output(pid)  # drops the finished parent
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.outputs.parents)
+        """Requests are live, or steps are still in flight (they must come back first)."""
+        return bool(self.outputs.parents) or bool(self._in_flight)
 
     # -- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -169,9 +179,11 @@ class LLMEngine:
         usable. EngineDeadError (a lost worker, a dead engine) propagates unchanged."""
         sched: SchedulerOutput | None = None
         try:
-            sched = self.scheduler.schedule()
-            started = time.perf_counter()
-            result = self.executor.execute(sched)  # EngineDeadError: the engine is dead
+            self._fill_batch_queue()
+            if not self._in_flight:
+                return []
+            sched, started = self._in_flight.popleft()
+            result = self.executor.collect()  # EngineDeadError: the engine is dead
             seconds = time.perf_counter() - started
             touched = self.scheduler.update_from_output(sched, result)
             self.stats.record(sched, touched)
@@ -187,10 +199,25 @@ class LLMEngine:
             logger.error("engine step failed (%r); failing its %d request(s)", e, len(failed))
             raise StepFailedError(failed, e) from e
 
+    def _fill_batch_queue(self) -> None:
+        """Schedule and submit steps until ``max_concurrent_batches`` are in flight. Only the
+        first may be empty (it still carries finished ids to the workers, and a step with
+        nothing to run returns at once); later ones stop at the first empty schedule."""
+        while len(self._in_flight) < self.executor.max_concurrent_batches:
+            sched = self.scheduler.schedule()
+            if self._in_flight and sched.is_empty and not sched.finished_request_ids:
+                return
+            self.executor.submit(sched)
+            self._in_flight.append((sched, time.perf_counter()))
+            self.stats.max_steps_in_flight = max(self.stats.max_steps_in_flight, len(self._in_flight))
+            if sched.is_empty:
+                return
+
     def _fail_step(self, sched: SchedulerOutput | None) -> list[str]:
         """Abort the parents of the requests in ``sched`` (all running ones if scheduling
         itself failed); returns their ids."""
         if sched is not None:
+            self.scheduler.step_returned(sched)
             child_ids = [s.request_id for s in sched.scheduled] + [r.request_id for r in sched.new_requests]
         else:
             child_ids = [r.request_id for r in self.scheduler.running]
@@ -227,6 +254,7 @@ class EngineStats:
         self.num_preemptions = 0
         self.num_tokens_computed = 0  # tokens run through the model (prompt, recompute, decode)
         self.num_generated_tokens = 0
+        self.max_steps_in_flight = 0  # the batch queue's high-water mark (1 without pipeline stages)
 
     def record(self, sched: SchedulerOutput, touched: list[Request]) -> None:
         self.num_steps += 1
@@ -237,7 +265,8 @@ class EngineStats:
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"steps": self.num_steps, "preemptions": self.num_preemptions,
                                "tokens_computed": self.num_tokens_computed,
-                               "generated_tokens": self.num_generated_tokens}
+                               "generated_tokens": self.num_generated_tokens,
+                               "max_steps_in_flight": self.max_steps_in_flight}
         if self.spec_decode is not None:
             out["spec_decode"] = self.spec_decode.as_dict()
         return out

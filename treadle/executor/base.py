@@ -7,6 +7,10 @@ Contract::
     blocks, block_size = executor.kv_capacity()  # what every worker allocated: the scheduler's
                                                  # KVCacheManager is built with exactly this
     out = executor.execute(sched)                # SchedulerOutput -> ModelRunnerOutput, one step
+    executor.submit(sched); out = executor.collect()   # the same, split: up to
+                                                 # ``max_concurrent_batches`` steps in flight,
+                                                 # collected in submission order (the batch
+                                                 # queue that keeps every pipeline stage busy)
     executor.check_health()                      # raises EngineDeadError once a worker is lost
     executor.shutdown()                          # idempotent; workers never outlive it
 
@@ -28,6 +32,7 @@ Contract::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import NamedTuple
 
 from treadle.config import EngineConfig, EngineDeadError
@@ -42,6 +47,30 @@ class KVCapacity(NamedTuple):
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self._done: deque[ModelRunnerOutput | Exception] = deque()  # the synchronous submit's results
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many steps may be in flight at once (1: ``submit`` runs the step at once)."""
+        return 1
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Start one step; its output comes from a later ``collect`` (FIFO). Executors
+        that pipeline steps override this pair; the default runs the step now (a failed
+        step raises from its ``collect``; only EngineDeadError raises here)."""
+        try:
+            self._done.append(self.execute(sched))
+        except EngineDeadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to collect, which raises it
+            self._done.append(e)
+
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest submitted step (waiting for it). Raises as ``execute``."""
+        out = self._done.popleft()
+        if isinstance(out, Exception):
+            raise out
+        return out
 
     @abstractmethod
     def kv_capacity(self) -> KVCapacity:

@@ -16,6 +16,7 @@ import signal
 import socket
 import time
 import weakref
+from collections import deque
 from typing import Any
 
 import torch
@@ -43,6 +44,8 @@ class MultiprocExecutor(Executor):
         self.world_size = config.parallel.world_size
         self._codec = Codec()
         self._dead: str | None = None
+        self._in_flight = 0  # steps submitted and not yet collected
+        self._early: dict[int, deque[tuple[bytes, bytes]]] = {}  # a rank's answers to later steps
         self._zmq = zmq.Context()
         self._results = self._zmq.socket(zmq.PULL)
         result_port = self._results.bind_to_random_port(_LOOPBACK)
@@ -76,7 +79,17 @@ class MultiprocExecutor(Executor):
     def kv_capacity(self) -> KVCapacity:
         return self._capacity
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """One step per pipeline stage in flight (TREADLE_PP_BATCH_QUEUE=0: one in all)."""
+        pp = self.config.parallel.pipeline_parallel_size
+        return pp if pp > 1 and envs.get_flag("TREADLE_PP_BATCH_QUEUE") else 1
+
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(sched)
+        return self.collect()
+
+    def submit(self, sched: SchedulerOutput) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         payload = self._codec.encode(sched)
@@ -85,6 +98,13 @@ class MultiprocExecutor(Executor):
                 sock.send_multipart([STEP, payload], flags=zmq.NOBLOCK)
             except zmq.Again:
                 self._die("a worker stopped taking steps (its input queue is full)")
+        self._in_flight += 1
+
+    def collect(self) -> ModelRunnerOutput:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        assert self._in_flight > 0, "collect without a submitted step"
+        self._in_flight -= 1
         replies = self._collect(envs.execute_timeout_s(), "finish a step")
         return self._codec.decode_output(replies[self.world_size - 1])
 
@@ -100,18 +120,26 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
     def _collect(self, timeout: float, doing: str) -> dict[int, bytes]:
-        """Every rank's answer (the payload of ready / ok / out), or raise. A rank that fails
-        to load raises at once; a failed step raises once every rank has answered, so no
-        stale answer is left for the next step."""
+        """Every rank's answer to the oldest step in flight (the payload of ready / ok / out),
+        or raise. With several steps in flight a fast rank may already have answered later
+        ones: those answers wait in ``_early``, in order. A rank that fails to load raises at
+        once; a failed step raises once every rank has answered, so no stale answer is left."""
         loading = doing == "load the model"
         deadline = time.monotonic() + timeout
         replies: dict[int, tuple[bytes, bytes]] = {}
+        for rank, queue in self._early.items():
+            if queue:
+                replies[rank] = queue.popleft()
         while len(replies) < self.world_size:
             if self._results.poll(_POLL_MS):
                 rank_frame, kind, payload = self._results.recv_multipart()
-                replies[int(rank_frame)] = (kind, payload)
+                rank = int(rank_frame)
+                if rank in replies:
+                    self._early.setdefault(rank, deque()).append((kind, payload))
+                    continue
+                replies[rank] = (kind, payload)
                 if kind == ERR and loading:
-                    self._raise_worker_error(int(rank_frame), payload, loading)
+                    self._raise_worker_error(rank, payload, loading)
                 continue
             lost = _dead_procs(self._procs)
             if lost:

@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -91,6 +92,7 @@ class RayExecutor(Executor):
             ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
         self.world_size = world = config.parallel.world_size
         self._dead: str | None = None
+        self._pending: deque[list[Any]] = deque()  # object refs of the steps in flight
         self._actors: list[Any] = []
         threads = torch.get_num_threads()
         gpu = torch.device(config.device).type == "cuda"
@@ -122,10 +124,25 @@ class RayExecutor(Executor):
     def kv_capacity(self) -> KVCapacity:
         return self._capacity
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """One step per pipeline stage in flight (an actor runs its calls in order)."""
+        pp = self.config.parallel.pipeline_parallel_size
+        return pp if pp > 1 and envs.get_flag("TREADLE_PP_BATCH_QUEUE") else 1
+
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(sched)
+        return self.collect()
+
+    def submit(self, sched: SchedulerOutput) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        outs = self._gather([a.execute.remote(sched) for a in self._actors], envs.execute_timeout_s(), "finish a step")
+        self._pending.append([a.execute.remote(sched) for a in self._actors])
+
+    def collect(self) -> ModelRunnerOutput:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        outs = self._gather(self._pending.popleft(), envs.execute_timeout_s(), "finish a step")
         out = outs[self.world_size - 1]
         assert out is not None
         return out

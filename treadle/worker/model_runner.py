@@ -7,7 +7,10 @@ After loading, the runner swaps in fused decoder layers where it can (CPU fast p
 attention backend for its per-step plan once (``AttentionBackend.plan``).
 
 The runner keeps a copy of each live request's tokens (sent once, when new)
-and appends what it samples, so the scheduler sends only progress and blocks.
+and appends what it samples, so the scheduler sends only progress and blocks. Under
+pipeline parallelism only the sampling rank (last stage) appends what it samples; the other
+ranks append the tokens each ScheduledRequest carries (``new_token_ids``), so no stage
+waits on a collective for another step's tokens (the engine's batch queue needs that).
 """
 from __future__ import annotations
 
@@ -195,6 +198,9 @@ class ModelRunner:
             if spec is not None and self.grammars is not None:
                 stops = dict.fromkeys((*new.eos_token_ids, *new.sampling_params.stop_token_ids))
                 self.grammars.add(new.request_id, spec, list(stops))
+        if self.parallel.pp_size > 1 and not self.parallel.is_sampling_rank:
+            for s in sched.scheduled:
+                self.requests[s.request_id].output_token_ids.extend(s.new_token_ids)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -209,8 +215,8 @@ class ModelRunner:
         if batch.sample_rows:
             states = [self.requests[rid] for rid, _ in batch.sample_rows]
             constrained = self.grammars is not None and self.grammars.active
-            tokens, logprobs = self._sample(hidden, batch, states, constrained)
-            for state, token, lp in zip(states, tokens, logprobs):
+            sampled, logprobs = self._sample(hidden, batch, states, constrained)
+            for state, token, lp in zip(states, sampled or [], logprobs):
                 rid = state.data.request_id
                 if constrained and self.grammars is not None:
                     self.grammars.accept(rid, token)
@@ -243,10 +249,12 @@ class ModelRunner:
                 result.logprobs[rid] = out.logprobs
 
     def _sample(self, hidden: torch.Tensor | None, batch: BatchInputs, states: list[CachedRequestState],
-                constrained: bool = False) -> tuple[list[int], list[TokenLogprobs | None]]:
+                constrained: bool = False) -> tuple[list[int] | None, list[TokenLogprobs | None]]:
         """Tokens (and logprobs) of the sampled rows. The sampling rank (the last) samples;
         the other ranks of its stage help gather the logits, and every other rank gets the
-        tokens by broadcast (its copy of each request's tokens stays in step)."""
+        tokens by broadcast (its copy of each request's tokens stays in step) -- except under
+        pipeline parallelism, where they come with the next schedule and this returns None
+        off the sampling rank."""
         tokens: list[int] | None = None
         logprobs: list[TokenLogprobs | None] = [None] * len(states)
         if hidden is not None:
@@ -256,6 +264,8 @@ class ModelRunner:
                 if constrained and self.grammars is not None:  # grammar-forbidden tokens -> -inf
                     self.grammars.mask(logits, [rid for rid, _ in batch.sample_rows])
                 tokens, logprobs = self.sampler(logits, [s.sampling_row() for s in states])
+        if self.parallel.pp_size > 1:
+            return tokens, logprobs
         return self.parallel.broadcast_tokens(tokens, len(states)), logprobs
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: BatchInputs) -> dict[str, list[TokenLogprobs]]:
