@@ -1,4 +1,4 @@
-"""`treadle bench {throughput,latency,serve}`: parsers and the three drivers."""
+"""`treadle bench {throughput,latency,serve,comm}`: parsers and the drivers (comm: bench/comm.py)."""
 from __future__ import annotations
 
 import argparse
@@ -73,6 +73,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--percentiles", default="50,90,99")
     s.add_argument("--seed", type=int, default=0, help="seed of the arrival process")
     s.set_defaults(func=cmd_serve)
+    c = kinds.add_parser("comm", help="tensor-parallel communication hidden behind compute, overlap off vs on")
+    c.add_argument("--model", default=DEFAULT_MODEL)
+    c.add_argument("-tp", "--tensor-parallel-size", dest="tp", type=int, default=2)
+    c.add_argument("--tokens", type=int_list, default=[16, 64], help="tokens a step, comma list")
+    c.add_argument("--rounds", type=int, default=5, help="alternating rounds (medians over them)")
+    c.add_argument("--repeats", type=int, default=10, help="steps timed per round")
+    c.add_argument("--threads", type=int, default=1, help="threads a rank")
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--save-result", default=None, metavar="FILE.json")
+    c.set_defaults(func=cmd_comm)
+
+
+def cmd_comm(args: argparse.Namespace) -> int:
+    from treadle.bench.comm import cmd_comm as run  # torch loads only when the command runs
+
+    return run(args)
 
 
 def _offline_setup(args: argparse.Namespace, max_concurrency: int) -> tuple[OfflineSetup, int]:

@@ -1,4 +1,5 @@
-"""How much tensor-parallel communication is hidden behind computation, overlap off vs on.
+"""`treadle bench comm`: how much tensor-parallel communication is hidden behind computation,
+overlap (``--comm-overlap``) off vs on.
 
 Starts T worker ranks (torch.multiprocessing spawn, a gloo group on 127.0.0.1 -- NCCL with
 ``--device cuda`` on a machine with T GPUs), each loading its shard of the model, and times one
@@ -11,9 +12,9 @@ rounds so that machine noise hits every variant alike. Per mode (overlap off / o
 
     hidden % = (compute + comm alone - with comm) / comm alone
 
-    python benchmarks/tp_overlap.py --model stories260k --tokens 64 -tp 2
+    treadle bench comm --model stories260k --tokens 64 -tp 2
     python benchmarks/make_random_llama.py && \
-    python benchmarks/tp_overlap.py --model /tmp/treadle-bench/random-llama-150m --tokens 16,64 -tp 2
+    treadle bench comm --model /tmp/treadle-bench/random-llama-150m --tokens 16,64 -tp 2
 """
 from __future__ import annotations
 
@@ -111,29 +112,25 @@ def rank_main(rank: int, args: argparse.Namespace, addr: str, out: dict) -> None
         dist.destroy_process_group()
 
 
+def hidden_percent(with_comm: float, compute: float, comm: float) -> float:
+    """Share of the communication time that did not add to the step's time."""
+    return 100 * (compute + comm - with_comm) / comm if comm > 0 else float("nan")
+
+
 def report(results: dict, args: argparse.Namespace) -> None:
     print(f"model {args.model}, T={args.tp}, {args.device}, {args.threads} thread(s) a rank, "
           f"median of {args.rounds} rounds x {args.repeats} steps (ms per step)")
-    print(f"{'tokens':>6} {'overlap':>7} {'with comm':>10} {'compute':>9} {'comm alone':>10} {'hidden %':>9}")
+    print("| tokens | overlap | with comm ms | compute ms | comm alone ms | hidden % |")
+    print("|---|---|---|---|---|---|")
     for tokens, r in results.items():
         for mode in ("off", "on"):
             with_comm, compute, comm = r[f"{mode} with comm"], r[f"{mode} compute"], r[f"{mode} comm alone"]
-            hidden = 100 * (compute + comm - with_comm) / comm if comm > 0 else float("nan")
-            print(f"{tokens:>6} {mode:>7} {with_comm * 1e3:>10.2f} {compute * 1e3:>9.2f} {comm * 1e3:>10.2f} "
-                  f"{hidden:>8.0f}%")
+            print(f"| {tokens} | {mode} | {with_comm * 1e3:.2f} | {compute * 1e3:.2f} | {comm * 1e3:.2f} "
+                  f"| {hidden_percent(with_comm, compute, comm):.0f} |")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="stories260k")
-    ap.add_argument("-tp", "--tensor-parallel-size", dest="tp", type=int, default=2)
-    ap.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--save-result", default=None)
-    args = ap.parse_args()
+def cmd_comm(args: argparse.Namespace) -> int:
+    """Start ``args.tp`` ranks, measure, print the table (flags: ``treadle bench comm --help``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         addr = f"tcp://127.0.0.1:{s.getsockname()[1]}"
@@ -145,7 +142,4 @@ def main() -> None:
     if args.save_result:
         with open(args.save_result, "w") as f:
             json.dump({str(k): v for k, v in results.items()}, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    return 0
