@@ -70,16 +70,18 @@ def test_stories260k_is_token_identical_to_one_rank(stories_reference: list, tp:
     assert_same(parallel("stories260k", tp, pp), stories_reference)
 
 
-@pytest.mark.parametrize(("arch", "overrides", "quantization"), [
-    ("qwen2", {}, None),  # qkv bias, 4 heads / 2 KV heads: one KV head a rank
-    ("mistral", dict(num_key_value_heads=1), None),  # T > KV heads: the KV head replicated
-    ("llama", dict(intermediate_size=192), "int8"),  # Q8_0 blocks: row-parallel cut at block boundaries
-], ids=["qwen2", "mistral-kv1", "llama-int8"])
-def test_random_models_are_token_identical_at_tp2(tmp_path: Path, arch: str, overrides: dict,
-                                                  quantization: str | None) -> None:
+@pytest.mark.parametrize(("arch", "overrides", "quantization", "tp", "pp"), [
+    ("qwen2", {}, None, 2, 1),  # qkv bias, 4 heads / 2 KV heads: one KV head a rank
+    ("qwen2", {}, None, 1, 2),
+    ("mistral", dict(num_key_value_heads=1), None, 2, 1),  # T > KV heads: the KV head replicated
+    ("mistral", dict(num_key_value_heads=1), None, 2, 2),
+    ("llama", dict(intermediate_size=192), "int8", 2, 1),  # Q8_0 blocks: row-parallel cut at block boundaries
+], ids=["qwen2-tp2", "qwen2-pp2", "mistral-kv1-tp2", "mistral-kv1-tp2xpp2", "llama-int8-tp2"])
+def test_random_models_are_token_identical(tmp_path: Path, arch: str, overrides: dict,
+                                           quantization: str | None, tp: int, pp: int) -> None:
     model = str(make_tiny_model(tmp_path / arch, arch, **overrides))
     kw = {} if quantization is None else dict(quantization=quantization)
-    assert_same(parallel(model, 2, **kw), reference(model, **kw))
+    assert_same(parallel(model, tp, pp, **kw), reference(model, **kw))
 
 
 @pytest.fixture
@@ -161,9 +163,9 @@ def test_token_split_cuts_a_request_in_two() -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_blocks_at_tp3_are_token_identical() -> None:
+def test_smollm2_gguf_blocks_at_tp3_and_pp2_are_token_identical() -> None:
     """The real Q4_1 GGUF file: 9 heads / 3 KV heads over 3 ranks, every linear layer and the
-    tied embedding kept as blocks, cut only at 32-input block boundaries."""
+    tied embedding kept as blocks, cut only at 32-input block boundaries; and in two stages."""
     kw = dict(max_tokens=8, logprobs=2)
     params = SamplingParams(temperature=0.0, ignore_eos=True, **kw)
     prompts = ["The capital of France is", "Write a haiku about the sea:"]
@@ -177,3 +179,4 @@ def test_smollm2_gguf_blocks_at_tp3_are_token_identical() -> None:
 
     want = outputs(LLM("smollm2-135m-instruct", **small))
     assert_same(outputs(LLM("smollm2-135m-instruct", tensor_parallel_size=3, **small)), want)
+    assert_same(outputs(LLM("smollm2-135m-instruct", pipeline_parallel_size=2, **small)), want)
