@@ -32,6 +32,9 @@ LAYERS: dict[str, float] = {
     "treadle.loaders": 5,
     "treadle.worker.sampler": 5.4,  # the sampler (the verifier reuses its processing)
     "treadle.spec_decode": 5.6,  # proposers and the verifier (rejection sampler), used by the runner
+    "treadle.kv_transfer.metadata": 1.6,  # the KV connector's plain data (on SchedulerOutput / ModelRunnerOutput)
+    "treadle.kv_transfer.scheduler": 2.5,  # the connector's scheduler side: a Scheduler with remote-KV hooks
+    "treadle.kv_transfer": 5.8,  # the connector's worker side and the tcp / shm connectors
     "treadle.worker": 6,  # model runner, fused-layer planner, CUDA graphs
     "treadle.executor": 7,  # drives the workers (in process or in worker processes)
     "treadle.engine": 8,
@@ -42,7 +45,7 @@ LAYERS: dict[str, float] = {
     "treadle.entrypoints": 11,
 }
 TORCH_FREE = ("treadle.core", "treadle.config", "treadle.sampling_params", "treadle.spec_decode.fallback",
-              "treadle.spec_decode.metrics")
+              "treadle.spec_decode.metrics", "treadle.kv_transfer.metadata", "treadle.kv_transfer.scheduler")
 
 
 def _modules() -> dict[str, Path]:

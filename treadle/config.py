@@ -188,6 +188,33 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model / eagle / medusa: the draft's path or name
 
 
+KV_CONNECTORS = ("tcp", "shm")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (vLLM's ``kv_transfer_config`` names), resolved.
+    A producer serves the KV of finished ``do_remote_decode`` requests on ``ip:port``; a
+    consumer pulls it for ``do_remote_prefill`` requests (``treadle/kv_transfer``)."""
+
+    connector: str  # "tcp" | "shm"
+    role: str  # "kv_producer" | "kv_consumer" | "kv_both"
+    ip: str  # the producer's address, as consumers reach it
+    port: int  # the producer's serving port (resolved: never 0)
+    engine_id: str
+    transfer_timeout_s: float  # consumer: a pull slower than this fails (the prompt is recomputed)
+    producer_block_timeout_s: float  # producer: blocks nobody pulled are freed after this
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role in ("kv_consumer", "kv_both")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -200,3 +227,4 @@ class EngineConfig:
     enforce_eager: bool  # True: no CUDA graphs (always True off CUDA)
     fused_layers: bool  # CPU: decoder layers swapped for the fused one-call layer where they can be
     speculative: SpeculativeConfig | None = None  # None: no speculation (the normal path)
+    kv_transfer: KVTransferConfig | None = None  # None: no P/D disaggregation

@@ -96,6 +96,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # the output must match this grammar
+    # P/D disaggregation (vLLM's name): {"do_remote_decode": true} to a producer, the producer's
+    # answer ({"do_remote_prefill": true, ...}) to a consumer; see treadle/kv_transfer
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from treadle.sampling_params import SamplingParams
 
@@ -11,6 +12,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # P/D consumer: blocks allocated, KV being pulled
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -39,6 +41,7 @@ class Request:
     stop_reason: int | str | None = None
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for the next step
     num_new_tokens: int = 0  # tokens appended by the last step (1, or more with speculation)
+    kv_transfer_params: dict[str, Any] | None = None  # P/D producer: where a consumer pulls this KV
 
     @property
     def num_drafts_allowed(self) -> int:

@@ -28,6 +28,7 @@ from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.request import Request, RequestStatus
 from treadle.core.step_data import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from treadle.core.waiting_queue import WaitingQueue
+from treadle.kv_transfer.metadata import KVConnectorMetadata
 from treadle.spec_decode.fallback import FallbackController
 
 
@@ -127,7 +128,7 @@ class Scheduler:
                                         req.num_computed_tokens, n, drafts, self._unsent_tokens(req)))
             self._in_flight.add(req.request_id)
         finished, self._finished_since_last_step = self._finished_since_last_step, []
-        return SchedulerOutput(new_reqs, out, finished, preempted)
+        return SchedulerOutput(new_reqs, out, finished, preempted, self._connector_metadata())
 
     def _batch_share(self) -> int:
         """Most requests one step may take: all with one step in flight, else 1/P of the live
@@ -191,6 +192,11 @@ class Scheduler:
             if self._must_wait_for_sibling(req):
                 deferred.append(self._waiting.pop())
                 continue
+            remote = self._start_remote_load(req)
+            if remote is not None:
+                if not remote:
+                    break
+                continue
             cached = self.kv.match_prefix(req)
             remaining = req.num_tokens - len(cached) * self.kv.block_size
             if not self.config.enable_chunked_prefill and remaining > budget:
@@ -236,6 +242,7 @@ class Scheduler:
         drafts, finish requests. Returns the requests that got new tokens or finished."""
         self.step_returned(sched)
         touched: list[Request] = []
+        self._on_connector_output(result)
         for s in sched.scheduled:
             req = self.requests.get(s.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -293,6 +300,7 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         if req.status.finished:
             return
+        old_status = req.status
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -302,14 +310,35 @@ class Scheduler:
         if self.spec is not None:
             self.spec.forget(req.request_id)
         self._tokens_sent.pop(req.request_id, None)
-        if req.request_id in self._in_flight:
-            self._free_on_return[req.request_id] = req  # its step may still be writing the blocks
-        else:
-            self.kv.free(req)
+        self._release_blocks(req, old_status)
         self.requests.pop(req.request_id, None)
         if req.request_id in self._seen_by_runner:
             self._seen_by_runner.discard(req.request_id)
             self._finished_since_last_step.append(req.request_id)
+
+    # -- hooks of a KV connector (kv_transfer/scheduler.py); without one, plain local compute ----
+    def _start_remote_load(self, req: Request) -> bool | None:
+        """None: ``req`` (at the head of the queue) computes its prompt here; True: it was taken
+        off the queue to wait for remote KV; False: it must wait (no blocks yet)."""
+        return None
+
+    def _connector_metadata(self) -> KVConnectorMetadata | None:
+        """What the workers' connector must do before this step runs."""
+        return None
+
+    def _on_connector_output(self, result: ModelRunnerOutput) -> None:
+        """Transfers the workers finished (or failed) since the last step."""
+
+    def _release_blocks(self, req: Request, old_status: RequestStatus) -> None:
+        """``req`` finished (``old_status``: what it was doing): give its blocks back."""
+        if req.request_id in self._in_flight:
+            self._free_on_return[req.request_id] = req  # its step may still be writing the blocks
+        else:
+            self.kv.free(req)
+
+    def has_pending_transfers(self) -> bool:
+        """KV transfers in flight or blocks held for a remote consumer: keep stepping."""
+        return False
 
     def abort(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from treadle.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 from treadle.sampling_params import SamplingParams
 
 
@@ -44,6 +45,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # batch order
     finished_request_ids: list[str]  # the runner may drop their state
     num_preemptions: int = 0
+    kv_connector_metadata: KVConnectorMetadata | None = None  # P/D: transfers to start or serve
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -72,3 +74,4 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # per sampled token
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # this step's chunk
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step
+    kv_connector_output: KVConnectorOutput | None = None  # P/D: transfers that ended

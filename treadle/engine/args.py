@@ -59,6 +59,10 @@ class EngineArgs:
         None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
               '(keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, fallback, model)',
         type=str)
+    kv_transfer_config: dict[str, Any] | str | None = _arg(
+        None, 'prefill/decode disaggregation as JSON, e.g. \'{"kv_connector": "tcp", "kv_role": "kv_producer"}\' '
+              '(keys: kv_connector tcp|shm, kv_role kv_producer|kv_consumer|kv_both, kv_ip, kv_port, '
+              'transfer_timeout_s, producer_block_timeout_s)', type=str)
     skip_tokenizer_init: bool = _arg(False, "load no tokenizer: prompts are token ids and outputs carry token "
                                             "ids only (no text, stop strings, chat or structured output)")
 
@@ -67,6 +71,13 @@ class EngineArgs:
 SPECULATIVE_DEFAULTS: dict[str, Any] = {
     "method": None, "model": None, "num_speculative_tokens": 4, "prompt_lookup_min": 2,
     "prompt_lookup_max": 4, "fallback": True,
+}
+
+
+# the keys of ``kv_transfer_config`` and their defaults (kv_port 0: a free port is picked)
+KV_TRANSFER_DEFAULTS: dict[str, Any] = {
+    "kv_connector": "tcp", "kv_role": None, "kv_ip": "127.0.0.1", "kv_port": 0, "engine_id": None,
+    "transfer_timeout_s": 10.0, "producer_block_timeout_s": 60.0,
 }
 
 

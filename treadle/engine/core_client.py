@@ -92,7 +92,7 @@ class _Stream:
             outputs.append(CompletionOutput(c.index, c.text, list(ids), c.cumulative_logprob, logprobs,
                                             c.finish_reason, c.stop_reason, c.new_text, c.new_token_ids))
         return RequestOutput(w.request_id, self.prompt, self.prompt_token_ids, outputs, w.finished,
-                             self.prompt_logprobs, w.metrics)
+                             self.prompt_logprobs, w.metrics, w.kv_transfer_params)
 
 
 class EngineCoreClient(EngineClient):

@@ -91,6 +91,7 @@ class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     completions: list[WireCompletion]
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # in the request's first output only
+    kv_transfer_params: dict[str, Any] | None = None  # P/D producer, in the final output
 
 
 class StepReport(_Msg):

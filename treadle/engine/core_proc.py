@@ -189,7 +189,7 @@ class CoreLoop:
                 for c in out.outputs
             ]
             wire.append(WireOutput(out.request_id, out.finished, completions, out.metrics,
-                                   out.prompt_logprobs if first else None))
+                                   out.prompt_logprobs if first else None, out.kv_transfer_params))
         return wire
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from treadle.config import TreadleError
 from treadle.engine.llm_engine import LLMEngine, PromptType, StepFailedError
 from treadle.engine.outputs import RequestOutput
+from treadle.kv_transfer.scheduler import KVTransferScheduler
 from treadle.sampling_params import SamplingParams
 
 logger = logging.getLogger("treadle")
@@ -37,6 +38,8 @@ class EngineSnapshot:
     num_generated_tokens: int = 0
     num_computed_tokens: int = 0  # run through the model: prompt, recompute and decode tokens
     spec_decode: dict[str, Any] | None = None  # SpecDecodeStats.as_dict(), when speculating
+    num_waiting_prompt_tokens: int = 0  # prompt tokens not yet computed (waiting and running requests)
+    kv_transfer: dict[str, Any] | None = None  # KVTransferStats.as_dict(), with kv_transfer_config
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,8 @@ class EngineCore:
         self.engine.abort_request(request_ids)
 
     def has_work(self) -> bool:
-        return self.engine.has_unfinished_requests()
+        """Requests to step, or KV transfers to see through (P/D: held or loading blocks)."""
+        return self.engine.has_unfinished_requests() or self.engine.scheduler.has_pending_transfers()
 
     def step(self) -> StepResult:
         """One engine step. A StepFailedError fails only its own requests (the engine has
@@ -99,4 +103,7 @@ class EngineCore:
             num_preemptions=eng.stats.num_preemptions, num_steps=eng.stats.num_steps,
             num_generated_tokens=eng.stats.num_generated_tokens, num_computed_tokens=eng.stats.num_tokens_computed,
             spec_decode=None if eng.stats.spec_decode is None else eng.stats.spec_decode.as_dict(),
+            num_waiting_prompt_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                                          for r in eng.scheduler.requests.values()),
+            kv_transfer=eng.scheduler.stats() if isinstance(eng.scheduler, KVTransferScheduler) else None,
         )

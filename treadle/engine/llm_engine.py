@@ -28,6 +28,7 @@ from treadle.engine.output_processor import OutputProcessor
 from treadle.engine.outputs import RequestOutput
 from treadle.engine.resolver import create_engine_config
 from treadle.executor import Executor, create_executor
+from treadle.kv_transfer.scheduler import KVTransferScheduler
 from treadle.loaders import ModelSource, open_model_source
 from treadle.sampling_params import SamplingParams
 from treadle.spec_decode.fallback import FallbackController
@@ -59,9 +60,11 @@ class LLMEngine:
                                          config.cache.enable_prefix_caching)
         spec = config.speculative
         self.spec = None if spec is None else FallbackController(spec.fallback)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.spec,
-                                   max_batches=self.executor.max_concurrent_batches,
-                                   send_token_ids=config.parallel.pipeline_parallel_size > 1)
+        sched_kw: dict[str, Any] = dict(max_batches=self.executor.max_concurrent_batches,
+                                         send_token_ids=config.parallel.pipeline_parallel_size > 1)
+        self.scheduler = (Scheduler(config.scheduler, self.kv_manager, self.spec, **sched_kw)
+                          if config.kv_transfer is None else
+                          KVTransferScheduler(config.scheduler, self.kv_manager, self.spec, config.kv_transfer, **sched_kw))
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()  # submitted, not collected
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

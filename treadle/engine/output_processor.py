@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from treadle.core.request import Request, RequestStatus
 from treadle.core.step_data import ModelRunnerOutput, TokenLogprobs
@@ -34,6 +35,7 @@ class ParentState:
     children: dict[str, ChildState]
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -113,6 +115,8 @@ class OutputProcessor:
         if child.finish_reason is None:
             child.finish_reason = req.status.value if req.status.finished else RequestStatus.FINISHED_ABORTED.value
             child.stop_reason = req.stop_reason
+            if req.kv_transfer_params is not None:
+                self.parents[pid].kv_transfer_params = req.kv_transfer_params
             self.parents[pid].metrics.num_preemptions += req.num_preemptions
 
     def make_output(self, pid: str) -> RequestOutput:
@@ -134,4 +138,4 @@ class OutputProcessor:
                 self.parent_of.pop(cid, None)
             del self.parents[pid]
         return RequestOutput(pid, parent.prompt, parent.prompt_token_ids, outputs, finished,
-                             parent.prompt_logprobs, parent.metrics)
+                             parent.prompt_logprobs, parent.metrics, parent.kv_transfer_params)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -48,3 +49,4 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # P/D producer: where a consumer pulls this KV

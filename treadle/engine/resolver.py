@@ -25,14 +25,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import socket
+import uuid
 from typing import Any
 
 import torch
 
 from treadle.config import (
+    KV_CONNECTORS,
+    KV_ROLES,
     SPEC_METHODS,
     CacheConfig,
     EngineConfig,
+    KVTransferConfig,
     LoadConfig,
     ModelConfig,
     ParallelConfig,
@@ -41,7 +46,7 @@ from treadle.config import (
     TreadleError,
 )
 from treadle.distributed import check_parallel_sizes, shard_config, stage_layers
-from treadle.engine.args import EXECUTOR_BACKENDS, SPECULATIVE_DEFAULTS, EngineArgs, parse_bytes
+from treadle.engine.args import EXECUTOR_BACKENDS, KV_TRANSFER_DEFAULTS, SPECULATIVE_DEFAULTS, EngineArgs, parse_bytes
 from treadle.engine.memory import available_memory, plan_kv_cache, weight_bytes
 from treadle.layers.attention.selector import resolve_backend_name
 from treadle.loaders import ModelSource, open_model_source, parse_dtype
@@ -85,6 +90,7 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
         enforce_eager=args.enforce_eager or device.type != "cuda" or world > 1,
         fused_layers=args.fused_layers,
         speculative=_speculative_on_one_rank(args),
+        kv_transfer=_kv_transfer_on_one_rank(args),
     )
 
 
@@ -94,7 +100,59 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise TreadleError(f"device {args.device!r}: CUDA is not available on this machine")
     source = open_model_source(args.model, args.skip_tokenizer_init)
-    return resolve_config(args, source, available_memory(device)), source
+    config = resolve_config(args, source, available_memory(device))
+    if config.kv_transfer is not None and (config.kv_transfer.port == 0 or not config.kv_transfer.engine_id):
+        kv = config.kv_transfer
+        config = dataclasses.replace(config, kv_transfer=dataclasses.replace(
+            kv, port=kv.port or _free_port(kv.ip), engine_id=kv.engine_id or uuid.uuid4().hex[:12]))
+    return config, source
+
+
+def _free_port(ip: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((ip, 0))
+        return int(s.getsockname()[1])
+
+
+def _kv_transfer_on_one_rank(args: EngineArgs) -> KVTransferConfig | None:
+    kv = resolve_kv_transfer(args.kv_transfer_config)
+    if kv is not None and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        raise TreadleError("kv_transfer_config is not available with tensor or pipeline parallelism yet")
+    return kv
+
+
+def resolve_kv_transfer(raw: dict[str, Any] | str | None) -> KVTransferConfig | None:
+    """``kv_transfer_config`` (a dict or its JSON) -> KVTransferConfig (port 0 and engine id ""
+    are settled by ``create_engine_config``); None or empty -> None. Bad keys or values are
+    one-line TreadleErrors."""
+    if raw is None or raw == "" or raw == {}:
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise TreadleError(f"kv_transfer_config is not valid JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(raw, dict):
+        raise TreadleError('kv_transfer_config must be a JSON object, e.g. {"kv_connector": "tcp", ...}')
+    unknown = sorted(set(raw) - set(KV_TRANSFER_DEFAULTS))
+    if unknown:
+        raise TreadleError(f"unknown kv_transfer_config key {unknown[0]!r}; known: {', '.join(KV_TRANSFER_DEFAULTS)}")
+    kv = {**KV_TRANSFER_DEFAULTS, **raw}
+    if kv["kv_connector"] not in KV_CONNECTORS:
+        raise TreadleError(f"kv_transfer_config kv_connector {kv['kv_connector']!r} is not one of "
+                           f"{', '.join(KV_CONNECTORS)}")
+    if kv["kv_role"] not in KV_ROLES:
+        raise TreadleError(f"kv_transfer_config kv_role {kv['kv_role']!r} is not one of {', '.join(KV_ROLES)}")
+    port = kv["kv_port"]
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
+        raise TreadleError("kv_transfer_config kv_port must be an integer in [0, 65535]")
+    for key in ("transfer_timeout_s", "producer_block_timeout_s"):
+        if not isinstance(kv[key], (int, float)) or isinstance(kv[key], bool) or not kv[key] > 0:
+            raise TreadleError(f"kv_transfer_config {key} must be a positive number of seconds")
+    return KVTransferConfig(connector=kv["kv_connector"], role=kv["kv_role"], ip=str(kv["kv_ip"]), port=port,
+                            engine_id=str(kv["engine_id"] or ""),
+                            transfer_timeout_s=float(kv["transfer_timeout_s"]),
+                            producer_block_timeout_s=float(kv["producer_block_timeout_s"]))
 
 
 def _check_ranges(args: EngineArgs) -> None:

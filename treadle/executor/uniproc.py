@@ -23,6 +23,8 @@ class UniProcExecutor(Executor):
         return None if self.worker is not None else "the executor was shut down"
 
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
         self.worker = None  # the model and KV cache go with the last reference
 
     def _live_worker(self) -> Worker:

@@ -12,11 +12,14 @@ from treadle.config import EngineConfig
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.distributed import ParallelContext, shard_config, stage_layers
 from treadle.executor.base import KVCapacity
+from treadle.kv_transfer import create_connector
 from treadle.layers.attention.selector import select_backend
 from treadle.loaders import ModelSource, load_model, open_model_source, parse_dtype
 from treadle.structured.matchers import GrammarMatchers
 from treadle.worker.cuda_graph import maybe_graph_runner
 from treadle.worker.model_runner import ModelRunner, allocate_kv_cache
+
+IDLE_TRANSFER_WAIT_S = 0.005
 
 
 class Worker:
@@ -48,9 +51,20 @@ class Worker:
                                   config.parallel.comm_overlap, speculative=config.speculative,
                                   grammars=grammars)
         self._capacity = KVCapacity(cache.num_blocks, cache.block_size)
+        self.kv_connector = None if config.kv_transfer is None else create_connector(config.kv_transfer, kv)
 
     def kv_capacity(self) -> KVCapacity:
         return self._capacity
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(sched)
+        if self.kv_connector is None:
+            return self.runner.execute(sched)
+        self.kv_connector.start_step(sched.kv_connector_metadata)
+        out = self.runner.execute(sched)
+        # an empty step (only transfers pending) waits a little for one to end instead of spinning
+        out.kv_connector_output = self.kv_connector.get_finished(IDLE_TRANSFER_WAIT_S if sched.is_empty else 0.0)
+        return out
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()

@@ -102,6 +102,16 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+@router.get("/load")
+async def load(request: Request) -> dict[str, Any]:
+    """A cheap load report for a router (P/D or multi-instance): queued prompt tokens, running
+    and waiting sequences, KV usage, and this instance's kv_role (null without kv_transfer)."""
+    snap = _state(request).llm.snapshot
+    return {"waiting_prompt_tokens": snap.num_waiting_prompt_tokens, "running": snap.num_running,
+            "waiting": snap.num_waiting, "kv_usage": snap.kv_usage,
+            "role": None if snap.kv_transfer is None else snap.kv_transfer["role"]}
+
+
 @router.get("/version", response_model=VersionResponse)
 async def version() -> dict[str, str]:
     return {"version": treadle.__version__}

@@ -102,8 +102,12 @@ class GenerationView(ABC):
                                      background=BackgroundTask(release, state, group))
         finals = await until_disconnect(request, collect(state, group, len(prompts)))
         choices = [self.choice(out, c) for out in finals for c in out.outputs]
-        return JSONResponse({"id": self.request_id, "object": self.object_name, "created": self.created,
-                             "model": state.served_model_name, "choices": choices, "usage": usage(finals)})
+        data = {"id": self.request_id, "object": self.object_name, "created": self.created,
+                "model": state.served_model_name, "choices": choices, "usage": usage(finals)}
+        kv_params = [out.kv_transfer_params for out in finals if out.kv_transfer_params is not None]
+        if kv_params:  # a P/D producer's answer (one prompt, n == 1): where the consumer pulls the KV
+            data["kv_transfer_params"] = kv_params[0]
+        return JSONResponse(data)
 
     def _prepare(self) -> list[PromptType]:
         """In a worker thread: the prompts, and the grammar compiled into the engine's cache
@@ -134,6 +138,7 @@ class GenerationView(ABC):
                 repetition_penalty=body.repetition_penalty, seed=body.seed, stop=body.stop, max_tokens=max_tokens,
                 ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 structured_outputs=self.structured.spec if self.structured is not None else None,
+                kv_transfer_params=body.kv_transfer_params,
             )
         except TreadleError as e:
             raise engine_error(e) from None

@@ -19,6 +19,15 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 _TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
+_KV_TRANSFER_COUNTERS = (
+    ("loads", "num_loads", "Consumer: prompts whose KV arrived from a producer."),
+    ("recomputes", "num_recomputes", "Consumer: prompts recomputed here because their KV transfer failed."),
+    ("received_bytes", "num_bytes_received", "Consumer: KV bytes received."),
+    ("pulled", "num_pulled", "Producer: held KV taken by a consumer."),
+    ("expired", "num_expired", "Producer: held KV freed after producer_block_timeout_s, never pulled."),
+)
+
+
 class _EngineCollector:
     """Gauges read at scrape time from the snapshot the engine loop last published
     (in this process, or received from the engine-core process)."""
@@ -55,6 +64,20 @@ class _EngineCollector:
             yield c
         if snap.spec_decode is not None:
             yield from self._spec_decode(snap.spec_decode)
+        if snap.kv_transfer is not None:
+            yield from self._kv_transfer(snap.kv_transfer)
+
+    def _kv_transfer(self, kv: dict) -> Iterator[Metric]:
+        """P/D disaggregation: transfers, recomputes after failed ones, held blocks."""
+        for name, key, doc in _KV_TRANSFER_COUNTERS:
+            c = CounterMetricFamily(f"treadle:kv_transfer_{name}", doc, labels=["model_name"])
+            c.add_metric([self.model], float(kv[key]))
+            yield c
+        for name, key, doc in (("held_requests", "num_held", "Producer: requests whose KV blocks wait to be pulled."),
+                               ("loading_requests", "num_loading", "Consumer: requests waiting for their KV.")):
+            g = GaugeMetricFamily(f"treadle:kv_transfer_{name}", doc, labels=["model_name"])
+            g.add_metric([self.model], float(kv[key]))
+            yield g
 
     def _spec_decode(self, spec: dict) -> Iterator[Metric]:
         """vLLM's spec_decode_* counters with our prefix, and the fallback controller's decisions."""

@@ -103,6 +103,8 @@ class SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # P/D disaggregation (vLLM's name): passed to the engine as it is (treadle/kv_transfer)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:

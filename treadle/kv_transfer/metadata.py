@@ -1,0 +1,72 @@
+"""Plain data of the KV connector contract (torch-free): what the scheduler side sends the
+worker side each step (``KVConnectorMetadata``, on ``SchedulerOutput``), what comes back
+(``KVConnectorOutput``, on ``ModelRunnerOutput``), and the ``kv_transfer_params`` a producer
+hands out and a consumer receives (vLLM's names)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LoadSpec:
+    """Consumer: pull the KV of the first ``num_tokens`` tokens of the remote request into
+    ``local_block_ids`` (the remote blocks cover exactly as many tokens)."""
+
+    request_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    num_tokens: int
+    local_block_ids: list[int]
+
+
+@dataclass
+class KVConnectorMetadata:
+    """Scheduler side -> worker side, once per step, before the step runs."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: dict[str, list[int]] = field(default_factory=dict)  # producer: request id -> held block ids
+    releases: list[str] = field(default_factory=list)  # producer: stop serving these (blocks freed after)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves or self.releases)
+
+
+@dataclass
+class KVConnectorOutput:
+    """Worker side -> scheduler side, after each step: transfers that ended since the last one."""
+
+    finished_loading: list[str] = field(default_factory=list)
+    failed_loading: dict[str, str] = field(default_factory=dict)  # request id -> why (its blocks are recomputed)
+    finished_sending: list[str] = field(default_factory=list)  # producer: pulled; the blocks may be freed
+    num_bytes_received: int = 0
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """A consumer's reading of ``kv_transfer_params`` with ``do_remote_prefill``."""
+
+    engine_id: str
+    host: str
+    port: int
+    request_id: str
+    num_tokens: int  # prompt tokens whose KV the producer holds
+
+    @staticmethod
+    def parse(params: dict[str, Any] | None) -> RemotePrefill | None:
+        """None unless ``params`` asks for a remote prefill and names a reachable producer;
+        a malformed one is also None (the consumer then computes the prompt itself)."""
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        try:
+            return RemotePrefill(str(params["remote_engine_id"]), str(params["remote_host"]),
+                                 int(params["remote_port"]), str(params["remote_request_id"]),
+                                 int(params["num_tokens"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def wants_remote_decode(params: dict[str, Any] | None) -> bool:
+    return bool(params and params.get("do_remote_decode"))

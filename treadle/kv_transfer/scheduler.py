@@ -1,0 +1,171 @@
+"""The scheduler side of the KV connector (torch-free): a Scheduler whose hooks know remote KV.
+
+Consumer (``do_remote_prefill``): a waiting request whose producer holds its prompt's KV gets
+blocks for its whole prompt, leaves the queue in ``WAITING_FOR_REMOTE_KV``, and its LoadSpec
+goes to the workers. The remote tokens are the prompt less its last token: the consumer
+computes that one token itself, which yields the logits of the first output token, so the
+first token comes out of the consumer's own sampler (identical to the producer's under
+greedy or seeded sampling) and the one scheduling rule is untouched. When the workers report
+the load done, ``num_computed_tokens`` jumps to the remote count and the request runs; when
+they report it failed (unreachable, timeout, corrupt, shape), it runs from 0: the prompt is
+recomputed here (``recomputes``). A request finished while loading keeps its blocks until the
+workers report the transfer over, so no block is reused under a write.
+
+Producer (``do_remote_decode``, n == 1): when the request finishes (normally after its one
+token) its blocks are held, not freed; ``kv_transfer_params`` naming them goes out with the
+final output; the workers serve them until a consumer pulls them (``finished_sending`` frees
+them) or ``producer_block_timeout_s`` passes (the workers are told to stop serving first).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from treadle.config import KVTransferConfig, SchedulerConfig
+from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.request import Request, RequestStatus
+from treadle.core.scheduler import Scheduler
+from treadle.core.step_data import ModelRunnerOutput
+from treadle.kv_transfer.metadata import KVConnectorMetadata, LoadSpec, RemotePrefill, wants_remote_decode
+from treadle.spec_decode.fallback import FallbackController
+
+logger = logging.getLogger("treadle")
+
+
+@dataclass
+class KVTransferStats:
+    role: str
+    num_loads: int = 0  # consumer: prompts whose KV arrived
+    num_recomputes: int = 0  # consumer: transfers that failed, so the prompt was computed here
+    num_bytes_received: int = 0
+    num_pulled: int = 0  # producer: held KV a consumer took
+    num_expired: int = 0  # producer: held KV freed after producer_block_timeout_s
+    num_held: int = 0  # producer: requests whose blocks are held now (gauge)
+    num_loading: int = 0  # consumer: requests waiting for their KV now (gauge)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+class KVTransferScheduler(Scheduler):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, spec: FallbackController | None,
+                 kv_transfer: KVTransferConfig, clock: Callable[[], float] = time.monotonic,
+                 max_batches: int = 1, send_token_ids: bool = False) -> None:
+        super().__init__(config, kv, spec, max_batches, send_token_ids)
+        self.kv_transfer = kv_transfer
+        self._clock = clock
+        self._loading: dict[str, tuple[Request, int]] = {}  # consumer: id -> (request, remote tokens)
+        self._orphans: dict[str, Request] = {}  # finished while loading: freed once the workers are done
+        self._held: dict[str, tuple[Request, float]] = {}  # producer: id -> (request, deadline)
+        self._meta = KVConnectorMetadata()
+        self.kv_stats = KVTransferStats(kv_transfer.role)
+
+    # -- consumer ----------------------------------------------------------------------------
+    def _start_remote_load(self, req: Request) -> bool | None:
+        remote = RemotePrefill.parse(req.sampling_params.kv_transfer_params)
+        if remote is None or not self.kv_transfer.is_consumer or req.num_preemptions:
+            return None
+        if remote.num_tokens != req.num_prompt_tokens:
+            logger.warning("request %s: the producer holds %d prompt tokens, the prompt has %d; recomputing",
+                           req.request_id, remote.num_tokens, req.num_prompt_tokens)
+            self.kv_stats.num_recomputes += 1
+            return None
+        num_remote = req.num_prompt_tokens - 1  # the last prompt token is computed here (first token)
+        if num_remote < 1:
+            return None
+        if not self.kv.allocate_slots(req, req.num_prompt_tokens):
+            return False
+        self._waiting.pop()
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self._loading[req.request_id] = (req, num_remote)
+        blocks = self.kv.block_ids(req.request_id)[: self.kv.blocks_needed(num_remote)]
+        self._meta.loads.append(LoadSpec(req.request_id, remote.request_id, remote.host, remote.port,
+                                         num_remote, blocks))
+        return True
+
+    def _on_connector_output(self, result: ModelRunnerOutput) -> None:
+        out = result.kv_connector_output
+        if out is None:
+            return
+        self.kv_stats.num_bytes_received += out.num_bytes_received
+        for rid in out.finished_loading:
+            self._load_ended(rid, None)
+        for rid, why in out.failed_loading.items():
+            self._load_ended(rid, why)
+        for rid in out.finished_sending:
+            held = self._held.pop(rid, None)
+            if held is not None:
+                self.kv.free(held[0])
+                self.kv_stats.num_pulled += 1
+
+    def _load_ended(self, rid: str, failure: str | None) -> None:
+        orphan = self._orphans.pop(rid, None)
+        if orphan is not None:
+            self.kv.free(orphan)
+            return
+        entry = self._loading.pop(rid, None)
+        if entry is None:
+            return
+        req, num_remote = entry
+        if failure is None:
+            req.num_computed_tokens = num_remote
+            self.kv.cache_computed_blocks(req)
+            self.kv_stats.num_loads += 1
+        else:
+            logger.warning("request %s: KV transfer failed (%s); recomputing the prompt", rid, failure)
+            req.num_computed_tokens = 0
+            self.kv_stats.num_recomputes += 1
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    # -- producer ----------------------------------------------------------------------------
+    def _release_blocks(self, req: Request, old_status: RequestStatus) -> None:
+        rid = req.request_id
+        if old_status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            self._loading.pop(rid, None)
+            self._orphans[rid] = req  # the workers may still be writing its blocks
+            return
+        params = req.sampling_params
+        if (self.kv_transfer.is_producer and wants_remote_decode(params.kv_transfer_params) and params.n == 1
+                and req.status is not RequestStatus.FINISHED_ABORTED
+                and req.num_computed_tokens >= req.num_prompt_tokens):
+            self._hold(req)
+            return
+        super()._release_blocks(req, old_status)
+
+    def _hold(self, req: Request) -> None:
+        rid, cfg = req.request_id, self.kv_transfer
+        block_ids = self.kv.block_ids(rid)
+        self._held[rid] = (req, self._clock() + cfg.producer_block_timeout_s)
+        self._meta.saves[rid] = block_ids
+        req.kv_transfer_params = {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": cfg.engine_id,
+            "remote_host": cfg.ip, "remote_port": cfg.port, "remote_request_id": rid,
+            "remote_block_ids": block_ids, "num_tokens": req.num_prompt_tokens,
+            "first_token_id": req.output_token_ids[0] if req.output_token_ids else None,
+        }
+
+    def _connector_metadata(self) -> KVConnectorMetadata | None:
+        now = self._clock()
+        for rid, (req, deadline) in list(self._held.items()):
+            if deadline <= now:  # nobody pulled: stop serving (the workers first), then free
+                del self._held[rid]
+                self._meta.releases.append(rid)
+                self._meta.saves.pop(rid, None)
+                self.kv.free(req)
+                self.kv_stats.num_expired += 1
+                logger.warning("request %s: nobody pulled its KV in %.1f s; blocks freed", rid,
+                               self.kv_transfer.producer_block_timeout_s)
+        meta, self._meta = self._meta, KVConnectorMetadata()
+        return None if meta.is_empty else meta
+
+    def has_pending_transfers(self) -> bool:
+        return bool(self._held or self._loading or self._orphans or not self._meta.is_empty)
+
+    def stats(self) -> dict[str, Any]:
+        self.kv_stats.num_held = len(self._held)
+        self.kv_stats.num_loading = len(self._loading)
+        return self.kv_stats.as_dict()

@@ -1,0 +1,81 @@
+"""The ``shm`` connector: instances on one host. The same pull protocol as ``tcp`` (control
+over ZeroMQ, checksums, layer by layer), but the KV bytes do not cross a socket: the consumer
+creates a shared-memory segment sized for the transfer and names it in its PullRequest; the
+producer copies each layer's blocks straight into it and sends only the LayerHeader; the
+consumer copies the layer out into its KV cache. The consumer owns the segment (it unlinks it
+when the pull ends, whatever happened), so a dead or slow producer leaks nothing.
+
+    segment layout: [layer][k | v][num_blocks * block bytes]
+"""
+from __future__ import annotations
+
+import threading
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+import zmq
+
+from treadle.kv_transfer.metadata import LoadSpec
+from treadle.kv_transfer.tcp import TcpConnector
+from treadle.kv_transfer.wire import LayerHeader, PullRequest, TransferError, check_frame, crc
+
+SHM_DIR = Path("/dev/shm")  # where POSIX shared memory segments live (Linux)
+
+
+class ShmConnector(TcpConnector):
+    _local = threading.local()  # each pull thread's open segment
+
+    def open_target(self, spec: LoadSpec) -> str:
+        size = 2 * self.layout.num_layers * len(spec.local_block_ids) * self.layout.block_bytes()
+        seg = shared_memory.SharedMemory(create=True, size=size)
+        self._local.segment = seg
+        return seg.name
+
+    def close_target(self) -> None:
+        seg = getattr(self._local, "segment", None)
+        self._local.segment = None
+        if seg is not None:
+            seg.unlink()
+            _close(seg)
+
+    def send_layers(self, sock: zmq.Socket, identity: bytes, req: PullRequest, blocks: list[int]) -> None:
+        if not req.shm_name:
+            raise TransferError("the shm connector needs the consumer's segment name")
+        nbytes = len(blocks) * self.layout.block_bytes()
+        # mapped as a file: attaching with SharedMemory would enrol the segment in this process's
+        # resource tracker, which must not unlink what the consumer owns
+        dst = np.memmap(SHM_DIR / req.shm_name.lstrip("/"), np.uint8, "r+", shape=(self.layout.num_layers, 2, nbytes))
+        try:
+            idx = torch.tensor(blocks, dtype=torch.long)
+            for layer, (k, v) in enumerate(self.kv):
+                for j, cache in enumerate((k, v)):
+                    out = torch.from_numpy(dst[layer, j]).view(cache.dtype).view(len(blocks), *cache.shape[1:])
+                    torch.index_select(cache, 0, idx, out=out)
+                head = LayerHeader(layer, crc(dst[layer, 0].data), crc(dst[layer, 1].data))
+                sock.send_multipart([identity, msgspec.msgpack.encode(head)])
+        finally:
+            del dst
+
+    def receive_layer(self, parts: list[Any], nbytes: int) -> tuple[int, memoryview, memoryview]:
+        head = msgspec.msgpack.decode(parts[0], type=LayerHeader)
+        seg = self._local.segment
+        if len(parts) != 1 or seg is None or not 0 <= head.layer < self.layout.num_layers:
+            raise TransferError("malformed layer message")
+        at = 2 * head.layer * nbytes
+        kb, vb = seg.buf[at : at + nbytes], seg.buf[at + nbytes : at + 2 * nbytes]
+        check_frame(kb, head.crc_k, nbytes, f"layer {head.layer} keys")
+        check_frame(vb, head.crc_v, nbytes, f"layer {head.layer} values")
+        return head.layer, kb, vb
+
+
+def _close(seg: shared_memory.SharedMemory) -> None:
+    """Unmap ``seg``; while a failed transfer's traceback still holds a view of it, leave
+    that to the garbage collector."""
+    try:
+        seg.close()
+    except BufferError:
+        pass

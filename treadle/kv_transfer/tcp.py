@@ -1,0 +1,241 @@
+"""The ``tcp`` connector: consumers pull held KV from producers over ZeroMQ (works across
+machines). Control messages are msgspec (``wire.py``); KV travels as raw frames, one message
+per layer, so the consumer writes layer i into its blocks while later layers are in flight.
+
+Producer: one ROUTER socket on ``kv_ip:kv_port`` served by a thread. A pull for a request
+not yet servable (its save arrives with the next step) is parked for up to PARK_S; one for a
+released or unknown request is refused. Serving pops the request from the servable table and,
+under the lock that ``start_step``'s releases take, copies each layer's blocks out and sends
+them; then the request is reported sent (its blocks may be freed: the frames are copies).
+
+Consumer: each LoadSpec is pulled on a small thread pool through its own DEALER socket with
+one deadline (``transfer_timeout_s``) for the whole transfer; every frame's length and
+checksum and the header's layout are checked before the layer is written.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import warnings
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+
+from treadle.config import KVTransferConfig
+from treadle.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, LoadSpec
+from treadle.kv_transfer.wire import (
+    KVLayout,
+    LayerHeader,
+    PullHeader,
+    PullRequest,
+    TransferError,
+    check_frame,
+    crc,
+)
+from treadle.kv_transfer.worker import KVCaches, KVConnectorWorker
+
+logger = logging.getLogger("treadle")
+
+PARK_S = 2.0  # how long a pull may wait for its request to become servable
+POLL_MS = 20
+
+
+class TcpConnector(KVConnectorWorker):
+    def __init__(self, config: KVTransferConfig, kv_caches: KVCaches) -> None:
+        self.config, self.kv = config, kv_caches
+        self.layout = KVLayout.of(kv_caches)
+        self.ctx = zmq.Context()
+        self._lock = threading.Lock()  # guards _servable and every read of held blocks
+        self._servable: dict[str, list[int]] = {}
+        self._released: deque[str] = deque(maxlen=4096)
+        self._ended: queue.SimpleQueue[tuple[str, str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._enc = msgspec.msgpack.Encoder()
+        self._server: threading.Thread | None = None
+        if config.is_producer:
+            sock = self.ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(f"tcp://{config.ip}:{config.port}")
+            self._server = threading.Thread(target=self._serve, args=(sock,), name="kv-serve", daemon=True)
+            self._server.start()
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kv-pull") if config.is_consumer else None
+
+    # -- the step thread -------------------------------------------------------------------
+    def start_step(self, meta: KVConnectorMetadata | None) -> None:
+        if meta is None:
+            return
+        with self._lock:
+            self._servable.update(meta.saves)
+            for rid in meta.releases:
+                self._servable.pop(rid, None)
+                self._released.append(rid)
+        for spec in meta.loads:
+            if self._pool is None:
+                self._end("failed", spec.request_id, "this instance is not a kv_consumer")
+            else:
+                self._pool.submit(self._pull, spec)
+
+    def get_finished(self, wait_s: float = 0.0) -> KVConnectorOutput | None:
+        if wait_s > 0 and self._ended.empty():
+            self._wake.wait(wait_s)
+        self._wake.clear()
+        out = KVConnectorOutput()
+        ended = False
+        while True:
+            try:
+                kind, rid, value = self._ended.get_nowait()
+            except queue.Empty:
+                break
+            ended = True
+            if kind == "loaded":
+                out.finished_loading.append(rid)
+                out.num_bytes_received += value
+            elif kind == "failed":
+                out.failed_loading[rid] = value
+            else:
+                out.finished_sending.append(rid)
+        return out if ended else None
+
+    def shutdown(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._server is not None:
+            self._server.join(2)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self.ctx.destroy(linger=0)
+
+    def _end(self, kind: str, rid: str, value: Any) -> None:
+        self._ended.put((kind, rid, value))
+        self._wake.set()
+
+    # -- producer: the serving thread --------------------------------------------------------
+    def _serve(self, sock: zmq.Socket) -> None:
+        decoder = msgspec.msgpack.Decoder(PullRequest)
+        parked: list[tuple[bytes, PullRequest, float]] = []
+        try:
+            while not self._stop.is_set():
+                if sock.poll(POLL_MS):
+                    identity, frame = sock.recv_multipart()[:2]
+                    try:
+                        parked.append((identity, decoder.decode(frame), time.monotonic() + PARK_S))
+                    except msgspec.DecodeError:
+                        sock.send_multipart([identity, self._enc.encode(PullHeader(False, "unreadable request"))])
+                parked = [p for p in parked if not self._try_serve(sock, *p)]
+        finally:
+            sock.close(0)
+
+    def _try_serve(self, sock: zmq.Socket, identity: bytes, req: PullRequest, park_until: float) -> bool:
+        """Serve ``req`` if it can be; True when it is answered (served or refused)."""
+        with self._lock:
+            blocks = self._servable.get(req.request_id)
+            if blocks is None:
+                if req.request_id in self._released or time.monotonic() > park_until:
+                    sock.send_multipart([identity, self._enc.encode(
+                        PullHeader(False, f"request {req.request_id!r} is not held here (expired or unknown)"))])
+                    return True
+                return False
+            error = self._check(req, blocks)
+            if error:
+                sock.send_multipart([identity, self._enc.encode(PullHeader(False, error))])
+                return True  # still held: a well-formed pull may come
+            del self._servable[req.request_id]
+            sock.send_multipart([identity, self._enc.encode(PullHeader(True, "", self.layout, req.num_blocks))])
+            try:
+                self.send_layers(sock, identity, req, blocks[: req.num_blocks])
+            except Exception as e:  # noqa: BLE001 - a broken pull must not stop the server
+                logger.warning("serving KV of %s failed: %r", req.request_id, e)
+        self._end("sent", req.request_id, None)
+        return True
+
+    def _check(self, req: PullRequest, blocks: list[int]) -> str:
+        if req.layout != self.layout:
+            return f"KV layout mismatch: producer {self.layout}, consumer {req.layout}"
+        if not 0 < req.num_blocks <= len(blocks):
+            return f"asked for {req.num_blocks} blocks, {len(blocks)} held"
+        return ""
+
+    def send_layers(self, sock: zmq.Socket, identity: bytes, req: PullRequest, blocks: list[int]) -> None:
+        """The data path: each layer's blocks as two raw frames after a LayerHeader."""
+        idx = torch.tensor(blocks, dtype=torch.long)
+        for layer, (k, v) in enumerate(self.kv):
+            kb, vb = _raw(k, idx), _raw(v, idx)
+            head = self._enc.encode(LayerHeader(layer, crc(kb), crc(vb)))
+            sock.send_multipart([identity, head, kb, vb], copy=False)
+
+    # -- consumer: a pull ----------------------------------------------------------------------
+    def _pull(self, spec: LoadSpec) -> None:
+        try:
+            self._end("loaded", spec.request_id, self._transfer(spec))
+        except Exception as e:  # noqa: BLE001 - any failure means: recompute
+            self._end("failed", spec.request_id, f"{type(e).__name__}: {e}")
+
+    def _transfer(self, spec: LoadSpec) -> int:
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        target = self.open_target(spec)
+        try:
+            sock.connect(f"tcp://{spec.remote_host}:{spec.remote_port}")
+            sock.send(self._enc.encode(PullRequest(spec.remote_request_id, self.layout, len(spec.local_block_ids),
+                                                   target)))
+            head = msgspec.msgpack.decode(_recv(sock, deadline)[0], type=PullHeader)
+            if not head.ok:
+                raise TransferError(head.error)
+            if head.layout != self.layout or head.num_blocks != len(spec.local_block_ids):
+                raise TransferError(f"the producer sent {head.num_blocks} blocks of {head.layout}")
+            idx = torch.tensor(spec.local_block_ids, dtype=torch.long)
+            nbytes = len(spec.local_block_ids) * self.layout.block_bytes()
+            for _ in range(self.layout.num_layers):
+                layer, kb, vb = self.receive_layer(_recv(sock, deadline), nbytes)
+                with torch.no_grad():
+                    for cache, data in zip(self.kv[layer], (kb, vb)):
+                        cache.index_copy_(0, idx, _tensor(data, self.layout, len(idx)))
+                del kb, vb  # shm: views of the segment, which is closed next
+            return 2 * nbytes * self.layout.num_layers
+        finally:
+            sock.close(0)
+            self.close_target()
+
+    def open_target(self, spec: LoadSpec) -> str:
+        """Where the producer writes (shm: a segment's name); tcp: in the frames ("")."""
+        return ""
+
+    def close_target(self) -> None:
+        """Release what ``open_target`` made."""
+
+    def receive_layer(self, parts: list[Any], nbytes: int) -> tuple[int, memoryview, memoryview]:
+        head = msgspec.msgpack.decode(parts[0], type=LayerHeader)
+        if len(parts) != 3 or not 0 <= head.layer < self.layout.num_layers:
+            raise TransferError("malformed layer message")
+        kb, vb = parts[1].buffer, parts[2].buffer
+        check_frame(kb, head.crc_k, nbytes, f"layer {head.layer} keys")
+        check_frame(vb, head.crc_v, nbytes, f"layer {head.layer} values")
+        return head.layer, kb, vb
+
+
+def _recv(sock: zmq.Socket, deadline: float) -> list[Any]:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1):
+        raise TransferError("timed out waiting for the producer")
+    return sock.recv_multipart(copy=False)
+
+
+def _raw(t: torch.Tensor, idx: torch.Tensor) -> Any:
+    """The blocks ``idx`` of ``t`` copied out, as one flat byte array."""
+    return t.index_select(0, idx).view(torch.uint8).reshape(-1).numpy()
+
+
+def _tensor(data: memoryview, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+    with warnings.catch_warnings():  # read-only buffer: the tensor is only copied from
+        warnings.simplefilter("ignore")
+        flat = torch.frombuffer(data, dtype=layout.torch_dtype)
+    return flat.view(num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)

@@ -1,0 +1,51 @@
+"""The worker side of the KV connector contract: what a connector does with the KV cache.
+
+    Worker.execute(sched):
+        connector.start_step(sched.kv_connector_metadata)  # start loads, serve / stop serving blocks
+        runner.execute(sched)        # a model that streams layers calls wait_for_layer_load(i)
+                                     # before layer i's attention and save_kv_layer(i) after it
+        output.kv_connector_output = connector.get_finished(wait_s)   # transfers that ended
+
+Every method runs on the worker's step thread; a connector does its transfers on its own
+threads and touches only the blocks the scheduler side named (loads write into a consumer's
+freshly allocated blocks, sends read a producer's held ones), so the model may run other
+requests meanwhile. A block named in a LoadSpec is written only until the load is reported
+finished or failed; a held block is read only until it is reported sent or released.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from treadle.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v): [num_blocks, block_size, kv_heads, head_dim]
+
+
+class KVConnectorWorker(ABC):
+    @abstractmethod
+    def start_step(self, meta: KVConnectorMetadata | None) -> None:
+        """Before a step runs: start the loads of ``meta.loads`` (non-blocking: each lands in
+        its local blocks layer by layer), make ``meta.saves`` servable, and stop serving
+        ``meta.releases`` (returning only once no send reads their blocks any more, since the
+        scheduler side reuses them from the next step on)."""
+
+    def wait_for_layer_load(self, layer: int) -> None:  # noqa: B027 - optional hook
+        """Block until every load in flight has written ``layer``. A connector whose scheduler
+        side runs a request only once its whole load finished (tcp, shm) has nothing to do."""
+
+    def save_kv_layer(self, layer: int) -> None:  # noqa: B027 - optional hook
+        """After ``layer`` computed this step's KV: a push connector (an RDMA write into the
+        consumer's blocks) would send it here. Pull connectors (tcp, shm) serve held blocks on
+        request instead and do nothing."""
+
+    @abstractmethod
+    def get_finished(self, wait_s: float = 0.0) -> KVConnectorOutput | None:
+        """Transfers that ended since the last call: loads finished or failed (with why: the
+        scheduler side recomputes those prompts), held blocks sent. ``wait_s`` > 0 (an idle
+        step): wait up to that long for one to end. None when nothing ended."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop serving and loading; idempotent."""
