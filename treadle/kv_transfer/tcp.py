@@ -194,16 +194,18 @@ class TcpConnector(KVConnectorWorker):
                 raise TransferError(f"the producer sent {head.num_blocks} blocks of {head.layout}")
             idx = torch.tensor(spec.local_block_ids, dtype=torch.long)
             nbytes = len(spec.local_block_ids) * self.layout.block_bytes()
-            for _ in range(self.layout.num_layers):
-                layer, kb, vb = self.receive_layer(_recv(sock, deadline), nbytes)
-                with torch.no_grad():
-                    for cache, data in zip(self.kv[layer], (kb, vb)):
-                        cache.index_copy_(0, idx, _tensor(data, self.layout, len(idx)))
-                del kb, vb  # shm: views of the segment, which is closed next
+            for _ in range(self.layout.num_layers):  # written as each layer arrives
+                self._write_layer(idx, *self.receive_layer(_recv(sock, deadline), nbytes))
             return 2 * nbytes * self.layout.num_layers
         finally:
             sock.close(0)
             self.close_target()
+
+    def _write_layer(self, idx: torch.Tensor, layer: int, kb: memoryview, vb: memoryview) -> None:
+        """Copy one layer's received blocks into the cache (keeps no view of the buffers)."""
+        with torch.no_grad():
+            self.kv[layer][0].index_copy_(0, idx, _tensor(kb, self.layout, len(idx)))
+            self.kv[layer][1].index_copy_(0, idx, _tensor(vb, self.layout, len(idx)))
 
     def open_target(self, spec: LoadSpec) -> str:
         """Where the producer writes (shm: a segment's name); tcp: in the frames ("")."""
