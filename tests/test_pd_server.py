@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,16 @@ import httpx
 import openai
 import pytest
 import zmq
+from server_harness import (
+    ENGINE_KW,
+    MODEL_NAME,
+    ServerThread,
+    engine_idle,
+    metric_values,
+    stories_with_chat_template,
+    wait_until,
+)
 
-from server_harness import ENGINE_KW, MODEL_NAME, ServerThread, engine_idle, metric_values, stories_with_chat_template, \
-    wait_until
 from treadle.engine.core_client import EngineCoreClient
 from treadle.engine.llm_engine import LLMEngine
 from treadle.server import build_app
@@ -27,16 +35,26 @@ PROMPT = "Once upon a time there was a little girl named Lily. She loved to play
 PRODUCER_TIMEOUT_S = 1.5
 
 
-@contextlib.contextmanager
-def instance(model_dir: Path, kv: dict[str, Any] | None) -> Iterator[str]:
-    """A server (uvicorn thread + engine-core process, one torch thread); yields its URL."""
+def start(model_dir: Path, kv: dict[str, Any] | None) -> EngineCoreClient:
+    """An engine-core process (one torch thread) for ``model_dir``."""
     kw = {**ENGINE_KW, "kv_transfer_config": kv}
-    llm = EngineCoreClient(str(model_dir), functools.partial(LLMEngine.from_args, str(model_dir), **kw), threads=1)
+    return EngineCoreClient(str(model_dir), functools.partial(LLMEngine.from_args, str(model_dir), **kw), threads=1)
+
+
+@contextlib.contextmanager
+def instances(model_dir: Path, *kvs: dict[str, Any] | None) -> Iterator[list[str]]:
+    """Servers (uvicorn thread + engine-core process each), started side by side; yields URLs."""
+    with ThreadPoolExecutor(len(kvs)) as pool:
+        futures = [pool.submit(start, model_dir, kv) for kv in kvs]
+    llms = [f.result() for f in futures if f.exception() is None]
     try:
-        with ServerThread(build_app(llm, MODEL_NAME)) as srv:
-            yield srv.url
+        if len(llms) < len(kvs):
+            raise next(f.exception() for f in futures if f.exception() is not None)  # type: ignore[misc]
+        with contextlib.ExitStack() as stack:
+            yield [stack.enter_context(ServerThread(build_app(llm, MODEL_NAME))).url for llm in llms]
     finally:
-        llm.shutdown()
+        for llm in llms:
+            llm.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -44,20 +62,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return stories_with_chat_template(tmp_path_factory.mktemp("stories"))
 
 
-@pytest.fixture(scope="module")
-def colocated(model_dir: Path) -> Iterator[str]:
-    with instance(model_dir, None) as url:
-        yield url
-
-
-@pytest.fixture(scope="module", params=["tcp", "shm"])
-def pd(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[tuple[str, str]]:
-    """(producer URL, consumer URL) joined by the connector of the parameter."""
+@pytest.fixture(scope="module", params=["tcp", pytest.param("shm", marks=pytest.mark.slow)])
+def pd(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[tuple[str, str, str]]:
+    """(producer, consumer, colocated) URLs; producer and consumer joined by the parameter's connector."""
     conn = request.param
-    with instance(model_dir, {"kv_connector": conn, "kv_role": "kv_producer",
-                              "producer_block_timeout_s": PRODUCER_TIMEOUT_S}) as producer, \
-            instance(model_dir, {"kv_connector": conn, "kv_role": "kv_consumer", "transfer_timeout_s": 1.0}) as consumer:
-        yield producer, consumer
+    with instances(model_dir, {"kv_connector": conn, "kv_role": "kv_producer",
+                               "producer_block_timeout_s": PRODUCER_TIMEOUT_S},
+                   {"kv_connector": conn, "kv_role": "kv_consumer", "transfer_timeout_s": 1.0}, None) as urls:
+        yield urls[0], urls[1], urls[2]
 
 
 def client(url: str) -> openai.OpenAI:
@@ -93,8 +105,8 @@ def counter(url: str, name: str) -> float:
     return metric_values(url).get(f"treadle:kv_transfer_{name}_total", 0.0)
 
 
-def test_disaggregated_output_equals_colocated(pd: tuple[str, str], colocated: str) -> None:
-    producer, consumer = pd
+def test_disaggregated_output_equals_colocated(pd: tuple[str, str, str]) -> None:
+    producer, consumer, colocated = pd
     loads = counter(consumer, "loads")
     for stream in (False, True):
         assert complete(consumer, stream, prefill(producer)) == complete(colocated, stream)
@@ -109,8 +121,8 @@ def test_disaggregated_output_equals_colocated(pd: tuple[str, str], colocated: s
     assert counter(producer, "pulled") >= 3
 
 
-def test_failed_or_slow_transfer_is_recomputed(pd: tuple[str, str], colocated: str) -> None:
-    producer, consumer = pd
+def test_failed_or_slow_transfer_is_recomputed(pd: tuple[str, str, str]) -> None:
+    producer, consumer, colocated = pd
     want = complete(colocated)
     before = counter(consumer, "recomputes")
     unknown = {**prefill(producer), "remote_request_id": "nobody-holds-this"}
@@ -127,8 +139,8 @@ def test_failed_or_slow_transfer_is_recomputed(pd: tuple[str, str], colocated: s
     wait_until(lambda: engine_idle(consumer), 10, "consumer idle, every block free")
 
 
-def test_unpulled_producer_blocks_are_freed_after_the_timeout(pd: tuple[str, str]) -> None:
-    producer, _ = pd
+def test_unpulled_producer_blocks_are_freed_after_the_timeout(pd: tuple[str, str, str]) -> None:
+    producer = pd[0]
     expired = counter(producer, "expired")
     prefill(producer)  # a client that left between prefill and decode: nobody pulls
     assert metric_values(producer)["treadle:kv_transfer_held_requests"] == 1
@@ -137,8 +149,8 @@ def test_unpulled_producer_blocks_are_freed_after_the_timeout(pd: tuple[str, str
     assert counter(producer, "expired") == expired + 1
 
 
-def test_client_leaving_during_the_pull_frees_the_consumer(pd: tuple[str, str]) -> None:
-    _, consumer = pd
+def test_client_leaving_during_the_pull_frees_the_consumer(pd: tuple[str, str, str]) -> None:
+    consumer = pd[1]
     ctx = zmq.Context()
     silent = ctx.socket(zmq.ROUTER)
     try:
@@ -155,8 +167,8 @@ def test_client_leaving_during_the_pull_frees_the_consumer(pd: tuple[str, str]) 
         ctx.term()
 
 
-def test_load_endpoint(pd: tuple[str, str], colocated: str) -> None:
-    producer, consumer = pd
+def test_load_endpoint(pd: tuple[str, str, str]) -> None:
+    producer, consumer, colocated = pd
     for url, role in ((producer, "kv_producer"), (consumer, "kv_consumer"), (colocated, None)):
         load = httpx.get(f"{url}/load", timeout=10).json()
         assert set(load) == {"waiting_prompt_tokens", "running", "waiting", "kv_usage", "role"}

@@ -50,11 +50,14 @@ class ShmConnector(TcpConnector):
         # resource tracker, which must not unlink what the consumer owns
         dst = np.memmap(SHM_DIR / req.shm_name.lstrip("/"), np.uint8, "r+", shape=(self.layout.num_layers, 2, nbytes))
         try:
-            idx = torch.tensor(blocks, dtype=torch.long)
+            idx = torch.tensor(blocks, dtype=torch.long, device=self.kv[0][0].device)
             for layer, (k, v) in enumerate(self.kv):
                 for j, cache in enumerate((k, v)):
                     out = torch.from_numpy(dst[layer, j]).view(cache.dtype).view(len(blocks), *cache.shape[1:])
-                    torch.index_select(cache, 0, idx, out=out)
+                    if cache.is_cpu:
+                        torch.index_select(cache, 0, idx, out=out)
+                    else:
+                        out.copy_(cache.index_select(0, idx))
                 head = LayerHeader(layer, crc(dst[layer, 0].data), crc(dst[layer, 1].data))
                 sock.send_multipart([identity, msgspec.msgpack.encode(head)])
         finally:

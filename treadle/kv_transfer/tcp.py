@@ -165,7 +165,7 @@ class TcpConnector(KVConnectorWorker):
 
     def send_layers(self, sock: zmq.Socket, identity: bytes, req: PullRequest, blocks: list[int]) -> None:
         """The data path: each layer's blocks as two raw frames after a LayerHeader."""
-        idx = torch.tensor(blocks, dtype=torch.long)
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.kv[0][0].device)
         for layer, (k, v) in enumerate(self.kv):
             kb, vb = _raw(k, idx), _raw(v, idx)
             head = self._enc.encode(LayerHeader(layer, crc(kb), crc(vb)))
@@ -192,7 +192,7 @@ class TcpConnector(KVConnectorWorker):
                 raise TransferError(head.error)
             if head.layout != self.layout or head.num_blocks != len(spec.local_block_ids):
                 raise TransferError(f"the producer sent {head.num_blocks} blocks of {head.layout}")
-            idx = torch.tensor(spec.local_block_ids, dtype=torch.long)
+            idx = torch.tensor(spec.local_block_ids, dtype=torch.long, device=self.kv[0][0].device)
             nbytes = len(spec.local_block_ids) * self.layout.block_bytes()
             for _ in range(self.layout.num_layers):  # written as each layer arrives
                 self._write_layer(idx, *self.receive_layer(_recv(sock, deadline), nbytes))
@@ -204,8 +204,8 @@ class TcpConnector(KVConnectorWorker):
     def _write_layer(self, idx: torch.Tensor, layer: int, kb: memoryview, vb: memoryview) -> None:
         """Copy one layer's received blocks into the cache (keeps no view of the buffers)."""
         with torch.no_grad():
-            self.kv[layer][0].index_copy_(0, idx, _tensor(kb, self.layout, len(idx)))
-            self.kv[layer][1].index_copy_(0, idx, _tensor(vb, self.layout, len(idx)))
+            for cache, data in zip(self.kv[layer], (kb, vb)):
+                cache.index_copy_(0, idx, _tensor(data, self.layout, len(idx)).to(cache.device))
 
     def open_target(self, spec: LoadSpec) -> str:
         """Where the producer writes (shm: a segment's name); tcp: in the frames ("")."""
@@ -233,7 +233,7 @@ def _recv(sock: zmq.Socket, deadline: float) -> list[Any]:
 
 def _raw(t: torch.Tensor, idx: torch.Tensor) -> Any:
     """The blocks ``idx`` of ``t`` copied out, as one flat byte array."""
-    return t.index_select(0, idx).view(torch.uint8).reshape(-1).numpy()
+    return t.index_select(0, idx).cpu().view(torch.uint8).reshape(-1).numpy()
 
 
 def _tensor(data: memoryview, layout: KVLayout, num_blocks: int) -> torch.Tensor:

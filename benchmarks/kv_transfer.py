@@ -1,0 +1,106 @@
+"""Loopback KV handover: bandwidth (MB/s) and time per request (ms) of the tcp and shm connectors.
+
+A producer process holds the KV of ``--requests`` prompts of ``--tokens`` tokens each in a KV
+cache shaped like ``--shape`` (layers, KV heads, head dim, dtype); this process is a consumer
+that pulls them one by one through the real connector (``start_step`` with a LoadSpec, then
+``get_finished`` until it reports the load), so each figure covers the whole handover: pull
+request, the producer's copy out of its blocks, checksums, frames (tcp) or the segment (shm),
+the checks and the copy into the consumer's blocks. Connectors alternate per round; medians.
+
+    python benchmarks/kv_transfer.py --tokens 512 2048 --requests 8 --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from treadle.config import KVTransferConfig
+from treadle.kv_transfer import create_connector
+from treadle.kv_transfer.metadata import KVConnectorMetadata, LoadSpec
+
+SHAPES = {  # layers, KV heads, head dim, dtype
+    "smollm2-135m": (30, 3, 64, torch.float32),
+    "llama3-8b-bf16": (32, 8, 128, torch.bfloat16),
+}
+BLOCK = 16
+
+
+def kv_cache(shape: tuple[int, int, int, torch.dtype], num_blocks: int, fill: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    layers, heads, dim, dtype = shape
+    make = (lambda: torch.randn(num_blocks, BLOCK, heads, dim).to(dtype)) if fill else \
+        (lambda: torch.zeros(num_blocks, BLOCK, heads, dim, dtype=dtype))
+    return [(make(), make()) for _ in range(layers)]
+
+
+def producer(cfg: KVTransferConfig, shape: Any, blocks_per_req: int, num_reqs: int, conn: Any) -> None:
+    torch.set_num_threads(1)
+    connector = create_connector(cfg, kv_cache(shape, blocks_per_req * num_reqs, fill=True))
+    saves = {f"r{i}": list(range(i * blocks_per_req, (i + 1) * blocks_per_req)) for i in range(num_reqs)}
+    connector.start_step(KVConnectorMetadata(saves=saves))
+    conn.send("ready")
+    conn.recv()  # stop
+    connector.shutdown()
+
+
+def pull_all(cfg: KVTransferConfig, shape: Any, tokens: int, num_reqs: int) -> list[float]:
+    blocks = -(-tokens // BLOCK)
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=producer, args=(cfg, shape, blocks, num_reqs, child), daemon=True)
+    proc.start()
+    consumer = create_connector(replace(cfg, role="kv_consumer"), kv_cache(shape, blocks, fill=False))
+    try:
+        assert parent.poll(120), "the producer did not start"
+        parent.recv()
+        times = []
+        for i in range(num_reqs):
+            start = time.perf_counter()
+            consumer.start_step(KVConnectorMetadata(loads=[LoadSpec(f"c{i}", f"r{i}", cfg.ip, cfg.port, tokens,
+                                                                     list(range(blocks)))]))
+            out = None
+            while out is None:
+                out = consumer.get_finished(0.001)
+            assert out.finished_loading == [f"c{i}"], out.failed_loading
+            times.append(time.perf_counter() - start)
+        return times
+    finally:
+        consumer.shutdown()
+        parent.send("stop")
+        proc.join(10)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=SHAPES, default="smollm2-135m")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    shape = SHAPES[args.shape]
+    layers, heads, dim, dtype = shape
+    bytes_per_token = 2 * layers * heads * dim * torch.empty(0, dtype=dtype).element_size()
+    print(f"shape {args.shape}: {bytes_per_token / 1024:.1f} KiB of KV per token; {args.requests} requests per round")
+    print("| connector | tokens | KV per request (MB) | handover p50 (ms) | bandwidth p50 (MB/s) |")
+    print("|---|---:|---:|---:|---:|")
+    port = 47000
+    for tokens in args.tokens:
+        results: dict[str, list[float]] = {"tcp": [], "shm": []}
+        for _ in range(args.rounds):
+            for name in results:
+                port += 1
+                cfg = KVTransferConfig(name, "kv_producer", "127.0.0.1", port, "bench", 30.0, 600.0)
+                results[name] += pull_all(cfg, shape, tokens, args.requests)
+        mb = -(-tokens // BLOCK) * BLOCK * bytes_per_token / 1e6
+        for name, times in results.items():
+            p50 = statistics.median(times)
+            print(f"| {name} | {tokens} | {mb:.2f} | {p50 * 1e3:.2f} | {mb / p50:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
