@@ -91,7 +91,7 @@ def test_consumer_length_mismatch_recomputes_without_pulling() -> None:
 def test_consumer_abort_while_loading_frees_blocks_only_after_the_workers_report() -> None:
     s = kv_scheduler("kv_consumer", Clock())
     s.add_request(request("c", 10, remote(10)))
-    out = s.schedule()
+    assert len(s.schedule().kv_connector_metadata.loads) == 1
     s.abort(["c"])
     assert s.kv.num_free_blocks == 32 - 3  # the workers may still write them
     s.update_from_output(s.schedule(), report(failed_loading={"c": "cancelled"}))

@@ -34,6 +34,7 @@ from treadle.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     HealthResponse,
+    LoadResponse,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -102,7 +103,7 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/load")
+@router.get("/load", response_model=LoadResponse)
 async def load(request: Request) -> dict[str, Any]:
     """A cheap load report for a router (P/D or multi-instance): queued prompt tokens, running
     and waiting sequences, KV usage, and this instance's kv_role (null without kv_transfer)."""

@@ -10,7 +10,7 @@ from fastapi.openapi.utils import get_openapi
 
 from treadle.server.protocol import ErrorResponse
 
-OPEN_PATHS = ("/health", "/metrics", "/version")  # reachable without the API key
+OPEN_PATHS = ("/health", "/metrics", "/version", "/load")  # reachable without the API key
 
 
 def _error(description: str) -> dict[str, Any]:

@@ -305,6 +305,14 @@ class HealthResponse(_Out):
     status: str
 
 
+class LoadResponse(_Out):
+    waiting_prompt_tokens: int
+    running: int
+    waiting: int
+    kv_usage: float
+    role: str | None  # the kv_role of kv_transfer_config; null without one
+
+
 class VersionResponse(_Out):
     version: str
 
