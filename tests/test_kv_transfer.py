@@ -121,10 +121,9 @@ def test_producer_frees_aborted_and_plain_requests_at_once() -> None:
     s = kv_scheduler("kv_producer", Clock())
     s.add_request(request("a", 10, {"do_remote_decode": True}, max_tokens=1))
     s.add_request(request("p", 10, None, max_tokens=1))
-    s.schedule()
-    s.abort(["a"])
     out = s.schedule()
-    s.update_from_output(out, ModelRunnerOutput(sampled={"p": [7]}))
+    s.abort(["a"])  # while its step is in flight
+    s.update_from_output(out, ModelRunnerOutput(sampled={"a": [7], "p": [7]}))
     assert s.kv.num_free_blocks == 32 and not s.has_pending_transfers()
 
 
