@@ -32,7 +32,7 @@ from treadle.engine.llm_engine import LLMEngine
 from treadle.server import build_app
 
 PROMPT = "Once upon a time there was a little girl named Lily. She loved to play"
-PRODUCER_TIMEOUT_S = 1.5
+PRODUCER_TIMEOUT_S = 5.0  # long enough for a pull on a busy 2-core machine
 
 
 def start(model_dir: Path, kv: dict[str, Any] | None) -> EngineCoreClient:
@@ -142,11 +142,13 @@ def test_failed_or_slow_transfer_is_recomputed(pd: tuple[str, str, str]) -> None
 def test_unpulled_producer_blocks_are_freed_after_the_timeout(pd: tuple[str, str, str]) -> None:
     producer = pd[0]
     expired = counter(producer, "expired")
+    held = metric_values(producer)["treadle:kv_transfer_held_requests"]  # earlier tests may leave some
     prefill(producer)  # a client that left between prefill and decode: nobody pulls
-    assert metric_values(producer)["treadle:kv_transfer_held_requests"] == 1
+    assert metric_values(producer)["treadle:kv_transfer_held_requests"] == held + 1
     assert not engine_idle(producer)
     wait_until(lambda: engine_idle(producer), PRODUCER_TIMEOUT_S + 5, "the producer's blocks freed")
-    assert counter(producer, "expired") == expired + 1
+    assert counter(producer, "expired") >= expired + 1
+    assert metric_values(producer)["treadle:kv_transfer_held_requests"] == 0
 
 
 def test_client_leaving_during_the_pull_frees_the_consumer(pd: tuple[str, str, str]) -> None:
