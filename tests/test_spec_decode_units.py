@@ -60,13 +60,13 @@ def test_speculative_config_errors_are_one_line(raw: object, match: str) -> None
 
 def test_ngram_proposes_the_continuation_of_the_latest_match() -> None:
     p = NgramProposer(3, 2, 4)
-    assert p.propose([1, 2, 3, 4, 5, 9, 2, 3]) == [4, 5, 9]
-    assert p.propose([1, 2, 3, 4, 1, 2, 3, 7, 1, 2, 3]) == [7, 1, 2]  # latest of two matches, longest n
-    assert p.propose([5, 6, 7, 8]) == []  # nothing recurs
-    assert p.propose([1, 2, 3, 1, 2]) == [3, 1, 2]
-    assert p.propose([1, 2, 3, 1, 2], max_drafts=1) == [3]
-    assert p.propose([1, 2, 9, 1, 2]) == [9, 1, 2]
-    assert NgramProposer(3, 3, 3).propose([1, 2, 9, 1, 2]) == []  # a 2-gram is below the minimum
+    assert p.lookup([1, 2, 3, 4, 5, 9, 2, 3]) == [4, 5, 9]
+    assert p.lookup([1, 2, 3, 4, 1, 2, 3, 7, 1, 2, 3]) == [7, 1, 2]  # latest of two matches, longest n
+    assert p.lookup([5, 6, 7, 8]) == []  # nothing recurs
+    assert p.lookup([1, 2, 3, 1, 2]) == [3, 1, 2]
+    assert p.lookup([1, 2, 3, 1, 2], max_drafts=1) == [3]
+    assert p.lookup([1, 2, 9, 1, 2]) == [9, 1, 2]
+    assert NgramProposer(3, 3, 3).lookup([1, 2, 9, 1, 2]) == []  # a 2-gram is below the minimum
 
 
 # -- scheduler: lookahead slots and rollback ------------------------------------------------

@@ -44,14 +44,17 @@ def choose_victim(running: list[Request]) -> Request:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  spec: FallbackController | None = None, max_batches: int = 1,
-                 send_token_ids: bool = False) -> None:
+                 send_token_ids: bool = False, lookahead_slots: int = 0) -> None:
         """``spec``: speculation is configured (drafts returned by the runner are scheduled
         where it allows); None: drafts are never scheduled. ``max_batches``: steps the engine
         keeps in flight. ``send_token_ids``: each scheduled request carries the output tokens
-        the workers have not seen (pipeline parallelism; see ScheduledRequest)."""
+        the workers have not seen (pipeline parallelism; see ScheduledRequest).
+        ``lookahead_slots``: KV slots reserved past each scheduled chunk for a proposer's own
+        KV (``SpeculativeConfig``)."""
         self.config = config
         self.kv = kv
         self.spec = spec
+        self.lookahead_slots = lookahead_slots
         self.max_batches = max_batches
         self.send_token_ids = send_token_ids
         self._in_flight: set[str] = set()  # requests in a step that has not come back
@@ -152,7 +155,7 @@ class Scheduler:
             if req.request_id in self._in_flight:
                 continue
             n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
+            while not self.kv.allocate_slots(req, n + self._lookahead(req, n)):
                 victims = [r for r in self.running
                            if r.status is RequestStatus.RUNNING and r.request_id not in self._in_flight]
                 if not victims:  # every other request is in a step in flight: wait for one
@@ -167,6 +170,11 @@ class Scheduler:
                 scheduled[req.request_id] = n
                 budget -= n
         return preempted
+
+    def _lookahead(self, req: Request, n: int) -> int:
+        """Slots past the ``n`` scheduled ones, never past the request's last possible token."""
+        end = req.num_computed_tokens + n
+        return max(0, min(self.lookahead_slots, req.num_prompt_tokens + req.max_tokens - end))
 
     def _gate_drafts(self) -> None:
         """Keep the drafts only where the fallback controller says speculation pays."""
@@ -196,7 +204,8 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
             n = min(remaining, budget)
-            if not self.kv.allocate_slots(req, n, cached):
+            if not self.kv.allocate_slots(req, n + self._lookahead(req, len(cached) * self.kv.block_size + n),
+                                          cached):
                 break
             self._waiting.pop()
             if req.num_preemptions == 0:

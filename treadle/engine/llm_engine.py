@@ -61,7 +61,8 @@ class LLMEngine:
         self.spec = None if spec is None else FallbackController(spec.fallback)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.spec,
                                    max_batches=self.executor.max_concurrent_batches,
-                                   send_token_ids=config.parallel.pipeline_parallel_size > 1)
+                                   send_token_ids=config.parallel.pipeline_parallel_size > 1,
+                                   lookahead_slots=0 if spec is None else spec.lookahead_slots)
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()  # submitted, not collected
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
