@@ -341,3 +341,20 @@ def test_fallback_probes_less_often_while_the_decision_holds() -> None:
     c.observe_step(16, False, 16, 0.1)  # 160 plain
     probes = [i for i in range(40) if c.speculate_batch(16)]
     assert len(probes) == 3 and probes[1] - probes[0] < probes[2] - probes[1]  # 4, then 8, then 16 steps apart
+
+
+def test_fallback_learns_step_costs_from_mixed_prompt_and_decode_steps() -> None:
+    """Only steps carrying prompt chunks so far (10 ms + 2 ms per decode row + 1 ms per prompt
+    row): the cost model is fitted from them, so at 32 the first verify's acceptance (1 of 4)
+    already gates speculation off, before any decode-only step was timed."""
+    c = FallbackController(enabled=True, probe_every=8)
+    for decode, prompt in ((0, 64), (4, 60), (12, 40), (20, 30), (32, 8), (8, 50)):
+        c.observe_step(decode, False, decode, 0.010 + 0.002 * decode + 0.001 * prompt, decode, prompt)
+    assert c._buckets == {}  # no decode-only step: no bucket measured
+    predicted = c._cost.predict(32)
+    assert predicted is not None and abs(predicted - 0.074) < 1e-6
+    for _ in range(32):
+        c.stats.record_verify(4, 1)
+    assert not c.speculate_batch(32) and c.stats.num_batch_fallbacks == 1
+    assert c.speculate_batch(1)  # 2 tokens in 20 ms beat 1 in 12 at batch 1
+    assert abs(c._cost_ratio(32) - (0.010 + 0.002 * 160) / 0.074) < 1e-6

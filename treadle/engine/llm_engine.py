@@ -227,11 +227,15 @@ class LLMEngine:
         return parents
 
     def _observe_speculation(self, sched: SchedulerOutput, result: ModelRunnerOutput, seconds: float) -> None:
-        """A decode-only step's time goes to the fallback controller (prompt chunks would dominate it)."""
-        if self.spec is not None and all(s.request_id in result.sampled for s in sched.scheduled):
-            self.spec.observe_step(len(sched.scheduled), any(s.draft_token_ids for s in sched.scheduled),
-                                   sum(len(t) for t in result.sampled.values()), seconds,
-                                   sched.total_num_scheduled_tokens)
+        """Every step's time goes to the fallback controller, its rows split into decode rows (a
+        request running one real token, plus its drafts) and prompt rows (chunks)."""
+        if self.spec is None:
+            return
+        decode = [s for s in sched.scheduled if s.num_scheduled_tokens - len(s.draft_token_ids) == 1]
+        decode_rows = sum(s.num_scheduled_tokens for s in decode)
+        self.spec.observe_step(len(decode), any(s.draft_token_ids for s in sched.scheduled),
+                               sum(len(result.sampled.get(s.request_id, ())) for s in decode), seconds,
+                               decode_rows, sched.total_num_scheduled_tokens - decode_rows)
 
 
 class StepFailedError(TreadleError):

@@ -17,12 +17,16 @@ measured throughput, per batch size bucket (powers of two):
 
 and per request: a request whose accepted drafts per verify (EMA) is below what a verify
 costs over a plain decode at its bucket (``cost ratio - 1``) stops speculating for
-``probe_every`` steps, then probes again. Only decode-only steps are timed (a prompt chunk
-would dominate the time). ``fallback=False`` always speculates (tests, benchmarks).
+``probe_every`` steps, then probes again. Every step is timed for the step-cost model, steps
+carrying prompt chunks too (their prompt rows are a separate term, so the model is fitted during
+the prompt phase, before the first decode-only step); only decode-only steps give a bucket its
+measured rates. ``fallback=False`` always speculates (tests, benchmarks).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from treadle.spec_decode.metrics import SpecDecodeStats
 
@@ -35,25 +39,30 @@ def bucket_of(batch_size: int) -> int:
 
 
 class _RowCost:
-    """Step time as a + b * rows, fitted by least squares over decayed sums."""
+    """Step time as a + b * decode rows + c * prompt rows, fitted by least squares over
+    decayed sums: every step is timed, mixed prompt + decode steps too (their prompt rows are
+    the third term, so they teach a and b instead of being dropped)."""
 
     DECAY = 0.98
 
     def __init__(self) -> None:
-        self.n = self.x = self.xx = self.y = self.xy = 0.0
+        self._xx = np.zeros((3, 3))  # decayed sum of x x^T, x = [1, decode rows, prompt rows]
+        self._xy = np.zeros(3)
 
-    def observe(self, rows: int, seconds: float) -> None:
-        d = self.DECAY
-        self.n, self.x, self.xx = d * self.n + 1, d * self.x + rows, d * self.xx + rows * rows
-        self.y, self.xy = d * self.y + seconds, d * self.xy + rows * seconds
+    def observe(self, rows: int, seconds: float, prompt_rows: int = 0) -> None:
+        x = np.array([1.0, rows, prompt_rows])
+        self._xx = self.DECAY * self._xx + np.outer(x, x)
+        self._xy = self.DECAY * self._xy + x * seconds
 
     def predict(self, rows: float) -> float | None:
-        """Seconds for a step of ``rows`` tokens; None until steps of different sizes were seen."""
-        det = self.n * self.xx - self.x * self.x
-        if self.n < 2 or det <= 1e-9 * max(1.0, self.n * self.xx):
+        """Seconds for a decode-only step of ``rows`` tokens; None until steps with different
+        numbers of decode rows were seen."""
+        n, x, xx = self._xx[0, 0], self._xx[0, 1], self._xx[1, 1]
+        if n < 2 or n * xx - x * x <= 1e-9 * max(1.0, n * xx):
             return None
-        b = max(0.0, (self.n * self.xy - self.x * self.y) / det)
-        a = max(0.0, (self.y - b * self.x) / self.n)
+        used = [0, 1, 2] if self._xx[2, 2] > 0 else [0, 1]
+        coef = np.linalg.lstsq(self._xx[np.ix_(used, used)], self._xy[used], rcond=None)[0]
+        a, b = max(0.0, float(coef[0])), max(0.0, float(coef[1]))
         return a + b * rows
 
 
@@ -130,6 +139,18 @@ class FallbackController:
             return None
         return batch_size * (1 + accepted) / spec >= batch_size / plain
 
+    def _cost_ratio(self, batch_size: int) -> float:
+        """Verify step / plain step time at this batch size: measured, else predicted."""
+        b = self._buckets.get(bucket_of(batch_size))
+        if b is not None and b.spec_time is not None and b.plain_time is not None:
+            return b.cost_ratio()
+        st = self.stats
+        drafts = st.num_draft_tokens / st.num_drafts if st.num_drafts else 0.0
+        plain, spec = self._cost.predict(batch_size), self._cost.predict(batch_size * (1 + drafts))
+        if plain is None or spec is None or plain <= 0:
+            return DEFAULT_COST_RATIO
+        return spec / plain
+
     def speculate_request(self, request_id: str) -> bool:
         if not self.enabled:
             return True
@@ -148,17 +169,21 @@ class FallbackController:
             return
         st = self._requests.setdefault(request_id, _RequestState())
         st.accepted = _ema(st.accepted, num_accepted)
-        ratio = self._buckets.get(bucket_of(batch_size), _Bucket()).cost_ratio()
+        ratio = self._cost_ratio(batch_size)
         if st.accepted < ratio - 1.0:
             st.off_until = self._step + self.probe_every
             self.stats.num_request_fallbacks += 1
 
     def observe_step(self, batch_size: int, speculated: bool, num_emitted: int, seconds: float,
-                     num_rows: int | None = None) -> None:
-        """A decode-only step's wall time, tokens emitted and rows run (decodes + drafts)."""
+                     num_rows: int | None = None, num_prompt_rows: int = 0) -> None:
+        """A step's wall time, tokens emitted, decode rows run (decodes + drafts) and prompt
+        rows (chunks). Every step feeds the step-cost model; only decode-only steps feed the
+        batch size's measured rates (a chunk's time is not the decodes')."""
         if not self.enabled or seconds <= 0:
             return
-        self._cost.observe(batch_size if num_rows is None else num_rows, seconds)
+        self._cost.observe(batch_size if num_rows is None else num_rows, seconds, num_prompt_rows)
+        if num_prompt_rows:
+            return
         b = self._buckets.setdefault(bucket_of(batch_size), _Bucket())
         if speculated:
             b.spec_rate, b.spec_time = _ema(b.spec_rate, num_emitted / seconds), _ema(b.spec_time, seconds)
