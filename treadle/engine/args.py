@@ -57,7 +57,8 @@ class EngineArgs:
                                      "all-reduces run while the other computes")
     speculative_config: dict[str, Any] | str | None = _arg(
         None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-              '(keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, fallback, model)',
+              '(keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, fallback, model; '
+              'draft_model: "model" is a path, a name or "self:N", the target\'s first N layers)',
         type=str)
     skip_tokenizer_init: bool = _arg(False, "load no tokenizer: prompts are token ids and outputs carry token "
                                             "ids only (no text, stop strings, chat or structured output)")
