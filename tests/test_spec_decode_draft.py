@@ -123,3 +123,17 @@ def test_bad_drafts_are_one_line_errors(tiny_llama: Path) -> None:
         assert "\n" not in str(info.value)
     with pytest.raises(TreadleError, match="needs"):
         LLM(str(tiny_llama), num_kv_blocks=16, speculative_config={"method": "draft_model"})
+
+
+def test_random_draft_with_fallback_is_exact_and_stops_drafting(tiny_llama: Path, random_draft: Path) -> None:
+    """Fallback on: poor acceptance switches requests off, and the runner then runs no draft
+    steps for them (``ScheduledRequest.propose``); outputs stay exact."""
+    prompts = grounded_prompts(6, 200)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    plain, _ = run(tiny_llama, prompts, params)
+    spec, llm = run(tiny_llama, prompts, params, speculative_config={**draft(str(random_draft), 4), "fallback": True})
+    assert spec == plain
+    stats = llm.get_stats()["spec_decode"]
+    assert stats["request_fallbacks"] + stats["batch_fallbacks"] > 0
+    assert stats["drafts"] < 6 * 48 / 2  # far fewer verifies than decode steps
+    assert_no_leaks(llm)

@@ -358,3 +358,22 @@ def test_fallback_learns_step_costs_from_mixed_prompt_and_decode_steps() -> None
     assert not c.speculate_batch(32) and c.stats.num_batch_fallbacks == 1
     assert c.speculate_batch(1)  # 2 tokens in 20 ms beat 1 in 12 at batch 1
     assert abs(c._cost_ratio(32) - (0.010 + 0.002 * 160) / 0.074) < 1e-6
+
+
+def test_will_speculate_foretells_the_next_step_and_probes_still_come_due() -> None:
+    """The runner drafts only where the next step would verify; the peek never changes state, and
+    with no drafts anywhere the steps still count, so the probe of speculation comes due."""
+    c = FallbackController(enabled=True, probe_every=4)
+    c.speculate_batch(8)
+    c.observe_step(8, True, 10, 0.2)  # 50 tokens/s speculating
+    c.speculate_batch(8)
+    c.observe_step(8, False, 8, 0.1)  # 80 plain: speculation off
+    decisions = []
+    for _ in range(30):
+        peek = c.will_speculate("r", 8)
+        assert peek == c.will_speculate("r", 8)
+        decisions.append(c.speculate_batch(8, has_drafts=peek))
+        assert decisions[-1] == peek
+    assert 1 <= decisions.count(True) <= 3  # the probes, ever further apart
+    c.observe_verify("r", 8, 0)  # poor acceptance at a cost ratio of 2: the request stops drafting
+    assert not c.will_speculate("r", 1) and c.will_speculate("other", 1)

@@ -126,8 +126,9 @@ class Scheduler:
                 self._seen_by_runner.add(req.request_id)
                 new_reqs.append(self._new_request_data(req))
             drafts = req.spec_token_ids[: max(0, req.num_computed_tokens + n - req.num_tokens)]
+            propose = self.spec is not None and self.spec.will_speculate(req.request_id, len(self.running))
             out.append(ScheduledRequest(req.request_id, self.kv.block_ids(req.request_id),
-                                        req.num_computed_tokens, n, drafts, self._unsent_tokens(req)))
+                                        req.num_computed_tokens, n, drafts, self._unsent_tokens(req), propose))
             self._in_flight.add(req.request_id)
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         return SchedulerOutput(new_reqs, out, finished, preempted)
@@ -181,9 +182,8 @@ class Scheduler:
         if self.spec is None:
             return
         with_drafts = [r for r in self.running if r.spec_token_ids]
-        if not with_drafts:
-            return
-        if not self.spec.speculate_batch(len(self.running)):
+        # called every step: probes come due even while the runner drafts for nobody (``propose``)
+        if not self.spec.speculate_batch(len(self.running), bool(with_drafts)):
             for req in with_drafts:
                 req.spec_token_ids = []
             return

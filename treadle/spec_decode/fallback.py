@@ -102,31 +102,53 @@ class FallbackController:
         self._cost = _RowCost()
         self._step = 0
 
-    def speculate_batch(self, batch_size: int) -> bool:
-        """Whether this step (``batch_size`` running requests) verifies drafts at all."""
+    def speculate_batch(self, batch_size: int, has_drafts: bool = True) -> bool:
+        """Whether this step (``batch_size`` running requests) verifies drafts at all. Called
+        every step (``has_drafts`` False: no request drafted, nothing is counted) so that a probe
+        comes due while the runner drafts for nobody (``will_speculate``)."""
         self._step += 1
         if not self.enabled:
             return True
         b = self._buckets.setdefault(bucket_of(batch_size), _Bucket())
         b.steps += 1
+        fallback, probe, speculate = self._decide(b, batch_size)
+        if has_drafts:
+            self.stats.num_batch_fallbacks += fallback
+            self.stats.num_probes += probe
+        return speculate
+
+    def _decide(self, b: _Bucket, batch_size: int) -> tuple[bool, bool, bool]:
+        """(a fallback, a probe, speculate) for this step of bucket ``b``; schedules the next probe."""
         if b.spec_rate is None:
-            if self._predicted_to_pay(batch_size) is False:
-                self.stats.num_batch_fallbacks += 1
-                return False
-            return True
+            pays = self._predicted_to_pay(batch_size) is not False
+            return not pays, False, pays
         if b.plain_rate is None:
-            self.stats.num_probes += 1
-            return False
+            return False, True, False
         faster = b.spec_rate >= b.plain_rate
         if faster != b.last_faster:  # a new decision: re-check it soon
             b.last_faster, b.interval, b.next_probe = faster, self.probe_every, b.steps + self.probe_every
         if b.steps >= b.next_probe:
-            self.stats.num_probes += 1
             b.next_probe, b.interval = b.steps + 2 * b.interval, 2 * b.interval
-            return not faster
-        if not faster:
-            self.stats.num_batch_fallbacks += 1
-        return faster
+            return False, True, not faster
+        return not faster, False, faster
+
+    def will_speculate(self, request_id: str, batch_size: int) -> bool:
+        """Whether the next step (about ``batch_size`` running requests) would verify this
+        request's drafts, read without changing anything: the runner drafts only for those (a
+        draft model's K forwards are wasted on drafts that would be dropped)."""
+        if not self.enabled:
+            return True
+        st = self._requests.get(request_id)
+        if st is not None and st.off_until > self._step + 1:
+            return False
+        b = self._buckets.get(bucket_of(batch_size))
+        if b is None or b.spec_rate is None:
+            return self._predicted_to_pay(batch_size) is not False
+        if b.plain_rate is None:
+            return False
+        faster = b.spec_rate >= b.plain_rate
+        next_probe = b.next_probe if faster == b.last_faster else b.steps + 1 + self.probe_every
+        return (not faster) if b.steps + 1 >= next_probe else faster
 
     def _predicted_to_pay(self, batch_size: int) -> bool | None:
         """From the step-cost model and the drafts / acceptance so far; None: cannot tell."""

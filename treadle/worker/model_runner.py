@@ -240,7 +240,7 @@ class ModelRunner:
             n = s.num_scheduled_tokens
             verified = n if sampled is None else n - len(s.draft_token_ids) + len(sampled) - 1
             # a constrained request gets no drafts: it decodes one masked token per step
-            wants = sampled is not None and (self.grammars is None or not self.grammars.constrains(rid))
+            wants = sampled is not None and s.propose and (self.grammars is None or not self.grammars.constrains(rid))
             progress.append(RequestProgress(rid, state.all_token_ids, s.block_ids, s.num_computed_tokens, verified,
                                             cursor, wants, len(s.block_ids) * self.block_size))
             cursor += n
