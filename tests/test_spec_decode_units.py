@@ -377,3 +377,18 @@ def test_will_speculate_foretells_the_next_step_and_probes_still_come_due() -> N
     assert 1 <= decisions.count(True) <= 3  # the probes, ever further apart
     c.observe_verify("r", 8, 0)  # poor acceptance at a cost ratio of 2: the request stops drafting
     assert not c.will_speculate("r", 1) and c.will_speculate("other", 1)
+
+
+def test_step_cost_model_tells_verify_rows_from_decode_rows() -> None:
+    """10 ms + 2 ms per decode row, verify rows 1 ms dearer: once steps with and without drafts
+    were timed, the model charges a draft row 3 ms; before, it keeps one slope for all rows."""
+    c = FallbackController(enabled=True)
+    for batch in (2, 8, 4, 16):
+        c.observe_step(batch, True, batch, 0.010 + 0.002 * 5 * batch + 0.001 * 4 * batch, 5 * batch, 0, 4 * batch)
+    spec = c._cost.predict(5 * 8, 4 * 8)
+    assert spec is not None and abs(spec - (0.010 + 0.002 * 40 + 0.001 * 32)) < 2e-3
+    for batch in (2, 8, 4, 16):
+        c.observe_step(batch, False, batch, 0.010 + 0.002 * batch, batch)
+    plain, spec = c._cost.predict(8), c._cost.predict(5 * 8, 4 * 8)
+    assert plain is not None and abs(plain - 0.026) < 5e-4
+    assert spec is not None and abs(spec - (0.010 + 0.002 * 40 + 0.001 * 32)) < 5e-4

@@ -235,7 +235,8 @@ class LLMEngine:
         decode_rows = sum(s.num_scheduled_tokens for s in decode)
         self.spec.observe_step(len(decode), any(s.draft_token_ids for s in sched.scheduled),
                                sum(len(result.sampled.get(s.request_id, ())) for s in decode), seconds,
-                               decode_rows, sched.total_num_scheduled_tokens - decode_rows)
+                               decode_rows, sched.total_num_scheduled_tokens - decode_rows,
+                               sum(len(s.draft_token_ids) for s in decode))
 
 
 class StepFailedError(TreadleError):

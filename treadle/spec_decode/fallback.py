@@ -39,31 +39,35 @@ def bucket_of(batch_size: int) -> int:
 
 
 class _RowCost:
-    """Step time as a + b * decode rows + c * prompt rows, fitted by least squares over
-    decayed sums: every step is timed, mixed prompt + decode steps too (their prompt rows are
-    the third term, so they teach a and b instead of being dropped)."""
+    """Step time as a + b * decode rows + c * draft rows + e * prompt rows, fitted by least
+    squares over decayed sums. Every step is timed, mixed prompt + decode steps too (their
+    prompt rows are a term of their own, so they teach a and b instead of being dropped); a
+    verify row may cost more than a plain decode row (c: its extra), which only steps with
+    and without drafts can tell apart; until then a small ridge keeps c at 0."""
 
     DECAY = 0.98
+    RIDGE = 1e-3  # on c, relative to the decode rows' scale
 
     def __init__(self) -> None:
-        self._xx = np.zeros((3, 3))  # decayed sum of x x^T, x = [1, decode rows, prompt rows]
-        self._xy = np.zeros(3)
+        self._xx = np.zeros((4, 4))  # decayed sum of x x^T, x = [1, decode rows, draft rows, prompt rows]
+        self._xy = np.zeros(4)
 
-    def observe(self, rows: int, seconds: float, prompt_rows: int = 0) -> None:
-        x = np.array([1.0, rows, prompt_rows])
+    def observe(self, rows: int, seconds: float, prompt_rows: int = 0, draft_rows: int = 0) -> None:
+        """``rows``: decode rows, drafts included (``draft_rows`` of them)."""
+        x = np.array([1.0, rows, draft_rows, prompt_rows])
         self._xx = self.DECAY * self._xx + np.outer(x, x)
         self._xy = self.DECAY * self._xy + x * seconds
 
-    def predict(self, rows: float) -> float | None:
-        """Seconds for a decode-only step of ``rows`` tokens; None until steps with different
-        numbers of decode rows were seen."""
+    def predict(self, rows: float, draft_rows: float = 0.0) -> float | None:
+        """Seconds for a decode-only step of ``rows`` tokens, ``draft_rows`` of them drafts;
+        None until steps with different numbers of decode rows were seen."""
         n, x, xx = self._xx[0, 0], self._xx[0, 1], self._xx[1, 1]
         if n < 2 or n * xx - x * x <= 1e-9 * max(1.0, n * xx):
             return None
-        used = [0, 1, 2] if self._xx[2, 2] > 0 else [0, 1]
-        coef = np.linalg.lstsq(self._xx[np.ix_(used, used)], self._xy[used], rcond=None)[0]
-        a, b = max(0.0, float(coef[0])), max(0.0, float(coef[1]))
-        return a + b * rows
+        ridge = np.diag([0.0, 0.0, 1.0, 0.0]) * self.RIDGE * max(1.0, xx / n)
+        coef = np.linalg.lstsq(self._xx + ridge, self._xy, rcond=None)[0]
+        a, b, c = (max(0.0, float(v)) for v in coef[:3])
+        return a + b * rows + c * draft_rows
 
 
 @dataclass
@@ -156,7 +160,7 @@ class FallbackController:
         if st.num_drafts == 0:
             return None
         drafts, accepted = st.num_draft_tokens / st.num_drafts, st.num_accepted_tokens / st.num_drafts
-        plain, spec = self._cost.predict(batch_size), self._cost.predict(batch_size * (1 + drafts))
+        plain, spec = self._cost.predict(batch_size), self._cost.predict(batch_size * (1 + drafts), batch_size * drafts)
         if plain is None or spec is None or plain <= 0 or spec <= 0:
             return None
         return batch_size * (1 + accepted) / spec >= batch_size / plain
@@ -168,7 +172,7 @@ class FallbackController:
             return b.cost_ratio()
         st = self.stats
         drafts = st.num_draft_tokens / st.num_drafts if st.num_drafts else 0.0
-        plain, spec = self._cost.predict(batch_size), self._cost.predict(batch_size * (1 + drafts))
+        plain, spec = self._cost.predict(batch_size), self._cost.predict(batch_size * (1 + drafts), batch_size * drafts)
         if plain is None or spec is None or plain <= 0:
             return DEFAULT_COST_RATIO
         return spec / plain
@@ -197,13 +201,13 @@ class FallbackController:
             self.stats.num_request_fallbacks += 1
 
     def observe_step(self, batch_size: int, speculated: bool, num_emitted: int, seconds: float,
-                     num_rows: int | None = None, num_prompt_rows: int = 0) -> None:
-        """A step's wall time, tokens emitted, decode rows run (decodes + drafts) and prompt
-        rows (chunks). Every step feeds the step-cost model; only decode-only steps feed the
+                     num_rows: int | None = None, num_prompt_rows: int = 0, num_draft_rows: int = 0) -> None:
+        """A step's wall time, tokens emitted, decode rows run (decodes + drafts, ``num_draft_rows``
+        of them drafts) and prompt rows (chunks). Every step feeds the step-cost model; only decode-only steps feed the
         batch size's measured rates (a chunk's time is not the decodes')."""
         if not self.enabled or seconds <= 0:
             return
-        self._cost.observe(batch_size if num_rows is None else num_rows, seconds, num_prompt_rows)
+        self._cost.observe(batch_size if num_rows is None else num_rows, seconds, num_prompt_rows, num_draft_rows)
         if num_prompt_rows:
             return
         b = self._buckets.setdefault(bucket_of(batch_size), _Bucket())
