@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from treadle.spec_decode.metrics import SpecDecodeStats
 
 EMA = 0.2  # weight of a new measurement
@@ -36,6 +34,26 @@ DEFAULT_COST_RATIO = 1.1  # verify / plain step time before both are measured
 
 def bucket_of(batch_size: int) -> int:
     return 1 << max(0, batch_size - 1).bit_length()
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b (Gauss-Jordan, partial pivoting); an unknown without a usable pivot is 0."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    scale = max(1e-300, max(abs(v) for row in a for v in row))
+    pivots: dict[int, int] = {}  # column -> row
+    r = 0
+    for c in range(n):
+        p = max(range(r, n), key=lambda k: abs(m[k][c]), default=None)
+        if p is None or abs(m[p][c]) <= 1e-12 * scale:
+            continue
+        m[r], m[p] = m[p], m[r]
+        for k in range(n):
+            if k != r and m[k][c]:
+                f = m[k][c] / m[r][c]
+                m[k] = [x - f * y for x, y in zip(m[k], m[r])]
+        pivots[c], r = r, r + 1
+    return [m[pivots[c]][n] / m[pivots[c]][c] if c in pivots else 0.0 for c in range(n)]
 
 
 class _RowCost:
@@ -49,25 +67,26 @@ class _RowCost:
     RIDGE = 1e-3  # on c, relative to the decode rows' scale
 
     def __init__(self) -> None:
-        self._xx = np.zeros((4, 4))  # decayed sum of x x^T, x = [1, decode rows, draft rows, prompt rows]
-        self._xy = np.zeros(4)
+        self._xx = [[0.0] * 4 for _ in range(4)]  # decayed sum of x x^T, x = [1, decode, draft, prompt rows]
+        self._xy = [0.0] * 4
 
     def observe(self, rows: int, seconds: float, prompt_rows: int = 0, draft_rows: int = 0) -> None:
         """``rows``: decode rows, drafts included (``draft_rows`` of them)."""
-        x = np.array([1.0, rows, draft_rows, prompt_rows])
-        self._xx = self.DECAY * self._xx + np.outer(x, x)
-        self._xy = self.DECAY * self._xy + x * seconds
+        x, d = (1.0, float(rows), float(draft_rows), float(prompt_rows)), self.DECAY
+        self._xx = [[d * self._xx[i][j] + x[i] * x[j] for j in range(4)] for i in range(4)]
+        self._xy = [d * self._xy[i] + x[i] * seconds for i in range(4)]
 
     def predict(self, rows: float, draft_rows: float = 0.0) -> float | None:
         """Seconds for a decode-only step of ``rows`` tokens, ``draft_rows`` of them drafts;
         None until steps with different numbers of decode rows were seen."""
-        n, x, xx = self._xx[0, 0], self._xx[0, 1], self._xx[1, 1]
+        n, x, xx = self._xx[0][0], self._xx[0][1], self._xx[1][1]
         if n < 2 or n * xx - x * x <= 1e-9 * max(1.0, n * xx):
             return None
-        ridge = np.diag([0.0, 0.0, 1.0, 0.0]) * self.RIDGE * max(1.0, xx / n)
-        coef = np.linalg.lstsq(self._xx + ridge, self._xy, rcond=None)[0]
-        a, b, c = (max(0.0, float(v)) for v in coef[:3])
-        return a + b * rows + c * draft_rows
+        a = [row[:] for row in self._xx]
+        a[2][2] += self.RIDGE * max(1.0, xx / n)
+        coef = _solve(a, self._xy)
+        base, b, c = (max(0.0, v) for v in coef[:3])
+        return base + b * rows + c * draft_rows
 
 
 @dataclass
