@@ -60,13 +60,13 @@ def test_speculative_config_errors_are_one_line(raw: object, match: str) -> None
 
 def test_ngram_proposes_the_continuation_of_the_latest_match() -> None:
     p = NgramProposer(3, 2, 4)
-    assert p.propose([1, 2, 3, 4, 5, 9, 2, 3]) == [4, 5, 9]
-    assert p.propose([1, 2, 3, 4, 1, 2, 3, 7, 1, 2, 3]) == [7, 1, 2]  # latest of two matches, longest n
-    assert p.propose([5, 6, 7, 8]) == []  # nothing recurs
-    assert p.propose([1, 2, 3, 1, 2]) == [3, 1, 2]
-    assert p.propose([1, 2, 3, 1, 2], max_drafts=1) == [3]
-    assert p.propose([1, 2, 9, 1, 2]) == [9, 1, 2]
-    assert NgramProposer(3, 3, 3).propose([1, 2, 9, 1, 2]) == []  # a 2-gram is below the minimum
+    assert p.lookup([1, 2, 3, 4, 5, 9, 2, 3]) == [4, 5, 9]
+    assert p.lookup([1, 2, 3, 4, 1, 2, 3, 7, 1, 2, 3]) == [7, 1, 2]  # latest of two matches, longest n
+    assert p.lookup([5, 6, 7, 8]) == []  # nothing recurs
+    assert p.lookup([1, 2, 3, 1, 2]) == [3, 1, 2]
+    assert p.lookup([1, 2, 3, 1, 2], max_drafts=1) == [3]
+    assert p.lookup([1, 2, 9, 1, 2]) == [9, 1, 2]
+    assert NgramProposer(3, 3, 3).lookup([1, 2, 9, 1, 2]) == []  # a 2-gram is below the minimum
 
 
 # -- scheduler: lookahead slots and rollback ------------------------------------------------
@@ -341,3 +341,54 @@ def test_fallback_probes_less_often_while_the_decision_holds() -> None:
     c.observe_step(16, False, 16, 0.1)  # 160 plain
     probes = [i for i in range(40) if c.speculate_batch(16)]
     assert len(probes) == 3 and probes[1] - probes[0] < probes[2] - probes[1]  # 4, then 8, then 16 steps apart
+
+
+def test_fallback_learns_step_costs_from_mixed_prompt_and_decode_steps() -> None:
+    """Only steps carrying prompt chunks so far (10 ms + 2 ms per decode row + 1 ms per prompt
+    row): the cost model is fitted from them, so at 32 the first verify's acceptance (1 of 4)
+    already gates speculation off, before any decode-only step was timed."""
+    c = FallbackController(enabled=True, probe_every=8)
+    for decode, prompt in ((0, 64), (4, 60), (12, 40), (20, 30), (32, 8), (8, 50)):
+        c.observe_step(decode, False, decode, 0.010 + 0.002 * decode + 0.001 * prompt, decode, prompt)
+    assert c._buckets == {}  # no decode-only step: no bucket measured
+    predicted = c._cost.predict(32)
+    assert predicted is not None and abs(predicted - 0.074) < 1e-6
+    for _ in range(32):
+        c.stats.record_verify(4, 1)
+    assert not c.speculate_batch(32) and c.stats.num_batch_fallbacks == 1
+    assert c.speculate_batch(1)  # 2 tokens in 20 ms beat 1 in 12 at batch 1
+    assert abs(c._cost_ratio(32) - (0.010 + 0.002 * 160) / 0.074) < 1e-6
+
+
+def test_will_speculate_foretells_the_next_step_and_probes_still_come_due() -> None:
+    """The runner drafts only where the next step would verify; the peek never changes state, and
+    with no drafts anywhere the steps still count, so the probe of speculation comes due."""
+    c = FallbackController(enabled=True, probe_every=4)
+    c.speculate_batch(8)
+    c.observe_step(8, True, 10, 0.2)  # 50 tokens/s speculating
+    c.speculate_batch(8)
+    c.observe_step(8, False, 8, 0.1)  # 80 plain: speculation off
+    decisions = []
+    for _ in range(30):
+        peek = c.will_speculate("r", 8)
+        assert peek == c.will_speculate("r", 8)
+        decisions.append(c.speculate_batch(8, has_drafts=peek))
+        assert decisions[-1] == peek
+    assert 1 <= decisions.count(True) <= 3  # the probes, ever further apart
+    c.observe_verify("r", 8, 0)  # poor acceptance at a cost ratio of 2: the request stops drafting
+    assert not c.will_speculate("r", 1) and c.will_speculate("other", 1)
+
+
+def test_step_cost_model_tells_verify_rows_from_decode_rows() -> None:
+    """10 ms + 2 ms per decode row, verify rows 1 ms dearer: once steps with and without drafts
+    were timed, the model charges a draft row 3 ms; before, it keeps one slope for all rows."""
+    c = FallbackController(enabled=True)
+    for batch in (2, 8, 4, 16):
+        c.observe_step(batch, True, batch, 0.010 + 0.002 * 5 * batch + 0.001 * 4 * batch, 5 * batch, 0, 4 * batch)
+    spec = c._cost.predict(5 * 8, 4 * 8)
+    assert spec is not None and abs(spec - (0.010 + 0.002 * 40 + 0.001 * 32)) < 2e-3
+    for batch in (2, 8, 4, 16):
+        c.observe_step(batch, False, batch, 0.010 + 0.002 * batch, batch)
+    plain, spec = c._cost.predict(8), c._cost.predict(5 * 8, 4 * 8)
+    assert plain is not None and abs(plain - 0.026) < 5e-4
+    assert spec is not None and abs(spec - (0.010 + 0.002 * 40 + 0.001 * 32)) < 5e-4

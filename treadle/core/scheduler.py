@@ -45,14 +45,17 @@ def choose_victim(running: list[Request]) -> Request:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  spec: FallbackController | None = None, max_batches: int = 1,
-                 send_token_ids: bool = False) -> None:
+                 send_token_ids: bool = False, lookahead_slots: int = 0) -> None:
         """``spec``: speculation is configured (drafts returned by the runner are scheduled
         where it allows); None: drafts are never scheduled. ``max_batches``: steps the engine
         keeps in flight. ``send_token_ids``: each scheduled request carries the output tokens
-        the workers have not seen (pipeline parallelism; see ScheduledRequest)."""
+        the workers have not seen (pipeline parallelism; see ScheduledRequest).
+        ``lookahead_slots``: KV slots reserved past each scheduled chunk for a proposer's own
+        KV (``SpeculativeConfig``)."""
         self.config = config
         self.kv = kv
         self.spec = spec
+        self.lookahead_slots = lookahead_slots
         self.max_batches = max_batches
         self.send_token_ids = send_token_ids
         self._in_flight: set[str] = set()  # requests in a step that has not come back
@@ -124,8 +127,9 @@ class Scheduler:
                 self._seen_by_runner.add(req.request_id)
                 new_reqs.append(self._new_request_data(req))
             drafts = req.spec_token_ids[: max(0, req.num_computed_tokens + n - req.num_tokens)]
+            propose = self.spec is not None and self.spec.will_speculate(req.request_id, len(self.running))
             out.append(ScheduledRequest(req.request_id, self.kv.block_ids(req.request_id),
-                                        req.num_computed_tokens, n, drafts, self._unsent_tokens(req)))
+                                        req.num_computed_tokens, n, drafts, self._unsent_tokens(req), propose))
             self._in_flight.add(req.request_id)
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         return SchedulerOutput(new_reqs, out, finished, preempted, self._connector_metadata())
@@ -153,7 +157,7 @@ class Scheduler:
             if req.request_id in self._in_flight:
                 continue
             n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
+            while not self.kv.allocate_slots(req, n + self._lookahead(req, n)):
                 victims = [r for r in self.running
                            if r.status is RequestStatus.RUNNING and r.request_id not in self._in_flight]
                 if not victims:  # every other request is in a step in flight: wait for one
@@ -169,14 +173,18 @@ class Scheduler:
                 budget -= n
         return preempted
 
+    def _lookahead(self, req: Request, n: int) -> int:
+        """Slots past the ``n`` scheduled ones, never past the request's last possible token."""
+        end = req.num_computed_tokens + n
+        return max(0, min(self.lookahead_slots, req.num_prompt_tokens + req.max_tokens - end))
+
     def _gate_drafts(self) -> None:
         """Keep the drafts only where the fallback controller says speculation pays."""
         if self.spec is None:
             return
         with_drafts = [r for r in self.running if r.spec_token_ids]
-        if not with_drafts:
-            return
-        if not self.spec.speculate_batch(len(self.running)):
+        # called every step: probes come due even while the runner drafts for nobody (``propose``)
+        if not self.spec.speculate_batch(len(self.running), bool(with_drafts)):
             for req in with_drafts:
                 req.spec_token_ids = []
             return
@@ -202,7 +210,8 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
             n = min(remaining, budget)
-            if not self.kv.allocate_slots(req, n, cached):
+            if not self.kv.allocate_slots(req, n + self._lookahead(req, len(cached) * self.kv.block_size + n),
+                                          cached):
                 break
             self._waiting.pop()
             if req.num_preemptions == 0:

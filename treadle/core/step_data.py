@@ -37,6 +37,7 @@ class ScheduledRequest:
     # sampling rank is the last stage; the others learn the tokens here, not by a collective
     # that would hold every stage to the slowest step)
     new_token_ids: list[int] = field(default_factory=list)
+    propose: bool = True  # the runner drafts for the next step (False: the fallback would drop them)
 
 
 @dataclass

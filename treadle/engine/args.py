@@ -57,7 +57,8 @@ class EngineArgs:
                                      "all-reduces run while the other computes")
     speculative_config: dict[str, Any] | str | None = _arg(
         None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-              '(keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, fallback, model)',
+              '(keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, fallback, model; '
+              'draft_model: "model" is a path, a name or "self:N", the target\'s first N layers)',
         type=str)
     kv_transfer_config: dict[str, Any] | str | None = _arg(
         None, 'prefill/decode disaggregation as JSON, e.g. \'{"kv_connector": "tcp", "kv_role": "kv_producer"}\' '

@@ -61,7 +61,8 @@ class LLMEngine:
         spec = config.speculative
         self.spec = None if spec is None else FallbackController(spec.fallback)
         sched_kw: dict[str, Any] = dict(max_batches=self.executor.max_concurrent_batches,
-                                         send_token_ids=config.parallel.pipeline_parallel_size > 1)
+                                        send_token_ids=config.parallel.pipeline_parallel_size > 1,
+                                        lookahead_slots=0 if spec is None else spec.lookahead_slots)
         self.scheduler = (Scheduler(config.scheduler, self.kv_manager, self.spec, **sched_kw)
                           if config.kv_transfer is None else
                           KVTransferScheduler(config.scheduler, self.kv_manager, self.spec, config.kv_transfer, **sched_kw))
@@ -229,11 +230,16 @@ class LLMEngine:
         return parents
 
     def _observe_speculation(self, sched: SchedulerOutput, result: ModelRunnerOutput, seconds: float) -> None:
-        """A decode-only step's time goes to the fallback controller (prompt chunks would dominate it)."""
-        if self.spec is not None and all(s.request_id in result.sampled for s in sched.scheduled):
-            self.spec.observe_step(len(sched.scheduled), any(s.draft_token_ids for s in sched.scheduled),
-                                   sum(len(t) for t in result.sampled.values()), seconds,
-                                   sched.total_num_scheduled_tokens)
+        """Every step's time goes to the fallback controller, its rows split into decode rows (a
+        request running one real token, plus its drafts) and prompt rows (chunks)."""
+        if self.spec is None:
+            return
+        decode = [s for s in sched.scheduled if s.num_scheduled_tokens - len(s.draft_token_ids) == 1]
+        decode_rows = sum(s.num_scheduled_tokens for s in decode)
+        self.spec.observe_step(len(decode), any(s.draft_token_ids for s in sched.scheduled),
+                               sum(len(result.sampled.get(s.request_id, ())) for s in decode), seconds,
+                               decode_rows, sched.total_num_scheduled_tokens - decode_rows,
+                               sum(len(s.draft_token_ids) for s in decode))
 
 
 class StepFailedError(TreadleError):

@@ -69,11 +69,15 @@ def plan_kv_cache(
     memory_fraction: float,
     num_blocks: int | None,
     on_cpu: bool,
+    draft: ModelConfig | None = None,
 ) -> KVPlan:
     """How many blocks to allocate: ``num_blocks`` if given; else ``kv_cache_memory`` bytes
     (checked against ``available``); else ``memory_fraction`` of the memory left after the
-    weights, capped (on the CPU) and never more than ``max_num_seqs`` full-length sequences use."""
+    weights, capped (on the CPU) and never more than ``max_num_seqs`` full-length sequences use.
+    ``draft``: a draft model whose KV shares the blocks (a block holds both models' KV)."""
     per_block = bytes_per_block(cfg, block_size, dtype)
+    if draft is not None:
+        per_block += bytes_per_block(draft, block_size, dtype)
     min_blocks = -(-max_model_len // block_size)
     if num_blocks is not None:
         return KVPlan(num_blocks, block_size, per_block)

@@ -70,11 +70,15 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
     # native GGUF keeps the file's blocks: the file size is the weights' size
     weights = source.path.stat().st_size if quantization == "gguf" else weight_bytes(source.config, dtype)
     kv_memory = parse_bytes(args.kv_cache_memory)
+    speculative = _speculative_on_one_rank(args)
+    draft = draft_model_config(speculative, source)
+    if draft is not None:
+        weights += weight_bytes(draft, dtype)
     share = world if on_cpu else 1
     plan = plan_kv_cache(
         rank_cfg, dtype, scheduler.max_model_len, scheduler.max_num_seqs, available // share, weights // world,
         block_size=args.block_size, kv_cache_memory=None if kv_memory is None else kv_memory // share,
-        memory_fraction=args.kv_cache_memory_fraction, num_blocks=args.num_kv_blocks, on_cpu=on_cpu,
+        memory_fraction=args.kv_cache_memory_fraction, num_blocks=args.num_kv_blocks, on_cpu=on_cpu, draft=draft,
     )
     return EngineConfig(
         model=source.config,
@@ -89,7 +93,7 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
         attention_backend=resolve_backend_name(args.attention_backend, device),
         enforce_eager=args.enforce_eager or device.type != "cuda" or world > 1,
         fused_layers=args.fused_layers,
-        speculative=_speculative_on_one_rank(args),
+        speculative=speculative,
         kv_transfer=_kv_transfer_on_one_rank(args),
     )
 
@@ -238,8 +242,8 @@ def resolve_speculative(raw: dict[str, Any] | str | None) -> SpeculativeConfig |
     method = spec["method"] or ("draft_model" if spec["model"] else None)
     if method not in SPEC_METHODS:
         raise TreadleError(f"speculative_config method {method!r} is not one of {', '.join(SPEC_METHODS)}")
-    if method != "ngram":
-        raise TreadleError(f"speculative method {method!r} is not available yet; use 'ngram'")
+    if method not in ("ngram", "draft_model"):
+        raise TreadleError(f"speculative method {method!r} is not available yet; use 'ngram' or 'draft_model'")
     ints = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
     for key in ints:
         if not isinstance(spec[key], int) or isinstance(spec[key], bool) or spec[key] < 1:
@@ -248,5 +252,44 @@ def resolve_speculative(raw: dict[str, Any] | str | None) -> SpeculativeConfig |
         raise TreadleError("speculative_config prompt_lookup_min must not exceed prompt_lookup_max")
     if not isinstance(spec["fallback"], bool):
         raise TreadleError("speculative_config fallback must be true or false")
-    return SpeculativeConfig(method=method, model=spec["model"], fallback=spec["fallback"],
+    model, draft_layers = _draft_model_name(method, spec["model"])
+    return SpeculativeConfig(method=method, model=model, draft_layers=draft_layers, fallback=spec["fallback"],
                              **{k: spec[k] for k in ints})
+
+
+def _draft_model_name(method: str, model: object) -> tuple[str | None, int | None]:
+    """(path or name, None) or, for ``"self:N"``, (None, N): the target's first N layers."""
+    if method != "draft_model":
+        return None, None
+    if not isinstance(model, str) or not model:
+        raise TreadleError('speculative method draft_model needs "model": a path, a name, or "self:N" '
+                           "(the target's first N layers)")
+    if not model.startswith("self:"):
+        return model, None
+    n = model.removeprefix("self:")
+    if not n.isdigit() or int(n) < 1:
+        raise TreadleError(f'speculative_config model {model!r}: "self:N" needs a layer count N of at least 1')
+    return None, int(n)
+
+
+def draft_model_config(spec: SpeculativeConfig | None, target: ModelSource) -> ModelConfig | None:
+    """The config of a draft model with its own KV cache (None: no draft, or a layer-skip one
+    sharing the target's KV); checks the draft's vocabulary against the target's."""
+    if spec is None or spec.method != "draft_model":
+        return None
+    if spec.draft_layers is not None:
+        if spec.draft_layers >= target.config.num_layers:
+            raise TreadleError(f"speculative_config model 'self:{spec.draft_layers}': the draft must use fewer "
+                               f"layers than the target's {target.config.num_layers}")
+        return None
+    assert spec.model is not None
+    draft = open_model_source(spec.model)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise TreadleError(f"draft model {spec.model}: vocabulary of {draft.config.vocab_size} tokens, the "
+                           f"target's has {target.config.vocab_size}; a draft needs the target's vocabulary")
+    probe = "Once upon a time, 42 cats said: hello!"
+    if draft.tokenizer is not None and target.tokenizer is not None and \
+            draft.tokenizer.encode(probe) != target.tokenizer.encode(probe):
+        raise TreadleError(f"draft model {spec.model}: its tokenizer differs from the target's; "
+                           "a draft needs the target's vocabulary")
+    return draft.config

@@ -18,6 +18,7 @@ from treadle.loaders import ModelSource, load_model, open_model_source, parse_dt
 from treadle.structured.matchers import GrammarMatchers
 from treadle.worker.cuda_graph import maybe_graph_runner
 from treadle.worker.model_runner import ModelRunner, allocate_kv_cache
+from treadle.worker.proposers import build_proposer
 
 IDLE_TRANSFER_WAIT_S = 0.005
 
@@ -45,11 +46,11 @@ class Worker:
         if graphs is not None:
             graphs.capture()
         grammars = GrammarMatchers(lambda: source.grammars) if source.tokenizer is not None else None
+        fused = config.fused_layers and parallel.tp_size == 1
         self.runner = ModelRunner(loaded.model, kv, cache.block_size, sched.max_num_batched_tokens,
-                                  device, config.load.seed, graphs,
-                                  config.fused_layers and parallel.tp_size == 1, parallel,
-                                  config.parallel.comm_overlap, speculative=config.speculative,
-                                  grammars=grammars)
+                                  device, config.load.seed, graphs, fused, parallel,
+                                  config.parallel.comm_overlap, grammars=grammars)
+        self.runner.proposer = build_proposer(config.speculative, loaded.model, kv, cache, device, fused)
         self._capacity = KVCapacity(cache.num_blocks, cache.block_size)
         self.kv_connector = None if config.kv_transfer is None else create_connector(config.kv_transfer, kv)
 

@@ -53,8 +53,8 @@ class KVTransferStats:
 class KVTransferScheduler(Scheduler):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, spec: FallbackController | None,
                  kv_transfer: KVTransferConfig, clock: Callable[[], float] = time.monotonic,
-                 max_batches: int = 1, send_token_ids: bool = False) -> None:
-        super().__init__(config, kv, spec, max_batches, send_token_ids)
+                 max_batches: int = 1, send_token_ids: bool = False, lookahead_slots: int = 0) -> None:
+        super().__init__(config, kv, spec, max_batches, send_token_ids, lookahead_slots)
         self.kv_transfer = kv_transfer
         self._clock = clock
         self._loading: dict[str, tuple[Request, int]] = {}  # consumer: id -> (request, remote tokens)

@@ -1,6 +1,7 @@
 """Speculative decoding, in three pieces kept apart (design guide, principle 9):
 
-    proposer            (ngram.py)            the runner asks it for K draft tokens per request
+    proposer            (proposer.py: the contract; ngram.py, draft_model.py)
+                                               the runner hands it the step, gets K drafts per request
     verifier            (rejection_sampler.py) the runner's target logits at the 1 + K rows ->
                                                the accepted drafts plus one token
     fallback controller (fallback.py)         torch-free, beside the scheduler: whether drafts

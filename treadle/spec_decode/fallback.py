@@ -17,8 +17,10 @@ measured throughput, per batch size bucket (powers of two):
 
 and per request: a request whose accepted drafts per verify (EMA) is below what a verify
 costs over a plain decode at its bucket (``cost ratio - 1``) stops speculating for
-``probe_every`` steps, then probes again. Only decode-only steps are timed (a prompt chunk
-would dominate the time). ``fallback=False`` always speculates (tests, benchmarks).
+``probe_every`` steps, then probes again. Every step is timed for the step-cost model, steps
+carrying prompt chunks too (their prompt rows are a separate term, so the model is fitted during
+the prompt phase, before the first decode-only step); only decode-only steps give a bucket its
+measured rates. ``fallback=False`` always speculates (tests, benchmarks).
 """
 from __future__ import annotations
 
@@ -34,27 +36,57 @@ def bucket_of(batch_size: int) -> int:
     return 1 << max(0, batch_size - 1).bit_length()
 
 
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b (Gauss-Jordan, partial pivoting); an unknown without a usable pivot is 0."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    scale = max(1e-300, max(abs(v) for row in a for v in row))
+    pivots: dict[int, int] = {}  # column -> row
+    r = 0
+    for c in range(n):
+        p = max(range(r, n), key=lambda k: abs(m[k][c]), default=None)
+        if p is None or abs(m[p][c]) <= 1e-12 * scale:
+            continue
+        m[r], m[p] = m[p], m[r]
+        for k in range(n):
+            if k != r and m[k][c]:
+                f = m[k][c] / m[r][c]
+                m[k] = [x - f * y for x, y in zip(m[k], m[r])]
+        pivots[c], r = r, r + 1
+    return [m[pivots[c]][n] / m[pivots[c]][c] if c in pivots else 0.0 for c in range(n)]
+
+
 class _RowCost:
-    """Step time as a + b * rows, fitted by least squares over decayed sums."""
+    """Step time as a + b * decode rows + c * draft rows + e * prompt rows, fitted by least
+    squares over decayed sums. Every step is timed, mixed prompt + decode steps too (their
+    prompt rows are a term of their own, so they teach a and b instead of being dropped); a
+    verify row may cost more than a plain decode row (c: its extra), which only steps with
+    and without drafts can tell apart; until then a small ridge keeps c at 0."""
 
     DECAY = 0.98
+    RIDGE = 1e-3  # on c, relative to the decode rows' scale
 
     def __init__(self) -> None:
-        self.n = self.x = self.xx = self.y = self.xy = 0.0
+        self._xx = [[0.0] * 4 for _ in range(4)]  # decayed sum of x x^T, x = [1, decode, draft, prompt rows]
+        self._xy = [0.0] * 4
 
-    def observe(self, rows: int, seconds: float) -> None:
-        d = self.DECAY
-        self.n, self.x, self.xx = d * self.n + 1, d * self.x + rows, d * self.xx + rows * rows
-        self.y, self.xy = d * self.y + seconds, d * self.xy + rows * seconds
+    def observe(self, rows: int, seconds: float, prompt_rows: int = 0, draft_rows: int = 0) -> None:
+        """``rows``: decode rows, drafts included (``draft_rows`` of them)."""
+        x, d = (1.0, float(rows), float(draft_rows), float(prompt_rows)), self.DECAY
+        self._xx = [[d * self._xx[i][j] + x[i] * x[j] for j in range(4)] for i in range(4)]
+        self._xy = [d * self._xy[i] + x[i] * seconds for i in range(4)]
 
-    def predict(self, rows: float) -> float | None:
-        """Seconds for a step of ``rows`` tokens; None until steps of different sizes were seen."""
-        det = self.n * self.xx - self.x * self.x
-        if self.n < 2 or det <= 1e-9 * max(1.0, self.n * self.xx):
+    def predict(self, rows: float, draft_rows: float = 0.0) -> float | None:
+        """Seconds for a decode-only step of ``rows`` tokens, ``draft_rows`` of them drafts;
+        None until steps with different numbers of decode rows were seen."""
+        n, x, xx = self._xx[0][0], self._xx[0][1], self._xx[1][1]
+        if n < 2 or n * xx - x * x <= 1e-9 * max(1.0, n * xx):
             return None
-        b = max(0.0, (self.n * self.xy - self.x * self.y) / det)
-        a = max(0.0, (self.y - b * self.x) / self.n)
-        return a + b * rows
+        a = [row[:] for row in self._xx]
+        a[2][2] += self.RIDGE * max(1.0, xx / n)
+        coef = _solve(a, self._xy)
+        base, b, c = (max(0.0, v) for v in coef[:3])
+        return base + b * rows + c * draft_rows
 
 
 @dataclass
@@ -93,31 +125,53 @@ class FallbackController:
         self._cost = _RowCost()
         self._step = 0
 
-    def speculate_batch(self, batch_size: int) -> bool:
-        """Whether this step (``batch_size`` running requests) verifies drafts at all."""
+    def speculate_batch(self, batch_size: int, has_drafts: bool = True) -> bool:
+        """Whether this step (``batch_size`` running requests) verifies drafts at all. Called
+        every step (``has_drafts`` False: no request drafted, nothing is counted) so that a probe
+        comes due while the runner drafts for nobody (``will_speculate``)."""
         self._step += 1
         if not self.enabled:
             return True
         b = self._buckets.setdefault(bucket_of(batch_size), _Bucket())
         b.steps += 1
+        fallback, probe, speculate = self._decide(b, batch_size)
+        if has_drafts:
+            self.stats.num_batch_fallbacks += fallback
+            self.stats.num_probes += probe
+        return speculate
+
+    def _decide(self, b: _Bucket, batch_size: int) -> tuple[bool, bool, bool]:
+        """(a fallback, a probe, speculate) for this step of bucket ``b``; schedules the next probe."""
         if b.spec_rate is None:
-            if self._predicted_to_pay(batch_size) is False:
-                self.stats.num_batch_fallbacks += 1
-                return False
-            return True
+            pays = self._predicted_to_pay(batch_size) is not False
+            return not pays, False, pays
         if b.plain_rate is None:
-            self.stats.num_probes += 1
-            return False
+            return False, True, False
         faster = b.spec_rate >= b.plain_rate
         if faster != b.last_faster:  # a new decision: re-check it soon
             b.last_faster, b.interval, b.next_probe = faster, self.probe_every, b.steps + self.probe_every
         if b.steps >= b.next_probe:
-            self.stats.num_probes += 1
             b.next_probe, b.interval = b.steps + 2 * b.interval, 2 * b.interval
-            return not faster
-        if not faster:
-            self.stats.num_batch_fallbacks += 1
-        return faster
+            return False, True, not faster
+        return not faster, False, faster
+
+    def will_speculate(self, request_id: str, batch_size: int) -> bool:
+        """Whether the next step (about ``batch_size`` running requests) would verify this
+        request's drafts, read without changing anything: the runner drafts only for those (a
+        draft model's K forwards are wasted on drafts that would be dropped)."""
+        if not self.enabled:
+            return True
+        st = self._requests.get(request_id)
+        if st is not None and st.off_until > self._step + 1:
+            return False
+        b = self._buckets.get(bucket_of(batch_size))
+        if b is None or b.spec_rate is None:
+            return self._predicted_to_pay(batch_size) is not False
+        if b.plain_rate is None:
+            return False
+        faster = b.spec_rate >= b.plain_rate
+        next_probe = b.next_probe if faster == b.last_faster else b.steps + 1 + self.probe_every
+        return (not faster) if b.steps + 1 >= next_probe else faster
 
     def _predicted_to_pay(self, batch_size: int) -> bool | None:
         """From the step-cost model and the drafts / acceptance so far; None: cannot tell."""
@@ -125,10 +179,22 @@ class FallbackController:
         if st.num_drafts == 0:
             return None
         drafts, accepted = st.num_draft_tokens / st.num_drafts, st.num_accepted_tokens / st.num_drafts
-        plain, spec = self._cost.predict(batch_size), self._cost.predict(batch_size * (1 + drafts))
+        plain, spec = self._cost.predict(batch_size), self._cost.predict(batch_size * (1 + drafts), batch_size * drafts)
         if plain is None or spec is None or plain <= 0 or spec <= 0:
             return None
         return batch_size * (1 + accepted) / spec >= batch_size / plain
+
+    def _cost_ratio(self, batch_size: int) -> float:
+        """Verify step / plain step time at this batch size: measured, else predicted."""
+        b = self._buckets.get(bucket_of(batch_size))
+        if b is not None and b.spec_time is not None and b.plain_time is not None:
+            return b.cost_ratio()
+        st = self.stats
+        drafts = st.num_draft_tokens / st.num_drafts if st.num_drafts else 0.0
+        plain, spec = self._cost.predict(batch_size), self._cost.predict(batch_size * (1 + drafts), batch_size * drafts)
+        if plain is None or spec is None or plain <= 0:
+            return DEFAULT_COST_RATIO
+        return spec / plain
 
     def speculate_request(self, request_id: str) -> bool:
         if not self.enabled:
@@ -148,17 +214,21 @@ class FallbackController:
             return
         st = self._requests.setdefault(request_id, _RequestState())
         st.accepted = _ema(st.accepted, num_accepted)
-        ratio = self._buckets.get(bucket_of(batch_size), _Bucket()).cost_ratio()
+        ratio = self._cost_ratio(batch_size)
         if st.accepted < ratio - 1.0:
             st.off_until = self._step + self.probe_every
             self.stats.num_request_fallbacks += 1
 
     def observe_step(self, batch_size: int, speculated: bool, num_emitted: int, seconds: float,
-                     num_rows: int | None = None) -> None:
-        """A decode-only step's wall time, tokens emitted and rows run (decodes + drafts)."""
+                     num_rows: int | None = None, num_prompt_rows: int = 0, num_draft_rows: int = 0) -> None:
+        """A step's wall time, tokens emitted, decode rows run (decodes + drafts, ``num_draft_rows``
+        of them drafts) and prompt rows (chunks). Every step feeds the step-cost model; only decode-only steps feed the
+        batch size's measured rates (a chunk's time is not the decodes')."""
         if not self.enabled or seconds <= 0:
             return
-        self._cost.observe(batch_size if num_rows is None else num_rows, seconds)
+        self._cost.observe(batch_size if num_rows is None else num_rows, seconds, num_prompt_rows, num_draft_rows)
+        if num_prompt_rows:
+            return
         b = self._buckets.setdefault(bucket_of(batch_size), _Bucket())
         if speculated:
             b.spec_rate, b.spec_time = _ema(b.spec_rate, num_emitted / seconds), _ema(b.spec_time, seconds)

@@ -8,12 +8,18 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from treadle.spec_decode.proposer import Proposer, ProposerStep
 
-class NgramProposer:
+
+class NgramProposer(Proposer):
     def __init__(self, num_speculative_tokens: int, lookup_min: int, lookup_max: int) -> None:
-        self.k, self.lookup_min, self.lookup_max = num_speculative_tokens, lookup_min, lookup_max
+        super().__init__(num_speculative_tokens)
+        self.lookup_min, self.lookup_max = lookup_min, lookup_max
 
-    def propose(self, tokens: Sequence[int], max_drafts: int | None = None) -> list[int]:
+    def propose(self, step: ProposerStep) -> dict[str, list[int]]:
+        return {r.request_id: self.lookup(r.token_ids) for r in step.requests if r.wants_drafts}
+
+    def lookup(self, tokens: Sequence[int], max_drafts: int | None = None) -> list[int]:
         """Up to ``min(K, max_drafts)`` draft tokens continuing ``tokens`` (prompt + output);
         [] when no n-gram of the allowed sizes recurs."""
         k = self.k if max_drafts is None else min(self.k, max_drafts)

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from treadle.config import ModelConfig, SpeculativeConfig
+from treadle.config import ModelConfig
 from treadle.core.step_data import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from treadle.distributed import ParallelContext
 from treadle.distributed.overlap import split_tokens
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, StepInputBuilder
 from treadle.models.llama import LlamaForCausalLM
-from treadle.spec_decode.ngram import NgramProposer
+from treadle.spec_decode.proposer import Proposer, ProposerStep, RequestProgress
 from treadle.spec_decode.rejection_sampler import verify
 from treadle.structured.matchers import GrammarMatchers
 from treadle.worker.cuda_graph import CUDAGraphRunner
@@ -100,12 +100,13 @@ class ModelRunner:
         fused_layers: bool = True,
         parallel: ParallelContext | None = None,
         overlap: bool = False,
-        speculative: SpeculativeConfig | None = None,
+        proposer: Proposer | None = None,
         grammars: GrammarMatchers | None = None,
     ) -> None:
         """``overlap`` (tensor parallelism without pipeline stages): cut each step of two or
         more tokens into two micro-batches whose all-reduces overlap compute. ``grammars``:
-        structured output (None: the model has no tokenizer, so no request can be constrained)."""
+        structured output (None: the model has no tokenizer, so no request can be constrained).
+        ``proposer``: speculative decoding (``treadle.worker.proposers.build_proposer``)."""
         self.model = model
         self.parallel = parallel or ParallelContext.single(model.config.vocab_size)
         self.kv_caches = kv_caches
@@ -116,8 +117,7 @@ class ModelRunner:
         self.grammars = grammars
         self.requests: dict[str, CachedRequestState] = {}
         self.backend: AttentionBackend = model.backend
-        self.proposer = None if speculative is None else NgramProposer(
-            speculative.num_speculative_tokens, speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+        self.proposer = proposer
         if fused_layers and self.device.type == "cpu":
             fuse_decoder_layers(model)
         # persistent host buffers, reused every step
@@ -192,6 +192,8 @@ class ModelRunner:
             self.requests.pop(rid, None)
             if self.grammars is not None:
                 self.grammars.remove(rid)
+        if self.proposer is not None:
+            self.proposer.finish(sched.finished_request_ids)
         for new in sched.new_requests:
             self.requests[new.request_id] = CachedRequestState(new)
             spec = new.sampling_params.structured_outputs
@@ -226,12 +228,23 @@ class ModelRunner:
                     result.logprobs[rid] = [lp]
         if batch.verify_rows and hidden is not None:  # speculation runs on one rank (resolver)
             self._verify(hidden, batch.verify_rows, result)
-        if self.proposer is not None:
-            for rid in result.sampled:
-                # a constrained request gets no drafts: it decodes one masked token per step
-                if self.grammars is None or not self.grammars.constrains(rid):
-                    result.draft_token_ids[rid] = self.proposer.propose(self.requests[rid].all_token_ids)
+        if self.proposer is not None and hidden is not None:
+            result.draft_token_ids = self.proposer.propose(self._proposer_step(sched, hidden, result))
         return result
+
+    def _proposer_step(self, sched: SchedulerOutput, hidden: torch.Tensor, result: ModelRunnerOutput) -> ProposerStep:
+        """What the proposer sees of this step (``spec_decode.proposer``)."""
+        progress, cursor = [], 0
+        for s in sched.scheduled:
+            rid, state, sampled = s.request_id, self.requests[s.request_id], result.sampled.get(s.request_id)
+            n = s.num_scheduled_tokens
+            verified = n if sampled is None else n - len(s.draft_token_ids) + len(sampled) - 1
+            # a constrained request gets no drafts: it decodes one masked token per step
+            wants = sampled is not None and s.propose and (self.grammars is None or not self.grammars.constrains(rid))
+            progress.append(RequestProgress(rid, state.all_token_ids, s.block_ids, s.num_computed_tokens, verified,
+                                            cursor, wants, len(s.block_ids) * self.block_size))
+            cursor += n
+        return ProposerStep(progress, hidden)
 
     def _verify(self, hidden: torch.Tensor, rows: list[tuple[str, int, list[int]]], result: ModelRunnerOutput) -> None:
         """Logits at each speculating request's 1 + K rows (one matmul), then the verifier."""
@@ -241,7 +254,8 @@ class ModelRunner:
         at = 0
         for rid, _, drafts in rows:
             state = self.requests[rid]
-            out = verify(self.sampler, logits[at : at + len(drafts) + 1], state.sampling_row(), drafts)
+            q = None if self.proposer is None else self.proposer.draft_probs(rid, len(drafts))
+            out = verify(self.sampler, logits[at : at + len(drafts) + 1], state.sampling_row(), drafts, q)
             at += len(drafts) + 1
             state.output_token_ids.extend(out.tokens)
             result.sampled[rid] = out.tokens

@@ -1,0 +1,116 @@
+"""The draft-model proposer: a smaller model with the target's vocabulary drafts K tokens
+greedily, with its KV in the target's block pool (same block ids and slot mapping, see
+``proposer.py``).
+
+    step t, request r (target computed positions start .. start+n-1, verified v of them,
+    sampled the new token x at position start+v):
+
+    catch-up   one flat forward over every request:  tokens [start, start+v) + x
+               (a non-drafting request: [start, start+v) only)   -> d1 = argmax at x's row
+    draft      K-1 single-token forwards:  d_i at position start+v+i -> d_{i+1}
+               (positions past start+v are scratch: overwritten before anyone reads them)
+
+A layer-skip draft (``"model": "self:N"``) is the target's first N layers, its final norm and
+lm_head: its KV *is* the target's KV of those layers, already valid for every computed
+position, so it skips the catch-up of verified positions and only runs x and the drafts (their
+scratch slots are rewritten by the target's next step before it attends to them).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+
+from treadle.distributed.vocab import vocab_embedding
+from treadle.layers.attention import AttentionBackend, AttentionMetadata, StepInputBuilder
+from treadle.models.llama import KVCache, LlamaForCausalLM
+from treadle.spec_decode.proposer import Proposer, ProposerStep, RequestProgress
+
+
+class DraftLM(Protocol):
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                 meta: AttentionMetadata) -> torch.Tensor: ...  # [num_tokens, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None: ...  # [n, vocab]
+
+
+class LayerSkipDraft:
+    """The target's first ``num_layers`` decoder layers + final norm + lm_head (no second file)."""
+
+    def __init__(self, target: LlamaForCausalLM, num_layers: int) -> None:
+        self.target, self.num_layers = target, num_layers
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                 meta: AttentionMetadata) -> torch.Tensor:
+        t = self.target
+        x, residual = vocab_embedding(t.embed_tokens, input_ids, t.dtype, t.parallel), None
+        for i in range(self.num_layers):
+            x, residual = t.layers[i](positions, x, residual, kv_caches[i], meta)
+        return t.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.target.compute_logits(hidden)
+
+
+class _Row(NamedTuple):
+    request: RequestProgress
+    begin: int  # first position run this pass
+    end: int  # one past the last
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, num_speculative_tokens: int, model: DraftLM, kv_caches: list[KVCache],
+                 backend: AttentionBackend, block_size: int, max_positions: int, shares_target_kv: bool,
+                 device: torch.device | str = "cpu") -> None:
+        """``kv_caches``: one (k, v) per draft layer over the target's block ids (for a
+        layer-skip draft, the target's own first tensors: ``shares_target_kv``)."""
+        super().__init__(num_speculative_tokens)
+        self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.max_positions, self.shares_target_kv = max_positions, shares_target_kv
+        self.device = torch.device(device)
+        self.inputs = StepInputBuilder(block_size, 0, self.device)
+
+    def _rows(self, step: ProposerStep) -> list[_Row]:
+        rows = []
+        for r in step.requests:
+            verified_end = r.start + r.num_verified
+            drafting = r.wants_drafts and len(r.token_ids) <= min(r.num_slots, self.max_positions)
+            end = len(r.token_ids) if drafting else verified_end
+            begin = verified_end if self.shares_target_kv else r.start
+            if self.shares_target_kv and not drafting:
+                continue
+            rows.append(_Row(RequestProgress(**{**vars(r), "wants_drafts": drafting}), begin, end))
+        return rows
+
+    def _forward(self, tokens: list[list[int]], rows: list[_Row], starts: list[int]) -> torch.Tensor:
+        """Run ``tokens[i]`` at positions ``starts[i]..`` of row i; logits at each row's last token."""
+        query_lens = [len(t) for t in tokens]
+        seq_lens = [s + q for s, q in zip(starts, query_lens)]
+        positions, meta = self.inputs.build(query_lens, seq_lens, [r.request.block_ids for r in rows])
+        meta.plan = self.backend.plan(meta)
+        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device)
+        hidden = self.model(ids, positions, self.kv_caches, meta)
+        last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+        logits = self.model.compute_logits(hidden.index_select(0, last))
+        assert logits is not None, "speculation runs on one rank"
+        return logits
+
+    @torch.inference_mode()
+    def propose(self, step: ProposerStep) -> dict[str, list[int]]:
+        rows = self._rows(step)
+        if not rows:
+            return {}
+        logits = self._forward([r.request.token_ids[r.begin : r.end] for r in rows], rows, [r.begin for r in rows])
+        drafts = {r.request.request_id: [int(t)] for r, t in zip(rows, logits.argmax(-1).tolist())
+                  if r.request.wants_drafts}
+        live = [r for r in rows if r.request.wants_drafts]
+        for i in range(1, self.k):
+            # d_i sits at position len(tokens) - 1 + i; it needs a slot and a rotary position
+            live = [r for r in live if len(r.request.token_ids) + i <= min(r.request.num_slots, self.max_positions)]
+            if not live:
+                break
+            ids = [[drafts[r.request.request_id][-1]] for r in live]
+            logits = self._forward(ids, live, [len(r.request.token_ids) - 1 + i for r in live])
+            for r, t in zip(live, logits.argmax(-1).tolist()):
+                drafts[r.request.request_id].append(int(t))
+        return drafts
