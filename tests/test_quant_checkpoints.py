@@ -91,3 +91,22 @@ def test_gptq_awq_match_transformers_on_the_packed_values(tmp_path: Path, method
     if native.available():
         assert kinds == ({PermutedInputMethod} if desc_act else {GGUFBlockMethod})
     assert_matches(lm, tmp_path / "float", INT4_TOL)
+
+
+@pytest.mark.parametrize("kind", ["w8a8", "gptq"])
+def test_engine_serves_quantized_checkpoints(tmp_path: Path, kind: str) -> None:
+    """Through the engine (quantization "auto" resolved from config.json, fused C decode layers
+    on for the Q4_1 blocks), a batch gives transformers' tokens."""
+    from engine_run import assert_no_leaks, run
+
+    from treadle import SamplingParams
+
+    if kind == "w8a8":
+        path = oracle = write_compressed_tensors(tmp_path / "ct", kind)
+    else:
+        path, oracle = write_int4_checkpoint(tmp_path / "q", tmp_path / "float", "gptq", 32, sym=True), tmp_path / "float"
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    tokens, llm = run(path, PROMPTS, params)
+    assert llm.engine.config.load.quantization == ("compressed-tensors" if kind == "w8a8" else "gptq")
+    assert tokens == hf_run(oracle)[0]
+    assert_no_leaks(llm)

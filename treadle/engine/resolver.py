@@ -59,7 +59,7 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
     on_cpu = device.type == "cpu"
     is_gguf = source.raw_weights is not None and source.tensor_types is not None
     checkpoint = source.checkpoint_quantization
-    quantization = resolve_quantization(args.quantization, is_gguf, on_cpu, checkpoint and checkpoint.method)
+    quantization = resolve_quantization(args.quantization, is_gguf, on_cpu, checkpoint.method if checkpoint else None)
     scheduler = _scheduler_config(args, source.config.max_position_embeddings)
     parallel = _parallel_config(args, source.config)
     world = parallel.world_size

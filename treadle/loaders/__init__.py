@@ -78,7 +78,7 @@ def quantization_plan(
     is_gguf = source.raw_weights is not None and source.tensor_types is not None
     checkpoint = source.checkpoint_quantization
     try:
-        quantization = resolve_quantization(quantization, is_gguf, on_cpu, checkpoint and checkpoint.method)
+        quantization = resolve_quantization(quantization, is_gguf, on_cpu, checkpoint.method if checkpoint else None)
     except TreadleError as e:
         raise TreadleError(f"{source.path}: {e}") from None
     if quantization == "none":

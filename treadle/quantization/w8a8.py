@@ -40,6 +40,13 @@ def w8a8_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+def _scale(layer: Linear) -> torch.Tensor:
+    """The layer's weight_scale parameter (registered by W8A8Method.create_weights)."""
+    scale = layer.weight_scale
+    assert isinstance(scale, torch.Tensor)
+    return scale
+
+
 class W8A8Method(LinearMethod):
     """A layer of int8 ``weight`` [out, in] and float ``weight_scale`` [out, 1] (compressed-tensors
     names; shards of a fused layer stacked row-wise)."""
@@ -54,12 +61,12 @@ class W8A8Method(LinearMethod):
         layer.register_parameter("weight_scale", scale)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        scale: torch.Tensor = layer.weight_scale
+        scale = _scale(layer)
         layer.weight_scale = nn.Parameter(scale.reshape(-1).contiguous(), requires_grad=False)  # [out]
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         bias = None if layer.bias is None else layer.bias.float().contiguous()
-        scale: torch.Tensor = layer.weight_scale
+        scale = _scale(layer)
         if native.available():
             y = native.w8a8_matmul(x, layer.weight, scale, bias)
         else:
