@@ -11,14 +11,14 @@ replace its float ``weight`` and how to read them. This module is the common par
         .method()                    the LinearMethod that loads and runs it
 
 The expected-tensor check, the dtype check (both before any weight is read) and the
-per-layer method factory all derive from those two calls. Everything is CPU-only for now.
+per-layer method factory all derive from those two calls (the parsers, one module per
+quant_method, are chosen in ``published.py``). Everything is CPU-only for now.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from safetensors import safe_open
 
@@ -57,37 +57,6 @@ class CheckpointQuantization(ABC):
     def format_for(self, module: str) -> LayerFormat | None:
         """The format of checkpoint module ``module`` (``model.layers.0.self_attn.q_proj``),
         None when it is stored in float (ignored modules, lm_head, embeddings)."""
-
-
-def parse_quantization_config(raw: Any, where: Path) -> CheckpointQuantization:
-    """config.json's ``quantization_config`` -> its parsed form; an unknown quant_method or an
-    unsupported scheme is a one-line TreadleError naming it."""
-    if not isinstance(raw, dict):
-        raise TreadleError(f"{where}: quantization_config must be a JSON object")
-    method = raw.get("quant_method")
-    try:
-        if method == "compressed-tensors":
-            from treadle.quantization.compressed_tensors import CompressedTensorsQuantization
-
-            return CompressedTensorsQuantization.from_config(raw)
-        if method == "gptq":
-            from treadle.quantization.gptq import GPTQQuantization
-
-            return GPTQQuantization.from_config(raw)
-        if method == "awq":
-            from treadle.quantization.awq import AWQQuantization
-
-            return AWQQuantization.from_config(raw)
-    except TreadleError as e:
-        raise TreadleError(f"{where}: {e}") from None
-    raise TreadleError(f"{where}: quantization_config quant_method {method!r} is not supported "
-                       f"(supported: {', '.join(CHECKPOINT_METHODS)})")
-
-
-def read_checkpoint_quantization(config_json: dict[str, Any], where: Path) -> CheckpointQuantization | None:
-    """The checkpoint's quantization, or None for a float checkpoint."""
-    raw = config_json.get("quantization_config")
-    return None if raw is None else parse_quantization_config(raw, where)
 
 
 def _module_of(weight_name: str) -> str | None:
