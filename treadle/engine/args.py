@@ -43,8 +43,9 @@ class EngineArgs:
     num_kv_blocks: int | None = _arg(None, "exact number of KV blocks (overrides the memory budget)", type=int)
     attention_backend: str = _arg("auto", "auto: cpu on the CPU, triton on CUDA",
                                   choices=("auto", "reference", "cpu", "triton"))
-    quantization: str = _arg("auto", "auto (a GGUF file keeps its quantized blocks, Q4_0..Q8_0 and K-quants, on the CPU), none, "
-                                     "gguf, int8, int4[-g32|-g64|-g128]")
+    quantization: str = _arg("auto", "auto (a GGUF file keeps its quantized blocks, Q4_0..Q8_0 and K-quants, on the CPU; "
+                                     "a checkpoint with a quantization_config is read as stored), none, "
+                                     "gguf, int8, int4[-g32|-g64|-g128], compressed-tensors, gptq, awq")
     enforce_eager: bool = _arg(False, "no CUDA graphs (decode runs eagerly)")
     fused_layers: bool = _arg(True, "CPU: run each decoder layer it can as one fused C call")
     distributed_executor_backend: str = _arg("uni", "uni: the model runs in this process; mp: in worker "

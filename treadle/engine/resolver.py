@@ -5,7 +5,8 @@ passed in), so every default and every ``auto`` can be unit-tested from a checkp
 It owns:
 
     dtype             auto -> float32 (``loaders.parse_dtype``: the CPU kernels compute in it)
-    quantization      auto -> gguf for a .gguf file on the CPU, else none
+    quantization      auto -> the checkpoint's quantization_config method (compressed-tensors,
+                      gptq, awq), else gguf for a .gguf file on the CPU, else none
     max_model_len     None -> the model's max_position_embeddings; larger values are clamped
     batched tokens    without chunked prefill, at least max_model_len (a prompt runs whole)
     KV cache          blocks from num_kv_blocks, kv_cache_memory or a share of free memory,
@@ -62,7 +63,8 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
     dtype = parse_dtype(args.dtype)
     on_cpu = device.type == "cpu"
     is_gguf = source.raw_weights is not None and source.tensor_types is not None
-    quantization = resolve_quantization(args.quantization, is_gguf, on_cpu)
+    checkpoint = source.checkpoint_quantization
+    quantization = resolve_quantization(args.quantization, is_gguf, on_cpu, checkpoint.method if checkpoint else None)
     scheduler = _scheduler_config(args, source.config.max_position_embeddings)
     parallel = _parallel_config(args, source.config)
     world = parallel.world_size

@@ -70,17 +70,24 @@ def quantization_plan(
     (see treadle.quantization). ``local_config``: the config of the part this rank holds under
     tensor parallelism (its layers' input widths decide the weight-only methods)."""
     from treadle.quantization import resolve_quantization, weight_only_factory
+    from treadle.quantization.checkpoint import checkpoint_method_factory
     from treadle.quantization.gguf_native import GGUFNativePlan
 
     layout = model_layout(source.config.architecture)
     on_cpu = torch.device(device).type == "cpu"
     is_gguf = source.raw_weights is not None and source.tensor_types is not None
+    checkpoint = source.checkpoint_quantization
     try:
-        quantization = resolve_quantization(quantization, is_gguf, on_cpu)
+        quantization = resolve_quantization(quantization, is_gguf, on_cpu, checkpoint.method if checkpoint else None)
     except TreadleError as e:
         raise TreadleError(f"{source.path}: {e}") from None
     if quantization == "none":
         return None, source.weights
+    if checkpoint is not None:
+        if local_config is not None and local_config != source.config:
+            raise TreadleError(f"{source.path}: {checkpoint.method} checkpoints are not supported with tensor "
+                               "parallelism yet")
+        return checkpoint_method_factory(checkpoint, layout.shard_names), source.weights
     if quantization == "gguf":
         assert source.raw_weights is not None and source.tensor_types is not None
         plan, raw_weights = GGUFNativePlan(source.tensor_types, layout.shard_names), source.raw_weights

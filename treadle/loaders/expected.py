@@ -24,9 +24,11 @@ def is_ignored(name: str, cfg: ModelConfig) -> bool:
     return model_layout(cfg.architecture).is_ignored(name, cfg)
 
 
-def check_tensors(path: Path, found: dict[str, Shape], cfg: ModelConfig) -> None:
-    """Raise TreadleError unless ``found`` (name -> shape) is exactly what the model needs."""
-    expected = expected_tensors(cfg)
+def check_tensors(path: Path, found: dict[str, Shape], cfg: ModelConfig,
+                  expected: dict[str, Shape] | None = None) -> None:
+    """Raise TreadleError unless ``found`` (name -> shape) is exactly what the model needs
+    (``expected``: instead of the float checkpoint's tensors, e.g. a quantized checkpoint's)."""
+    expected = expected_tensors(cfg) if expected is None else expected
     for name, shape in found.items():
         if is_ignored(name, cfg):
             continue

@@ -15,9 +15,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from treadle.config import ModelConfig, TreadleError
-from treadle.loaders.expected import check_tensors, is_ignored
+from treadle.loaders.expected import check_tensors, expected_tensors, is_ignored
 from treadle.loaders.source import ModelSource
 from treadle.models.registry import supported_architectures
+from treadle.quantization.checkpoint import check_dtypes, quantized_expected
+from treadle.quantization.published import read_checkpoint_quantization
 from treadle.tokenizer import Tokenizer, read_json_object
 
 _INDEX = "model.safetensors.index.json"
@@ -158,7 +160,11 @@ def open_hf_dir(path: str | Path, skip_tokenizer_init: bool = False) -> ModelSou
             raise TreadleError(f"{file}: tensor {sorted(dup)[0]!r} also appears in another shard")
         found |= shapes
         shards.append((file, list(shapes)))
-    check_tensors(path, found, config)
+    quant = read_checkpoint_quantization(read_json_object(path / "config.json"), path / "config.json")
+    float_expected = expected_tensors(config)
+    check_tensors(path, found, config, None if quant is None else quantized_expected(quant, float_expected))
+    if quant is not None:
+        check_dtypes(quant, float_expected, [file for file, _ in shards])
     tokenizer = None if skip_tokenizer_init else Tokenizer.from_hf_dir(path, extra_eos_token_ids=config.eos_token_ids)
     return ModelSource(
         path=path,
@@ -166,4 +172,5 @@ def open_hf_dir(path: str | Path, skip_tokenizer_init: bool = False) -> ModelSou
         weights=lambda: stream_safetensors(shards, found, config),
         sliced_weights=lambda: stream_safetensors(shards, found, config, sliced=True),
         tokenizer=tokenizer,
+        checkpoint_quantization=quant,
     )

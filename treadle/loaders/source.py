@@ -12,6 +12,7 @@ import torch
 from treadle.config import ModelConfig, TreadleError
 
 if TYPE_CHECKING:
+    from treadle.quantization.checkpoint import CheckpointQuantization
     from treadle.structured.compiler import GrammarCompiler
     from treadle.tokenizer import Tokenizer
 
@@ -29,6 +30,8 @@ class ModelSource:
     # safetensors only: the same stream of tensors not read yet (``narrow`` reads a part,
     # ``read`` the whole), for a tensor-parallel rank that needs only its part of each
     sliced_weights: Callable[[], Iterator[tuple[str, Any]]] | None = None
+    # a published quantized checkpoint (config.json quantization_config): its parsed form
+    checkpoint_quantization: CheckpointQuantization | None = None
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:

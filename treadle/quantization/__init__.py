@@ -13,6 +13,10 @@ Names (``--quantization``):
                          K-quants Q2_K..Q6_K; see gguf_native); built by the GGUF loader from
                          the file's tensor types
     none / None          no quantization
+    compressed-tensors, gptq, awq
+                         a published quantized checkpoint (config.json ``quantization_config``),
+                         read as it is stored: see checkpoint.py; "auto" picks it, any other
+                         value for such a checkpoint is an error
 
 Embeddings and lm_head stay unquantized (GGUF blocks excepted). A method factory maps a layer's name
 (``model.layers.3.mlp.gate_up_proj``) to its method, or None for the plain float one.
@@ -24,6 +28,7 @@ from collections.abc import Callable
 from treadle.config import TreadleError
 from treadle.kernels import native
 from treadle.layers.linear import LinearMethod
+from treadle.quantization.checkpoint import CHECKPOINT_METHODS
 from treadle.quantization.gguf_native import GGUFBlockMethod
 from treadle.quantization.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
 
@@ -32,11 +37,21 @@ MethodFactory = Callable[[str], LinearMethod | None]
 WEIGHT_ONLY_NAMES = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128")
 
 
-def resolve_quantization(name: str | None, gguf_file: bool, on_cpu: bool) -> str:
-    """The concrete method a ``--quantization`` value stands for: "auto" is "gguf" for a .gguf
-    file on the CPU, else "none"; "int4" is "int4-g32". Unknown names and impossible choices
-    are one-line TreadleErrors."""
+def resolve_quantization(name: str | None, gguf_file: bool, on_cpu: bool, checkpoint: str | None = None) -> str:
+    """The concrete method a ``--quantization`` value stands for: "auto" is ``checkpoint`` (the
+    method of a quantized checkpoint's quantization_config), else "gguf" for a .gguf file on
+    the CPU, else "none"; "int4" is "int4-g32". Unknown names and impossible choices are
+    one-line TreadleErrors."""
+    if checkpoint is not None:  # read as stored: None (load_model's default) means the same
+        if name not in (None, "auto", checkpoint):
+            raise TreadleError(f"quantization {name!r} conflicts with the checkpoint's quantization_config "
+                               f"({checkpoint}); use --quantization auto")
+        if not on_cpu:
+            raise TreadleError(f"{checkpoint} checkpoints run on the CPU only for now")
+        return checkpoint
     name = "none" if name is None else name
+    if name in CHECKPOINT_METHODS:
+        raise TreadleError(f"quantization {name!r} needs a checkpoint whose config.json has that quantization_config")
     if name == "auto":
         return "gguf" if gguf_file and on_cpu else "none"
     if name == "gguf":
@@ -49,7 +64,8 @@ def resolve_quantization(name: str | None, gguf_file: bool, on_cpu: bool) -> str
         return "int4-g32"
     if name != "none" and name not in WEIGHT_ONLY_NAMES:
         raise TreadleError(
-            f"quantization {name!r} is not supported (supported: auto, none, gguf, {', '.join(WEIGHT_ONLY_NAMES)})"
+            f"quantization {name!r} is not supported (supported: auto, none, gguf, {', '.join(WEIGHT_ONLY_NAMES)}, "
+            f"{', '.join(CHECKPOINT_METHODS)})"
         )
     return name
 

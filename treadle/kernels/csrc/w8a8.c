@@ -1,0 +1,91 @@
+/* W8A8: int8 weights times int8 activations quantized per token, exact integer dot products.
+ *
+ *   tq_w8a8_quantize:  xs[m] = max_k |x[m, k]| / 127.5   (FLT_EPSILON when 0)
+ *                      xq[m, k] = round_half_even(clamp(x[m, k] / xs[m], -128, 127))
+ *     -- compressed-tensors' dynamic per-token symmetric int8 rule, operation for operation,
+ *        so a checkpoint made by llm-compressor sees the activations it was calibrated with.
+ *   tq_w8a8_matmul:    acc[m, n] = sum_k xq[m, k] * w[n, k]            (int32, exact:
+ *                                  |acc| <= 128 * 128 * K < 2^31 for K < 131072)
+ *                      y[m, n] = ((float)acc * xs[m]) * ws[n] (+ bias[n])
+ *
+ * The AVX2 path widens 16 int8 of each operand to int16 and uses madd (pairs of int16
+ * products summed into int32: at most 2 * 128 * 128, no saturation, unlike maddubs which
+ * would need an operand in 0..255), four activation rows per pass over a weight row; the
+ * plain-C path (also built with -DTQ_PLAIN_C for the tests) is the same sum in int32. Both
+ * give identical bits, as does the plain torch reference in treadle/quantization/w8a8.py.
+ * Threads split the weight rows, so a row's result does not depend on the batch it is in.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include "tq.h"
+
+void tq_w8a8_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs) {
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
+        float s = amax / 127.5f;
+        if (s == 0.0f) s = FLT_EPSILON;
+        for (int64_t k = 0; k < K; k++) {
+            float v = row[k] / s;
+            v = v < -128.0f ? -128.0f : v > 127.0f ? 127.0f : v;
+            xq[m * K + k] = (int8_t)nearbyintf(v);
+        }
+        xs[m] = s;
+    }
+}
+
+static int32_t dot_plain(const int8_t *a, const int8_t *b, int64_t K) {
+    int32_t acc = 0;
+    for (int64_t k = 0; k < K; k++) acc += (int32_t)a[k] * (int32_t)b[k];
+    return acc;
+}
+
+#ifdef TQ_AVX2
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+}
+
+static inline __m256i widen16(const int8_t *p) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* acc[r] = dot(x rows r of `rows` (<= 4), w) over K */
+static void dot_rows_avx2(const int8_t *x, int64_t K, int rows, const int8_t *w, int32_t *acc) {
+    __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    const int64_t K16 = K & ~(int64_t)15;
+    for (int64_t k = 0; k < K16; k += 16) {
+        const __m256i wv = widen16(w + k);
+        for (int r = 0; r < rows; r++) s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(widen16(x + r * K + k), wv));
+    }
+    for (int r = 0; r < rows; r++) acc[r] = hsum_i32(s[r]) + dot_plain(x + r * K + K16, w + K16, K - K16);
+}
+#endif
+
+void tq_w8a8_matmul(const int8_t *xq, const float *xs, const int8_t *w, const float *ws, const float *bias,
+                    float *y, int64_t M, int64_t N, int64_t K) {
+#pragma omp parallel for schedule(static) if (N * M >= 256)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *wr = w + n * K;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int rows = M - m0 < 4 ? (int)(M - m0) : 4;
+            int32_t acc[4];
+#ifdef TQ_AVX2
+            dot_rows_avx2(xq + m0 * K, K, rows, wr, acc);
+#else
+            for (int r = 0; r < rows; r++) acc[r] = dot_plain(xq + (m0 + r) * K, wr, K);
+#endif
+            for (int r = 0; r < rows; r++) {
+                float v = (float)acc[r] * xs[m0 + r];
+                v = v * ws[n];
+                if (bias) v = v + bias[n];
+                y[(m0 + r) * N + n] = v;
+            }
+        }
+    }
+}
