@@ -135,6 +135,10 @@ class HookedExecutor:
         self._control.before_execute()
         return self._inner.execute(sched)
 
+    def submit(self, sched: Any) -> None:  # the engine's step (the batch queue's half of execute)
+        self._control.before_execute()
+        self._inner.submit(sched)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 

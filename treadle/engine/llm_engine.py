@@ -66,7 +66,8 @@ class LLMEngine:
         self.scheduler = (Scheduler(config.scheduler, self.kv_manager, self.spec, **sched_kw)
                           if config.kv_transfer is None else
                           KVTransferScheduler(config.scheduler, self.kv_manager, self.spec, config.kv_transfer, **sched_kw))
-        self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()  # submitted, not collected
+        # submitted, not collected: (step, start time, the exception its submit raised, if any)
+        self._in_flight: deque[tuple[SchedulerOutput, float, Exception | None]] = deque()
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.stats = EngineStats(None if self.spec is None else self.spec.stats)
@@ -186,7 +187,9 @@ class LLMEngine:
             self._fill_batch_queue()
             if not self._in_flight:
                 return []
-            sched, started = self._in_flight.popleft()
+            sched, started, failed = self._in_flight.popleft()
+            if failed is not None:
+                raise failed
             result = self.executor.collect()  # EngineDeadError: the engine is dead
             seconds = time.perf_counter() - started
             touched = self.scheduler.update_from_output(sched, result)
@@ -211,8 +214,15 @@ class LLMEngine:
             sched = self.scheduler.schedule()
             if self._in_flight and sched.is_empty and not sched.finished_request_ids:
                 return
-            self.executor.submit(sched)
-            self._in_flight.append((sched, time.perf_counter()))
+            started = time.perf_counter()
+            try:
+                self.executor.submit(sched)
+            except EngineDeadError:
+                raise
+            except Exception as e:  # noqa: BLE001 - fails this step's requests when its turn comes
+                self._in_flight.append((sched, started, e))
+                return
+            self._in_flight.append((sched, started, None))
             self.stats.max_steps_in_flight = max(self.stats.max_steps_in_flight, len(self._in_flight))
             if sched.is_empty:
                 return
