@@ -187,9 +187,9 @@ class LLMEngine:
             self._fill_batch_queue()
             if not self._in_flight:
                 return []
-            sched, started, failed = self._in_flight.popleft()
-            if failed is not None:
-                raise failed
+            sched, started, submit_error = self._in_flight.popleft()
+            if submit_error is not None:
+                raise submit_error
             result = self.executor.collect()  # EngineDeadError: the engine is dead
             seconds = time.perf_counter() - started
             touched = self.scheduler.update_from_output(sched, result)
