@@ -42,10 +42,12 @@ LAYERS: dict[str, float] = {
     "treadle.entrypoints.llm": 9,
     "treadle.server": 10,
     "treadle.bench": 10,
+    "treadle.router": 10,  # the HTTP front for many instances: speaks HTTP only (torch-free, no engine)
     "treadle.entrypoints": 11,
 }
 TORCH_FREE = ("treadle.core", "treadle.config", "treadle.sampling_params", "treadle.spec_decode.fallback",
-              "treadle.spec_decode.metrics", "treadle.kv_transfer.metadata", "treadle.kv_transfer.scheduler")
+              "treadle.spec_decode.metrics", "treadle.kv_transfer.metadata", "treadle.kv_transfer.scheduler",
+              "treadle.router")
 
 
 def _modules() -> dict[str, Path]:

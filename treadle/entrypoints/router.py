@@ -1,0 +1,51 @@
+"""`treadle router`: one OpenAI-compatible front for many instances (see treadle/router)."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from treadle.config import TreadleError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="route requests over several instances (P/D disaggregated or colocated)")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill instances (kv_producer)")
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode instances (kv_consumer)")
+    p.add_argument("--backend", nargs="+", default=[], metavar="URL",
+                   help="plain colocated instances (instead of --prefill/--decode)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--poll-interval", type=float, default=0.5, help="seconds between health/load checks")
+    p.add_argument("--upstream-timeout", type=float, default=300.0,
+                   help="seconds to wait for an instance's answer (or its next streamed event)")
+    p.add_argument("--max-attempts", type=int, default=3, help="instances tried per step of a request")
+    p.add_argument("--no-prefix-affinity", dest="prefix_affinity", action="store_false",
+                   help="route by load only, ignoring which instance has a prompt's prefix cached")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run_router)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from treadle.router.app import build_app
+    from treadle.router.config import RouterConfig
+
+    if not 0 <= args.port <= 65535:
+        raise TreadleError(f"--port {args.port} is not a TCP port (0-65535)")
+    bad = [u for u in [*args.prefill, *args.decode, *args.backend] if not u.startswith(("http://", "https://"))]
+    if bad:
+        raise TreadleError(f"instance URLs must start with http:// or https:// (got {bad[0]!r})")
+    try:
+        config = RouterConfig(tuple(args.prefill), tuple(args.decode), tuple(args.backend),
+                              poll_interval_s=args.poll_interval, upstream_timeout_s=args.upstream_timeout,
+                              max_attempts=args.max_attempts, prefix_affinity=args.prefix_affinity)
+    except ValueError as e:
+        raise TreadleError(str(e)) from None
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("treadle").setLevel(args.log_level.upper())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per upstream call and health check
+    print(f"Treadle router at http://{args.host}:{args.port}/v1 over {len(config.instances())} instance(s)", flush=True)
+    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=1, access_log=args.log_level == "debug")
+    return 0

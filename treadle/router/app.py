@@ -1,0 +1,169 @@
+"""The router's FastAPI app: /v1/completions and /v1/chat/completions (streamed or not),
+/v1/models, and its own /health and /metrics. Bad input that the router must read itself
+(a body that is not a JSON object) is a 400 with an OpenAI error body; everything else is
+checked by the instances, whose 4xx answers reach the client as they are."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
+from starlette.responses import Response, StreamingResponse
+
+import treadle
+from treadle.router.config import Role, RouterConfig
+from treadle.router.forward import Forwarder, Job, OpenStream, Relay, error_body
+from treadle.router.instances import Instance, InstancePool
+from treadle.router.metrics import RouterMetrics
+
+T = TypeVar("T")
+_PASSED_HEADERS = ("authorization",)
+
+
+def build_app(config: RouterConfig) -> FastAPI:
+    """The router for ``config``'s instances; polling starts with the app (its lifespan)."""
+    pool = InstancePool([Instance(url, role) for url, role in config.instances()], config.poll_interval_s,
+                        config.poll_timeout_s)
+    metrics = RouterMetrics(pool)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(limits=limits) as client, httpx.AsyncClient() as poll_client:
+            app.state.forwarder = Forwarder(config, pool, metrics, client)
+            await pool.poll_all(poll_client)
+            poller = asyncio.create_task(pool.run(poll_client))
+            try:
+                yield
+            finally:
+                poller.cancel()
+                await asyncio.gather(poller, return_exceptions=True)
+
+    app = FastAPI(title="Treadle router", version=treadle.__version__, docs_url=None, redoc_url=None,
+                  lifespan=lifespan)
+    app.state.pool, app.state.metrics = pool, metrics
+    app.add_exception_handler(Relay, _relay)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unexpected)
+    app.add_api_route("/v1/completions", _completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", _chat, methods=["POST"])
+    app.add_api_route("/v1/models", _models, methods=["GET"])
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/metrics", _metrics, methods=["GET"])
+    return app
+
+
+async def _relay(_: Request, exc: Relay) -> Response:
+    return exc.response()
+
+
+async def _unexpected(_: Request, exc: Exception) -> Response:
+    return JSONResponse(error_body(f"internal error in the router: {exc!r}", "server_error", "internal_error"), 500)
+
+
+async def _completions(request: Request) -> Response:
+    return await _generate(request, "/v1/completions")
+
+
+async def _chat(request: Request) -> Response:
+    return await _generate(request, "/v1/chat/completions")
+
+
+async def _models(request: Request) -> Response:
+    return await request.app.state.forwarder.get(Job("/v1/models", {}, _headers(request)))
+
+
+async def _health(request: Request) -> Response:
+    pool: InstancePool = request.app.state.pool
+    roles = {i.role for i in pool.instances}
+    missing = sorted(r.value for r in roles if not any(i.healthy for i in pool.by_role(r)))
+    # P/D without a prefill instance still answers (decode instances compute prompts), if slower
+    if missing and missing != [Role.PREFILL.value]:
+        body = error_body(f"no healthy {' or '.join(missing)} instance", "service_unavailable_error", "unhealthy")
+        return JSONResponse(body, 503, headers={"Retry-After": "1"})
+    return JSONResponse({"status": "ok", "instances": {i.url: {"role": i.role.value, "healthy": i.healthy,
+                                                               "problem": i.problem} for i in pool.instances}})
+
+
+async def _metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _headers(request: Request) -> dict[str, str]:
+    return {k: request.headers[k] for k in _PASSED_HEADERS if k in request.headers}
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise Relay.error(400, f"request body is not valid JSON: {e}", "invalid_request_error", "invalid_json") \
+            from None
+    if not isinstance(body, dict):
+        raise Relay.error(400, "the request body must be a JSON object", "invalid_request_error", "invalid_body")
+    return body
+
+
+async def _generate(request: Request, path: str) -> Response:
+    forwarder: Forwarder = request.app.state.forwarder
+    job = Job(path, await _json_body(request), _headers(request))
+    if job.body.get("stream") is True:
+        stream = await _until_disconnect(request, _start_stream(forwarder, job))
+        return StreamingResponse(_stream_events(forwarder, stream), media_type="text/event-stream",
+                                 background=BackgroundTask(stream.close))
+    return await _until_disconnect(request, _answer(forwarder, job))
+
+
+async def _with_kv(forwarder: Forwarder, job: Job) -> Job:
+    """P/D: the job for the decode step (with the producer's kv_transfer_params)."""
+    if not forwarder.config.disaggregated:
+        return job
+    params = await forwarder.prefill(job)
+    return job if params is None else Job(job.path, {**job.body, "kv_transfer_params": params}, job.headers)
+
+
+async def _answer(forwarder: Forwarder, job: Job) -> Response:
+    return await forwarder.generate(await _with_kv(forwarder, job))
+
+
+async def _start_stream(forwarder: Forwarder, job: Job) -> OpenStream:
+    return await forwarder.open_stream(await _with_kv(forwarder, job))
+
+
+async def _stream_events(forwarder: Forwarder, stream: OpenStream) -> AsyncIterator[str]:
+    try:
+        async for event in forwarder.events(stream):
+            yield event
+    finally:
+        await stream.close()
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """``work`` unless the client leaves first; then it is cancelled (closing its upstream
+    connections, so the instances abort) and the answer is a 499."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise Relay.error(499, "client closed the connection", "invalid_request_error", "client_disconnected")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

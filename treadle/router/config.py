@@ -1,0 +1,51 @@
+"""The router's settings: a frozen dataclass built once from the command line."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"  # a kv_producer: computes the prompt and hands its KV over
+    DECODE = "decode"  # a kv_consumer: pulls the KV and generates
+    BACKEND = "backend"  # a plain colocated instance
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    backend: tuple[str, ...] = ()
+    poll_interval_s: float = 0.5  # /health and /load of every instance
+    poll_timeout_s: float = 2.0
+    connect_timeout_s: float = 3.0
+    upstream_timeout_s: float = 300.0  # the longest wait for one response or one streamed event
+    max_attempts: int = 3  # instances tried for one step of a request
+    prefix_affinity: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend and (self.prefill or self.decode):
+            raise ValueError("give either --backend, or --prefill and --decode, not both")
+        if not self.backend and not (self.prefill and self.decode):
+            raise ValueError("give --backend URL..., or --prefill URL... and --decode URL...")
+        urls = [*self.prefill, *self.decode, *self.backend]
+        if len(set(urls)) != len(urls):
+            raise ValueError("an instance URL is given twice")
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill)
+
+    @property
+    def generating_role(self) -> Role:
+        """The role of the instances whose output the client receives."""
+        return Role.DECODE if self.disaggregated else Role.BACKEND
+
+    @property
+    def prompt_role(self) -> Role:
+        """The role of the instances that compute prompts (where a prefix cache pays)."""
+        return Role.PREFILL if self.disaggregated else Role.BACKEND
+
+    def instances(self) -> list[tuple[str, Role]]:
+        return ([(u, Role.PREFILL) for u in self.prefill] + [(u, Role.DECODE) for u in self.decode]
+                + [(u, Role.BACKEND) for u in self.backend])

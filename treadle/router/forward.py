@@ -1,0 +1,280 @@
+"""Sending a request on: instance choice, timeouts, retries, and the P/D prefill step.
+
+A step (prefill, or the generating call) tries up to ``max_attempts`` instances: one that
+cannot be reached, times out, answers 5xx, or ends its stream before the first event is
+left for the next one (connection failures also take it out of rotation at once). An
+instance's 4xx is the client's mistake and goes back to the client as it is. A stream is
+only handed to the client once its first event arrived, so everything before that can be
+retried; a failure after it ends the stream with an error event and ``data: [DONE]``.
+
+```
+ P/D:  prefill step ──ok──> kv_transfer_params ──> generating step (decode instances)
+            │ every prefill instance failed
+            └──> generating step without KV (the decode instance computes the prompt)
+```
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+from starlette.responses import Response
+
+from treadle.router.config import Role, RouterConfig
+from treadle.router.instances import Instance, InstancePool
+from treadle.router.metrics import RouterMetrics
+from treadle.router.policy import PrefixIndex, choose, estimate_prompt_tokens, prompt_text
+
+logger = logging.getLogger("treadle.router")
+T = TypeVar("T")
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class Relay(Exception):
+    """An answer that goes to the client as it is: an instance's 4xx, or the router's own error."""
+
+    def __init__(self, status: int, content: bytes, media_type: str = "application/json") -> None:
+        super().__init__(f"HTTP {status}")
+        self.status, self.content, self.media_type = status, content, media_type
+
+    @staticmethod
+    def error(status: int, message: str, type_: str, code: str) -> Relay:
+        return Relay(status, json.dumps(error_body(message, type_, code)).encode())
+
+    @staticmethod
+    def of(resp: httpx.Response) -> Relay:
+        return Relay(resp.status_code, resp.content, resp.headers.get("content-type", "application/json"))
+
+    def response(self) -> Response:
+        return Response(self.content, self.status, media_type=self.media_type)
+
+
+class UpstreamFailure(Exception):
+    """The instance failed before the client saw anything: try another one."""
+
+    def __init__(self, message: str, down: bool) -> None:
+        super().__init__(message)
+        self.down = down  # unreachable: out of rotation until a health check passes
+
+
+@dataclass
+class Job:
+    """One client request as the forwarder sees it."""
+    path: str  # /v1/completions or /v1/chat/completions
+    body: dict[str, Any]
+    headers: dict[str, str]  # passed on to instances (authorization)
+
+    @property
+    def text(self) -> str:
+        return prompt_text(self.body)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return estimate_prompt_tokens(self.body)
+
+
+@dataclass
+class OpenStream:
+    """An upstream stream whose first event has arrived."""
+    instance: Instance
+    response: httpx.Response
+    lines: AsyncIterator[str]
+    first: str  # the first "data: ..." line
+    prompt_tokens: int  # what the instance's in-flight count was raised by
+    closed: bool = False
+
+    async def close(self) -> None:
+        """Idempotent: closing the upstream connection makes the instance abort the request."""
+        if not self.closed:
+            self.closed = True
+            self.instance.end(self.prompt_tokens)
+            await self.response.aclose()
+
+
+async def _first_event(lines: AsyncIterator[str]) -> str | None:
+    async for line in lines:
+        if line.startswith("data:"):
+            return line
+    return None
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request a producer gets: the prompt only (one token), not streamed, KV kept for a consumer."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
+    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    if "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+class Forwarder:
+    def __init__(self, config: RouterConfig, pool: InstancePool, metrics: RouterMetrics,
+                 client: httpx.AsyncClient) -> None:
+        self.config, self.pool, self.metrics, self.client = config, pool, metrics, client
+        self.prefix = PrefixIndex()
+        self.turn = 0
+        self.timeout = httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s)
+
+    # --- choosing and retrying -------------------------------------------------------------
+    def _pick(self, role: Role, job: Job, tried: set[str]) -> Instance | None:
+        candidates = [i for i in self.pool.by_role(role) if i.url not in tried]
+        owner_url = self.prefix.owner(job.text) if self.config.prefix_affinity and role == self.config.prompt_role \
+            else None
+        owner = next((i for i in candidates if i.url == owner_url), None)
+        self.turn += 1
+        choice = choose(candidates, self.turn, owner)
+        if choice is None:
+            return None
+        self.metrics.decisions.labels(role.value, choice.reason).inc()
+        return choice.instance
+
+    async def _attempts(self, role: Role, job: Job, attempt: Callable[[Instance], Awaitable[T]],
+                        keep: bool = False) -> tuple[Instance, T]:
+        """``attempt`` on one instance after another until one does not raise UpstreamFailure.
+        The instance's in-flight count stays raised when ``keep`` (the caller lowers it)."""
+        tried: set[str] = set()
+        last = "no instance is healthy"
+        for n in range(self.config.max_attempts):
+            inst = self._pick(role, job, tried)
+            if inst is None:
+                break
+            tried.add(inst.url)
+            if n:
+                self.metrics.retries.labels(role.value).inc()
+            inst.begin(job.prompt_tokens)
+            try:
+                result = await attempt(inst)
+            except UpstreamFailure as e:
+                inst.end(job.prompt_tokens)
+                self.metrics.upstream.labels(inst.url, role.value, "failed").inc()
+                if e.down:
+                    inst.mark_down(str(e))
+                logger.warning("%s instance %s failed a request (%s)%s", role.value, inst.url, e,
+                               "; trying another" if n + 1 < self.config.max_attempts else "")
+                last = f"{inst.url}: {e}"
+                continue
+            except BaseException:
+                inst.end(job.prompt_tokens)
+                raise
+            if not keep:
+                inst.end(job.prompt_tokens)
+            if role == self.config.prompt_role:
+                self.prefix.record(job.text, inst.url)
+            return inst, result
+        raise Relay.error(503, f"no {role.value} instance could take the request ({last})",
+                          "service_unavailable_error", "no_instance")
+
+    # --- one upstream call -----------------------------------------------------------------
+    async def _post(self, inst: Instance, job: Job, body: dict[str, Any]) -> httpx.Response:
+        try:
+            resp = await self.client.post(inst.url + job.path, json=body, headers=job.headers, timeout=self.timeout)
+        except httpx.TimeoutException as e:
+            raise UpstreamFailure(f"timed out ({type(e).__name__})", down=False) from None
+        except httpx.HTTPError as e:
+            raise UpstreamFailure(f"{type(e).__name__}: {e}", down=True) from None
+        if resp.status_code >= 500:
+            raise UpstreamFailure(f"answered {resp.status_code}: {resp.text[:200]}", down=False)
+        self._count(inst, resp.status_code)
+        return resp
+
+    def _count(self, inst: Instance, status: int) -> None:
+        self.metrics.upstream.labels(inst.url, inst.role.value, "ok" if status < 400 else "client_error").inc()
+
+    async def _open(self, inst: Instance, job: Job, body: dict[str, Any]) -> OpenStream:
+        request = self.client.build_request("POST", inst.url + job.path, json=body, headers=job.headers,
+                                            timeout=self.timeout)
+        try:
+            resp = await self.client.send(request, stream=True)
+        except httpx.TimeoutException as e:
+            raise UpstreamFailure(f"timed out ({type(e).__name__})", down=False) from None
+        except httpx.HTTPError as e:
+            raise UpstreamFailure(f"{type(e).__name__}: {e}", down=True) from None
+        try:
+            if resp.status_code != 200:
+                await resp.aread()
+                if resp.status_code >= 500:
+                    raise UpstreamFailure(f"answered {resp.status_code}: {resp.text[:200]}", down=False)
+                self._count(inst, resp.status_code)
+                raise Relay.of(resp)
+            lines = resp.aiter_lines()
+            first = await _first_event(lines)
+            if first is None or first.startswith("data: {\"error\""):
+                raise UpstreamFailure(f"the stream ended before its first token: {first}", down=False)
+        except httpx.HTTPError as e:
+            await resp.aclose()
+            raise UpstreamFailure(f"{type(e).__name__} before the first token", down=False) from None
+        except BaseException:
+            await resp.aclose()
+            raise
+        self._count(inst, 200)
+        return OpenStream(inst, resp, lines, first, job.prompt_tokens)
+
+    # --- the request's steps ---------------------------------------------------------------
+    async def prefill(self, job: Job) -> dict[str, Any] | None:
+        """P/D: have a producer compute the prompt; its kv_transfer_params, or None when no
+        prefill instance could (the decode instance then computes the prompt itself)."""
+        body = prefill_body(job.body)
+        try:
+            _, resp = await self._attempts(Role.PREFILL, job, lambda i: self._post(i, job, body))
+        except Relay as e:
+            if e.status != 503:
+                raise
+            self.metrics.prefill_fallbacks.inc()
+            logger.warning("no prefill instance could compute a prompt; the decode instance will")
+            return None
+        if resp.status_code != 200:
+            raise Relay.of(resp)
+        params = resp.json().get("kv_transfer_params")
+        return params if isinstance(params, dict) else None
+
+    async def generate(self, job: Job) -> Response:
+        """A non-streaming answer."""
+        _, resp = await self._attempts(self.config.generating_role, job, lambda i: self._post(i, job, job.body))
+        return Relay.of(resp).response()
+
+    async def open_stream(self, job: Job) -> OpenStream:
+        """A stream whose first event has arrived; the caller must ``close`` it."""
+        _, stream = await self._attempts(self.config.generating_role, job,
+                                         lambda i: self._open(i, job, job.body), keep=True)
+        return stream
+
+    async def events(self, stream: OpenStream) -> AsyncIterator[str]:
+        """The upstream events as they come; a failure (or an end without [DONE]) becomes an
+        OpenAI error event and [DONE]."""
+        yield stream.first + "\n\n"
+        done = stream.first == "data: [DONE]"
+        problem = "the instance closed the stream early"
+        try:
+            async for line in stream.lines:
+                if line:
+                    yield line + "\n\n"
+                    done = line == "data: [DONE]"
+        except httpx.HTTPError as e:
+            problem = f"the instance failed mid-stream ({type(e).__name__}: {e})"
+        if not done:
+            self.metrics.stream_errors.inc()
+            logger.warning("%s: %s", stream.instance.url, problem)
+            yield "data: " + json.dumps(error_body(problem, "server_error", "upstream_error")) + "\n\n" + SSE_DONE
+
+    async def get(self, job: Job) -> Response:
+        """A GET (``/v1/models``) answered by any healthy generating instance."""
+        async def attempt(inst: Instance) -> httpx.Response:
+            try:
+                resp = await self.client.get(inst.url + job.path, headers=job.headers, timeout=self.timeout)
+            except httpx.HTTPError as e:
+                raise UpstreamFailure(f"{type(e).__name__}: {e}", down=not isinstance(e, httpx.TimeoutException)) from None
+            if resp.status_code >= 500:
+                raise UpstreamFailure(f"answered {resp.status_code}", down=False)
+            return resp
+
+        _, resp = await self._attempts(self.config.generating_role, job, attempt)
+        return Relay.of(resp).response()

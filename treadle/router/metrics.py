@@ -1,0 +1,50 @@
+"""The router's Prometheus metrics, in its own registry: upstream requests per instance
+and outcome, retries, routing decisions, prefill fall-backs, errors after a stream began,
+and (read at scrape time) each instance's health and in-flight count."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from treadle.router.instances import Instance, InstancePool
+
+
+class _InstanceCollector:
+    def __init__(self, pool: InstancePool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        rows: list[tuple[str, str, list[tuple[Instance, float]]]] = [
+            ("treadle:router_instance_healthy", "1 while the instance is in rotation.",
+             [(i, float(i.healthy)) for i in self.pool.instances]),
+            ("treadle:router_instance_in_flight", "Requests sent to the instance and not finished.",
+             [(i, float(i.in_flight)) for i in self.pool.instances]),
+        ]
+        for name, doc, values in rows:
+            g = GaugeMetricFamily(name, doc, labels=["instance", "role"])
+            for inst, value in values:
+                g.add_metric([inst.url, inst.role.value], value)
+            yield g
+
+
+class RouterMetrics:
+    def __init__(self, pool: InstancePool) -> None:
+        self.registry = reg = CollectorRegistry()
+        self.upstream = Counter("treadle:router_upstream_requests", "Requests sent to instances, by outcome "
+                                "(ok, client_error: a 4xx passed to the client, failed: retried or given up).",
+                                ["instance", "role", "outcome"], registry=reg)
+        self.retries = Counter("treadle:router_retries", "Requests sent again to another instance.", ["role"],
+                               registry=reg)
+        self.decisions = Counter("treadle:router_routing_decisions", "Instances chosen, by reason (load, affinity).",
+                                 ["role", "reason"], registry=reg)
+        self.prefill_fallbacks = Counter("treadle:router_prefill_fallbacks", "Requests sent to a decode instance "
+                                         "without KV because no prefill instance could compute the prompt.",
+                                         registry=reg)
+        self.stream_errors = Counter("treadle:router_stream_errors", "Streams that failed after their first event "
+                                     "(the client got an error event).", registry=reg)
+        reg.register(_InstanceCollector(pool))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
