@@ -101,6 +101,8 @@ def test_workloads_seeded_and_shaped():
     chat = make_workload(WorkloadSpec("chat", 200), 500, max_total_len=600)
     assert all(8 <= r.output_len <= 512 and r.prompt_len + r.output_len <= 600 for r in chat)
     assert {r.prompt_len for r in make_workload(WorkloadSpec("fixed", 3, LengthRange(9, 9)), 500)} == {9}
+    mixed = make_workload(WorkloadSpec("mixed", 4, LengthRange(8, 300), LengthRange(2, 40)), 500)
+    assert [(r.prompt_len, r.output_len) for r in mixed] == [(8, 40), (300, 2), (8, 40), (300, 2)]
     with pytest.raises(ValueError):
         LengthRange.parse("10:5")
 

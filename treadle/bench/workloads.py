@@ -10,6 +10,9 @@
 - ``shared-prefix``: every prompt starts with the same ``prefix_len``-token
   "system prompt" (one of ``num_prefixes`` of them), followed by a random
   suffix of ``input_len`` tokens; exercises the prefix cache.
+- ``mixed``: long prompts interfering with ongoing decodes (the P/D case): even requests
+  have short prompts (``input_len.lo`` tokens) and long outputs (``output_len.hi``), odd
+  ones long prompts (``input_len.hi``) and short outputs (``output_len.lo``).
 - ``grounded``: input-grounded chat turns: repeat or lightly edit a given passage
   (``passages.py``; needs the model's tokenizer and chat template); the output
   length is the passage's length in tokens (clipped to ``output_len``), so most
@@ -27,7 +30,7 @@ import numpy as np
 
 from treadle.bench.passages import INSTRUCTIONS, PASSAGES
 
-WORKLOADS = ("fixed", "random", "chat", "shared-prefix", "grounded")
+WORKLOADS = ("fixed", "random", "chat", "shared-prefix", "grounded", "mixed")
 
 CHAT_PROMPT = (180.0, 0.9, 8, 1024)  # median, sigma, min, max
 CHAT_OUTPUT = (120.0, 0.7, 8, 512)
@@ -132,6 +135,10 @@ def make_workload(
         ins, outs = np.full(n, spec.input_len.hi), np.full(n, spec.output_len.hi)
     elif spec.kind == "chat":
         ins, outs = _lognormal(rng, n, CHAT_PROMPT), _lognormal(rng, n, CHAT_OUTPUT)
+    elif spec.kind == "mixed":
+        long_prompt = np.arange(n) % 2 == 1
+        ins = np.where(long_prompt, spec.input_len.hi, spec.input_len.lo)
+        outs = np.where(long_prompt, spec.output_len.lo, spec.output_len.hi)
     else:
         ins, outs = spec.input_len.sample(rng, n), spec.output_len.sample(rng, n)
     prefixes = [_token_ids(tok_rng, spec.prefix_len, vocab_size) for _ in range(spec.num_prefixes)]

@@ -25,7 +25,7 @@ import httpx
 from starlette.responses import Response
 
 from treadle.router.config import Role, RouterConfig
-from treadle.router.instances import Instance, InstancePool
+from treadle.router.instances import Instance, InstancePool, describe
 from treadle.router.metrics import RouterMetrics
 from treadle.router.policy import PrefixIndex, choose, estimate_prompt_tokens, prompt_text
 
@@ -180,7 +180,7 @@ class Forwarder:
         except httpx.TimeoutException as e:
             raise UpstreamFailure(f"timed out ({type(e).__name__})", down=False) from None
         except httpx.HTTPError as e:
-            raise UpstreamFailure(f"{type(e).__name__}: {e}", down=True) from None
+            raise UpstreamFailure(describe(e), down=True) from None
         if resp.status_code >= 500:
             raise UpstreamFailure(f"answered {resp.status_code}: {resp.text[:200]}", down=False)
         self._count(inst, resp.status_code)
@@ -197,7 +197,7 @@ class Forwarder:
         except httpx.TimeoutException as e:
             raise UpstreamFailure(f"timed out ({type(e).__name__})", down=False) from None
         except httpx.HTTPError as e:
-            raise UpstreamFailure(f"{type(e).__name__}: {e}", down=True) from None
+            raise UpstreamFailure(describe(e), down=True) from None
         try:
             if resp.status_code != 200:
                 await resp.aread()
@@ -211,7 +211,7 @@ class Forwarder:
                 raise UpstreamFailure(f"the stream ended before its first token: {first}", down=False)
         except httpx.HTTPError as e:
             await resp.aclose()
-            raise UpstreamFailure(f"{type(e).__name__} before the first token", down=False) from None
+            raise UpstreamFailure(f"{describe(e)} before the first token", down=False) from None
         except BaseException:
             await resp.aclose()
             raise
@@ -259,7 +259,7 @@ class Forwarder:
                     yield line + "\n\n"
                     done = line == "data: [DONE]"
         except httpx.HTTPError as e:
-            problem = f"the instance failed mid-stream ({type(e).__name__}: {e})"
+            problem = f"the instance failed mid-stream ({describe(e)})"
         if not done:
             self.metrics.stream_errors.inc()
             logger.warning("%s: %s", stream.instance.url, problem)
@@ -271,7 +271,7 @@ class Forwarder:
             try:
                 resp = await self.client.get(inst.url + job.path, headers=job.headers, timeout=self.timeout)
             except httpx.HTTPError as e:
-                raise UpstreamFailure(f"{type(e).__name__}: {e}", down=not isinstance(e, httpx.TimeoutException)) from None
+                raise UpstreamFailure(describe(e), down=not isinstance(e, httpx.TimeoutException)) from None
             if resp.status_code >= 500:
                 raise UpstreamFailure(f"answered {resp.status_code}", down=False)
             return resp

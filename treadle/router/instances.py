@@ -21,6 +21,11 @@ from treadle.router.config import Role
 logger = logging.getLogger("treadle.router")
 
 
+def describe(e: BaseException) -> str:
+    """``ReadError`` or ``ConnectError: All connection attempts failed`` (httpx's texts are often empty)."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 @dataclass(frozen=True)
 class InstanceLoad:
     """The load an instance last reported."""
@@ -84,7 +89,7 @@ class Instance:
             self.load = await self._read_load(client, timeout)
             self.mark_up()
         except (httpx.HTTPError, ValueError, KeyError) as e:
-            self.mark_down(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+            self.mark_down(describe(e))
 
     async def _read_load(self, client: httpx.AsyncClient, timeout: float) -> InstanceLoad:
         if self.load_source != "metrics":
