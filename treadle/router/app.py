@@ -25,6 +25,7 @@ from treadle.router.metrics import RouterMetrics
 
 T = TypeVar("T")
 _PASSED_HEADERS = ("authorization",)
+MAX_BODY_BYTES = 64 << 20  # the instances apply their own (smaller) limits; this one guards the router
 
 
 def build_app(config: RouterConfig) -> FastAPI:
@@ -100,6 +101,10 @@ def _headers(request: Request) -> dict[str, str]:
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise Relay.error(413, f"the request body is larger than the router's limit ({MAX_BODY_BYTES} bytes)",
+                          "invalid_request_error", "request_too_large")
     raw = await request.body()
     try:
         body = json.loads(raw)

@@ -80,27 +80,34 @@ class Instance:
         self.healthy, self.problem = True, None
 
     async def poll(self, client: httpx.AsyncClient, timeout: float) -> None:
-        """One health check and, if healthy, one load reading. Never raises."""
+        """One health check and, if healthy, one load reading. Never raises. Only /health
+        decides health: a load that cannot be read (say, /load behind an API key) keeps the
+        last reading."""
         try:
             health = await client.get(f"{self.url}/health", timeout=timeout)
-            if health.status_code != 200:
-                self.mark_down(f"/health answered {health.status_code}")
-                return
-            self.load = await self._read_load(client, timeout)
-            self.mark_up()
-        except (httpx.HTTPError, ValueError, KeyError) as e:
+        except httpx.HTTPError as e:
             self.mark_down(describe(e))
+            return
+        if health.status_code != 200:
+            self.mark_down(f"/health answered {health.status_code}")
+            return
+        self.mark_up()
+        try:
+            self.load = await self._read_load(client, timeout) or self.load
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            logger.debug("%s: load not read (%s)", self.url, describe(e))
 
-    async def _read_load(self, client: httpx.AsyncClient, timeout: float) -> InstanceLoad:
+    async def _read_load(self, client: httpx.AsyncClient, timeout: float) -> InstanceLoad | None:
         if self.load_source != "metrics":
             resp = await client.get(f"{self.url}/load", timeout=timeout)
             if resp.status_code == 200:
                 self.load_source = "load"
                 return InstanceLoad.from_json(resp.json())
             if resp.status_code != 404:
-                resp.raise_for_status()
+                return None
         resp = await client.get(f"{self.url}/metrics", timeout=timeout)
-        resp.raise_for_status()
+        if resp.status_code != 200:
+            return None
         self.load_source = "metrics"
         return InstanceLoad.from_metrics(resp.text)
 
