@@ -3,6 +3,7 @@
 # `treadle bench serve` on a workload of long prompts arriving among ongoing decodes, and a
 # decode-only run of the same decodes. Servers run one setup at a time and are killed after.
 #   bash benchmarks/pd_router.sh            # results in $OUT (default /tmp/treadle-bench/pd)
+#   STEPS=colocated COLOCATED_THREADS="2 1" bash benchmarks/pd_router.sh   # only (a), at 2 and at 1 thread
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -30,13 +31,15 @@ bench() {  # bench LABEL URL WORKLOAD...
     | tee "$OUT/$label.txt"
 }
 
-for th in ${COLOCATED_THREADS:-2}; do  # (a) one colocated instance with the threads P and D have together
+STEPS=${STEPS:-"colocated pd"}
+[[ " $STEPS " == *" colocated "* ]] && for th in ${COLOCATED_THREADS:-2}; do  # (a) one colocated instance with the threads P and D have together
   start colocated$th serve $M --port 18300 --threads $th $SERVE
   wait_up http://127.0.0.1:18300
   bench colocated-t$th-mixed http://127.0.0.1:18300 $MIXED
   bench colocated-t$th-decode-only http://127.0.0.1:18300 $DECODE
   cleanup
 done
+[[ " $STEPS " == *" pd "* ]] || exit 0
 # (b) 1 prefill + 1 decode instance (one thread each) behind the router
 start prefill serve $M --port 18301 --threads 1 $SERVE --kv-transfer-config '{"kv_connector": "tcp", "kv_role": "kv_producer"}'
 start decode serve $M --port 18302 --threads 1 $SERVE --kv-transfer-config '{"kv_connector": "tcp", "kv_role": "kv_consumer"}'
