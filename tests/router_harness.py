@@ -107,6 +107,8 @@ def upstream_count(router_url: str, instance_url: str, outcome: str = "ok") -> f
                and f"instance={instance_url}," in k and f"outcome={outcome}," in k)
 
 
-def router_metric(router_url: str, name: str) -> float:
-    """The sum of a router metric's samples over all labels."""
-    return sum(v for k, v in metric_values(router_url).items() if k == name or k.startswith(name + "{"))
+def router_metric(router_url: str, name: str, **labels: str) -> float:
+    """The sum of a router metric's samples with these label values (over all others)."""
+    want = [f"{k}={v}" for k, v in labels.items()]
+    return sum(v for k, v in metric_values(router_url).items()
+               if (k == name or k.startswith(name + "{")) and all(w in k[len(name):].strip("{}").split(",") for w in want))

@@ -82,6 +82,19 @@ def test_less_loaded_instance_is_preferred(pool):
         assert upstream_count(r.url, b.url) == before_b + len(PROMPTS)
 
 
+def test_prompts_sharing_a_prefix_go_to_the_instance_that_has_it(pool):
+    a, b, r, model = pool
+    system = "Lily and Ben were best friends who lived next to a big green park with tall trees. " * 2
+    counts = [upstream_count(r.url, i.url) for i in (a, b)]
+    affinity = router_metric(r.url, "treadle:router_routing_decisions_total", reason="affinity")
+    for question in ("What did they find?", "Where did they go?", "Who came to play?", "Why was Ben sad?"):
+        _complete(r.url, model, system + question, False)
+    gained = [upstream_count(r.url, i.url) - c for i, c in zip((a, b), counts)]
+    assert sorted(gained) == [0, 4]  # all on the instance that computed the prefix first
+    # (ties rotate, so without affinity the three follow-ups could not all land on one instance)
+    assert router_metric(r.url, "treadle:router_routing_decisions_total", reason="affinity") >= affinity + 1
+
+
 def test_bad_input_gets_an_openai_400(pool):
     _, _, r, model = pool
     url = r.url + "/v1/completions"
