@@ -31,7 +31,7 @@ _NO_WINDOW = 1 << 30  # larger than any context: "every earlier key is in the wi
 _KV_QUANT = {torch.int8: 1, torch.float8_e4m3fn: 2}  # the kernels' KV_QUANT code of a quantized cache
 
 
-def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor | int, ...]:
     """(k cache, v cache, k scales, v scales, KV_QUANT) as the attention kernels take them:
     a quantized cache as bytes plus a float32 view of the same memory for the scales."""
     code = _KV_QUANT.get(k_cache.dtype, 0)
