@@ -8,6 +8,9 @@ path calls one by one, so both give the same bits; the swap only removes Python:
     step (meta.plan)                     FusedDecoderLayer.forward
     all-decode, CPU kernels, float32 --> DecoderLayerKernel(x, residual, ...)  (in place)
     anything else                    --> self.module(positions, x, residual, kv_cache, meta)
+
+The KV cache may be float32 or quantized (int8 / fp8 rows with scales, ``kv_quant``): the C
+layer's attention quantizes the new rows and dequantizes what it reads, as the module path does.
 """
 from __future__ import annotations
 

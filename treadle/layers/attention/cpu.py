@@ -36,6 +36,11 @@ and a verify-only step stays an all-decode step (the one-call C layer).
 Prefill (and chunked prefill) runs SDPA per sequence with 4-D inputs (the flash CPU
 kernel; 3-D inputs fall back to the math kernel), causal without cached context,
 otherwise with an explicit [q_len, seq_len] mask over the gathered context.
+
+A quantized cache (int8 / fp8 rows with a scale each, ``kv_quant``): torch writes quantize
+through ``kv_quant.write_quantized``; the torch reads dequantize what they gather; a prompt
+chunk without cached context attends to its own keys rounded through the quantizer (what the
+cache now holds). The C kernel reads and writes the packed rows itself.
 """
 from __future__ import annotations
 
