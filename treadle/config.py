@@ -145,6 +145,7 @@ class CacheConfig:
     num_blocks: int  # per worker, what each worker allocates
     bytes_per_block: int
     enable_prefix_caching: bool
+    kv_cache_dtype: str  # what the cache holds: the model's float dtype name, "int8" or "fp8"
 
     @property
     def num_tokens(self) -> int:

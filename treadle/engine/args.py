@@ -17,6 +17,7 @@ from treadle.config import TreadleError
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 def _arg(default: Any, help: str, **meta: Any) -> Any:
@@ -41,6 +42,10 @@ class EngineArgs:
                                                 "the weights given to the KV cache")
     block_size: int = _arg(16, "tokens per KV block")
     num_kv_blocks: int | None = _arg(None, "exact number of KV blocks (overrides the memory budget)", type=int)
+    kv_cache_dtype: str = _arg("auto", "what the KV cache stores: auto (the model's dtype), int8 (symmetric, a "
+                                       "float32 scale per token and KV head) or fp8 (e4m3, scaled the same way); "
+                                       "int8/fp8 hold ~2x the tokens of bf16, ~4x of float32",
+                               choices=KV_CACHE_DTYPES)
     attention_backend: str = _arg("auto", "auto: cpu on the CPU, triton on CUDA",
                                   choices=("auto", "reference", "cpu", "triton"))
     quantization: str = _arg("auto", "auto (a GGUF file keeps its quantized blocks, Q4_0..Q8_0 and K-quants, on the CPU; "

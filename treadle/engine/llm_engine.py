@@ -52,9 +52,10 @@ class LLMEngine:
         self.scheduler_config = config.scheduler
         self.executor: Executor = create_executor(config, source)
         capacity = self.executor.kv_capacity()
-        logger.info("KV cache: %d blocks x %d tokens (%s), attention backend %s, executor %s",
+        logger.info("KV cache: %d blocks x %d tokens (%s, %s), attention backend %s, executor %s",
                     capacity.num_blocks, capacity.block_size,
-                    fmt_bytes(capacity.num_blocks * config.cache.bytes_per_block), config.attention_backend,
+                    fmt_bytes(capacity.num_blocks * config.cache.bytes_per_block), config.cache.kv_cache_dtype,
+                    config.attention_backend,
                     config.parallel.distributed_executor_backend)
         self.kv_manager = KVCacheManager(capacity.num_blocks, capacity.block_size,
                                          config.cache.enable_prefix_caching)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from treadle.config import ModelConfig, TreadleError
+from treadle.layers.attention.kv_quant import row_bytes
 from treadle.models.registry import model_layout
 
 GiB = 1 << 30
@@ -28,9 +29,10 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return model_layout(cfg.architecture).weight_bytes(cfg, torch.tensor([], dtype=dtype).element_size())
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+def bytes_per_block(cfg: ModelConfig, block_size: int, cache_dtype: torch.dtype) -> int:
+    """K and V of ``block_size`` tokens in every layer, in a cache of ``cache_dtype`` (a
+    quantized cache's per-row scales included)."""
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row_bytes(cfg.head_dim, cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ def fmt_bytes(n: float) -> str:
 
 def plan_kv_cache(
     cfg: ModelConfig,
-    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
     max_model_len: int,
     max_num_seqs: int,
     available: int,
@@ -74,10 +76,11 @@ def plan_kv_cache(
     """How many blocks to allocate: ``num_blocks`` if given; else ``kv_cache_memory`` bytes
     (checked against ``available``); else ``memory_fraction`` of the memory left after the
     weights, capped (on the CPU) and never more than ``max_num_seqs`` full-length sequences use.
-    ``draft``: a draft model whose KV shares the blocks (a block holds both models' KV)."""
-    per_block = bytes_per_block(cfg, block_size, dtype)
+    ``draft``: a draft model whose KV shares the blocks (a block holds both models' KV).
+    ``cache_dtype``: what the cache holds (a quantized cache's rows carry their scales)."""
+    per_block = bytes_per_block(cfg, block_size, cache_dtype)
     if draft is not None:
-        per_block += bytes_per_block(draft, block_size, dtype)
+        per_block += bytes_per_block(draft, block_size, cache_dtype)
     min_blocks = -(-max_model_len // block_size)
     if num_blocks is not None:
         return KVPlan(num_blocks, block_size, per_block)

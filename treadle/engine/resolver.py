@@ -9,6 +9,8 @@ It owns:
                       gptq, awq), else gguf for a .gguf file on the CPU, else none
     max_model_len     None -> the model's max_position_embeddings; larger values are clamped
     batched tokens    without chunked prefill, at least max_model_len (a prompt runs whole)
+    KV cache dtype    auto -> the model's dtype; int8 / fp8 (layers.attention.kv_quant) size the
+                      blocks with their scales
     KV cache          blocks from num_kv_blocks, kv_cache_memory or a share of free memory,
                       planned for one rank's part (its KV heads, its stage's layers); on the CPU
                       the ranks share the machine, so memory and kv_cache_memory are divided
@@ -47,8 +49,16 @@ from treadle.config import (
     TreadleError,
 )
 from treadle.distributed import check_parallel_sizes, shard_config, stage_layers
-from treadle.engine.args import EXECUTOR_BACKENDS, KV_TRANSFER_DEFAULTS, SPECULATIVE_DEFAULTS, EngineArgs, parse_bytes
+from treadle.engine.args import (
+    EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
+    KV_TRANSFER_DEFAULTS,
+    SPECULATIVE_DEFAULTS,
+    EngineArgs,
+    parse_bytes,
+)
 from treadle.engine.memory import available_memory, plan_kv_cache, weight_bytes
+from treadle.layers.attention.kv_quant import cache_dtype, row_width
 from treadle.layers.attention.selector import resolve_backend_name
 from treadle.loaders import ModelSource, open_model_source, parse_dtype
 from treadle.quantization import resolve_quantization
@@ -76,9 +86,10 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
     draft = draft_model_config(speculative, source)
     if draft is not None:
         weights += weight_bytes(draft, dtype)
+    kv_dtype = _kv_cache_dtype(args.kv_cache_dtype, dtype, source.config.head_dim)
     share = world if on_cpu else 1
     plan = plan_kv_cache(
-        rank_cfg, dtype, scheduler.max_model_len, scheduler.max_num_seqs, available // share, weights // world,
+        rank_cfg, cache_dtype(kv_dtype), scheduler.max_model_len, scheduler.max_num_seqs, available // share, weights // world,
         block_size=args.block_size, kv_cache_memory=None if kv_memory is None else kv_memory // share,
         memory_fraction=args.kv_cache_memory_fraction, num_blocks=args.num_kv_blocks, on_cpu=on_cpu, draft=draft,
     )
@@ -88,7 +99,8 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
                         quantization=quantization, seed=args.seed,
                         skip_tokenizer_init=args.skip_tokenizer_init),
         cache=CacheConfig(block_size=plan.block_size, num_blocks=plan.num_blocks,
-                          bytes_per_block=plan.bytes_per_block, enable_prefix_caching=args.enable_prefix_caching),
+                          bytes_per_block=plan.bytes_per_block, enable_prefix_caching=args.enable_prefix_caching,
+                          kv_cache_dtype=kv_dtype),
         scheduler=scheduler,
         parallel=parallel,
         device=str(device),
@@ -175,6 +187,16 @@ def _check_ranges(args: EngineArgs) -> None:
     for ok, message in checks:
         if not ok:
             raise TreadleError(message)
+
+
+def _kv_cache_dtype(name: str, dtype: torch.dtype, head_dim: int) -> str:
+    """``kv_cache_dtype`` resolved: auto -> the model's dtype name; int8 / fp8 kept (checked)."""
+    if name not in KV_CACHE_DTYPES:
+        raise TreadleError(f"kv_cache_dtype {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    if name == "auto":
+        return str(dtype).removeprefix("torch.")
+    row_width(head_dim, cache_dtype(name))  # a one-line error for a head_dim the layout cannot hold
+    return name
 
 
 def _parse_device(name: str) -> torch.device:

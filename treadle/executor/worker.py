@@ -13,6 +13,7 @@ from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.distributed import ParallelContext, shard_config, stage_layers
 from treadle.executor.base import KVCapacity
 from treadle.kv_transfer import create_connector
+from treadle.layers.attention.kv_quant import cache_dtype
 from treadle.layers.attention.selector import select_backend
 from treadle.loaders import ModelSource, load_model, open_model_source, parse_dtype
 from treadle.structured.matchers import GrammarMatchers
@@ -40,7 +41,8 @@ class Worker:
         cache, sched = config.cache, config.scheduler
         local = shard_config(loaded.config, parallel.tp_size, parallel.tp_rank)
         layers = stage_layers(local.num_layers, parallel.pp_size, parallel.pp_rank)
-        kv = allocate_kv_cache(local, cache.num_blocks, cache.block_size, dtype, device, layers)
+        kv = allocate_kv_cache(local, cache.num_blocks, cache.block_size, cache_dtype(cache.kv_cache_dtype), device,
+                               layers)
         graphs = maybe_graph_runner(config.enforce_eager, device, loaded.model, kv, sched.max_num_seqs,
                                     -(-sched.max_model_len // cache.block_size), cache.block_size)
         if graphs is not None:

@@ -16,8 +16,9 @@ from typing import NamedTuple
 import torch
 
 from treadle.kernels import native
+from treadle.kernels.attention import KV_FORMATS
 
-_SIGNATURE = "PPCPPFPPPPPPPPPPPPPIIIIIIIIIFP"
+_SIGNATURE = "PPCPPFPPPPPPPPPPPPPIIIIIIIIIFCP"
 
 
 def block_layouts(segments: Sequence[native.Segments]) -> ctypes.Array:
@@ -71,7 +72,8 @@ class DecoderLayerKernel:
         residual: torch.Tensor,  # [B, H] float32 contiguous; the residual stream, updated in place
         first: bool,  # residual is set to x (the first layer), else x is added into it
         positions: torch.Tensor,  # [B] int64 contiguous
-        kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, kv_heads, D] f32 contiguous
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, kv_heads, D (+4)] contiguous,
+        # float32 or a quantized cache (kernels.attention.KV_FORMATS)
         slots: torch.Tensor,  # [B] int64, cache slot of each new K/V row
         block_tables: torch.Tensor,  # [B, max_blocks] int32 contiguous
         seq_lens: torch.Tensor,  # [B] int32, new token included
@@ -81,5 +83,6 @@ class DecoderLayerKernel:
         self._fn(
             x.data_ptr(), residual.data_ptr(), int(first), *self._norms, positions.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-            seq_lens.shape[0], block_tables.shape[1], k_cache.shape[1], x.shape[1], *self._shape, scratch.data_ptr(),
+            seq_lens.shape[0], block_tables.shape[1], k_cache.shape[1], x.shape[1], *self._shape,
+            KV_FORMATS[k_cache.dtype][0], scratch.data_ptr(),
         )

@@ -8,12 +8,16 @@ path calls one by one, so both give the same bits; the swap only removes Python:
     step (meta.plan)                     FusedDecoderLayer.forward
     all-decode, CPU kernels, float32 --> DecoderLayerKernel(x, residual, ...)  (in place)
     anything else                    --> self.module(positions, x, residual, kv_cache, meta)
+
+The KV cache may be float32 or quantized (int8 / fp8 rows with scales, ``kv_quant``): the C
+layer's attention quantizes the new rows and dequantizes what it reads, as the module path does.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from treadle.kernels.attention import KV_FORMATS
 from treadle.kernels.layer import DecoderLayerKernel, DecoderLayerWeights
 from treadle.layers.attention.metadata import AttentionMetadata
 
@@ -34,6 +38,10 @@ class Workspace:
 
 def _takes(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.is_contiguous()
+
+
+def _takes_cache(t: torch.Tensor) -> bool:  # float32 or quantized (int8 / fp8 rows with scales)
+    return t.dtype in KV_FORMATS and t.is_contiguous()
 
 
 class FusedDecoderLayer(nn.Module):
@@ -57,7 +65,7 @@ class FusedDecoderLayer(nn.Module):
         args = None if meta.plan is None else meta.plan.decode_kernel_args
         if (
             args is None
-            or not (_takes(x) and _takes(kv_cache[0]) and _takes(kv_cache[1]))
+            or not (_takes(x) and _takes_cache(kv_cache[0]) and _takes_cache(kv_cache[1]))
             or (residual is not None and not _takes(residual))
         ):
             return self.module(positions, x, residual, kv_cache, meta)

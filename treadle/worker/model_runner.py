@@ -24,6 +24,7 @@ from treadle.core.step_data import ModelRunnerOutput, NewRequestData, SchedulerO
 from treadle.distributed import ParallelContext
 from treadle.distributed.overlap import split_tokens
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, StepInputBuilder
+from treadle.layers.attention.kv_quant import row_width
 from treadle.models.llama import LlamaForCausalLM
 from treadle.spec_decode.proposer import Proposer, ProposerStep, RequestProgress
 from treadle.spec_decode.rejection_sampler import verify
@@ -74,11 +75,12 @@ def allocate_kv_cache(
     layers: range | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (k, v) pair per layer; ``cfg`` is the rank's (its KV heads). Layers outside
-    ``layers`` (another pipeline stage's) get empty tensors."""
+    ``layers`` (another pipeline stage's) get empty tensors. A quantized ``dtype`` (int8,
+    float8_e4m3fn) holds each row's scale after its values (``layers.attention.kv_quant``)."""
     layers = range(cfg.num_layers) if layers is None else layers
 
     def pair(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (blocks, block_size, cfg.num_kv_heads, row_width(cfg.head_dim, dtype))
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
     return [pair(num_blocks if i in layers else 0) for i in range(cfg.num_layers)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from treadle.config import CacheConfig, SpeculativeConfig
+from treadle.layers.attention.kv_quant import cache_dtype
 from treadle.loaders import load_model
 from treadle.models.llama import KVCache, LlamaForCausalLM
 from treadle.spec_decode.draft_model import DraftModelProposer, LayerSkipDraft
@@ -34,6 +35,7 @@ def build_proposer(spec: SpeculativeConfig | None, target: LlamaForCausalLM, tar
     loaded = load_model(spec.model, target.backend, target.dtype, device, "auto")
     if fused_layers and device.type == "cpu":
         fuse_decoder_layers(loaded.model)
-    kv = allocate_kv_cache(loaded.config, cache.num_blocks, cache.block_size, target.dtype, device)
+    kv = allocate_kv_cache(loaded.config, cache.num_blocks, cache.block_size, cache_dtype(cache.kv_cache_dtype),
+                           device)  # the target's cache dtype: the planner sized the shared blocks with it
     return DraftModelProposer(k, loaded.model, kv, target.backend, cache.block_size,
                               min(max_positions, loaded.config.max_position_embeddings), False, device)

@@ -17,11 +17,11 @@
 void tq_llama_layer_decode(float *x, float *residual, int first, const float *in_norm, const float *post_norm,
                            float eps, const tq_layout *layouts, const uint8_t *qkv_w, const float *qkv_bias,
                            const uint8_t *o_w, const uint8_t *gate_up_w, const uint8_t *down_w,
-                           const float *cos_sin, const int64_t *positions, float *k_cache, float *v_cache,
+                           const float *cos_sin, const int64_t *positions, void *k_cache, void *v_cache,
                            const int64_t *slots, const int32_t *block_tables, const int32_t *seq_lens, int64_t B,
                            int64_t max_blocks, int64_t block_size, int64_t H, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t inter, int64_t window, float scale,
-                           float *scratch) {
+                           int kv_format, float *scratch) {
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv = q_size + 2 * kv_size;
     float *h = scratch, *qkv_out = h + B * H, *attn = qkv_out + B * qkv, *o = attn + B * q_size;
     float *gate_up = o + B * H, *act = gate_up + B * 2 * inter;
@@ -35,7 +35,7 @@ void tq_llama_layer_decode(float *x, float *residual, int first, const float *in
     tq_rope(qkv_out, cos_sin, positions, B, num_heads + num_kv_heads, head_dim, qkv); /* q and k heads */
     tq_paged_decode(qkv_out, qkv_out + q_size, qkv_out + q_size + kv_size, qkv, qkv, qkv, k_cache, v_cache, slots,
                     block_tables, seq_lens, B, max_blocks, block_size, num_heads, num_kv_heads, head_dim, window,
-                    scale, attn);
+                    scale, kv_format, attn);
     tq_matmul(&layouts[1], o_w, attn, o, NULL, B, H, q_size);
     tq_rms_norm(o, residual, post_norm, h, B, H, H, eps);
     tq_matmul(&layouts[2], gate_up_w, h, gate_up, NULL, B, 2 * inter, H);

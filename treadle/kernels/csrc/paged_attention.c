@@ -26,6 +26,13 @@
  * With one chunk an item writes acc / l itself. Work is spread with OpenMP (torch's libgomp
  * and thread count). AVX2/FMA for the dot products, e^x and the V sums where the CPU has
  * them, plain C otherwise; any head_dim (a scalar tail past multiples of 8).
+ *
+ * Quantized caches (kv_format TQ_KV_INT8 / TQ_KV_FP8, layers/attention/kv_quant.py): each
+ * (token, KV head) row is head_dim bytes (int8, or float8 e4m3fn) followed by its float32 scale,
+ * so a cache row is num_kv_heads * (head_dim + 4) bytes. The new rows are quantized as they are
+ * written (the same arithmetic as kv_quant.quantize: scale = amax / 127 or / 448, x / scale
+ * rounded half to even), and each tile is dequantized once per KV head into a float buffer that
+ * the G query heads of that KV head then read through the float code above.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -191,17 +198,146 @@ static void attend_range(const float *q, const float *k_cache, const float *v_ca
     }
 }
 
+/* float -> float8 e4m3fn bits, round half to even, for |x| <= 448 (the caller clamps). */
+static uint8_t fp8_e4m3_encode(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    const float a = fabsf(x);
+    if (a < 0.015625f) /* below 2^-6: subnormal steps of 2^-9 (a result of 8 is the smallest normal) */
+        return sign | (uint8_t)nearbyintf(a * 512.0f);
+    memcpy(&u, &a, sizeof u);
+    uint32_t code = ((((u >> 23) & 0xFF) - 127 + 7) << 3) | ((u >> 20) & 7);
+    const uint32_t rest = u & 0xFFFFF, half = 0x80000;
+    if (rest > half || (rest == half && (code & 1))) code++; /* a carry moves into the exponent */
+    return sign | (uint8_t)code;
+}
+
+/* The 256 values of float8 e4m3fn (0x7F / 0xFF, NaN, never written: values are clamped). */
+static void fp8_e4m3_table(float *lut) {
+    for (int c = 0; c < 256; c++) {
+        const int e = (c >> 3) & 15, m = c & 7;
+        const float mag = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + (float)m / 8.0f, e - 7);
+        lut[c] = (c & 0x80) ? -mag : mag;
+    }
+}
+
+/* One row of D floats -> D quantized bytes and the float32 scale after them (kv_quant.quantize). */
+static void quantize_row(const float *x, uint8_t *dst, int64_t D, int kv_format) {
+    float amax = 0.0f;
+    for (int64_t d = 0; d < D; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+    const float qmax = kv_format == TQ_KV_INT8 ? 127.0f : 448.0f, s = amax / qmax, div = s > 0.0f ? s : 1.0f;
+    for (int64_t d = 0; d < D; d++) {
+        float y = x[d] / div;
+        if (kv_format == TQ_KV_INT8) {
+            y = nearbyintf(y);
+            y = y > 127.0f ? 127.0f : (y < -127.0f ? -127.0f : y);
+            dst[d] = (uint8_t)(int8_t)y;
+        } else {
+            dst[d] = fp8_e4m3_encode(y > 448.0f ? 448.0f : (y < -448.0f ? -448.0f : y));
+        }
+    }
+    memcpy(dst + D, &s, sizeof s);
+}
+
+#ifdef TQ_AVX2
+/* 8 bytes -> 8 floats: int8 values, or float8 e4m3fn built in the float32 bits (exponent e - 7 + 127,
+ * the 3 mantissa bits on top; below exponent 1, m * 2^-9), the same values as fp8_e4m3_table. */
+static inline __m256 load8_dequant(const uint8_t *p, int kv_format) {
+    const __m128i raw = _mm_loadl_epi64((const __m128i *)p);
+    if (kv_format == TQ_KV_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+    const __m256i b = _mm256_cvtepu8_epi32(raw);
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
+    const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.0f / 512.0f));
+    const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag));
+    const __m256 v = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub, is_sub);
+    return _mm256_or_ps(v, _mm256_castsi256_ps(sign));
+}
+#endif
+
+/* n quantized rows (`stride` bytes apart) -> n * D floats (D apart), each value times its row's scale. */
+static void dequantize_rows(const uint8_t *rows, int64_t stride, int64_t n, int64_t D, int kv_format,
+                            const float *lut, float *out) {
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *r = rows + j * stride;
+        float s;
+        memcpy(&s, r + D, sizeof s);
+        float *o = out + j * D;
+        int64_t d = 0;
+#ifdef TQ_AVX2
+        const __m256 vs = _mm256_set1_ps(s);
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(load8_dequant(r + d, kv_format), vs));
+#endif
+        if (kv_format == TQ_KV_INT8) {
+            const int8_t *qi = (const int8_t *)r;
+            for (; d < D; d++) o[d] = (float)qi[d] * s;
+        } else {
+            for (; d < D; d++) o[d] = lut[r[d]] * s;
+        }
+    }
+}
+
+/* attend_range over a quantized cache (rows of `stride` bytes): each tile is dequantized per KV
+ * head into kbuf / vbuf (TILE * D floats each), which the G query heads of that KV head read. */
+static void attend_range_quant(const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table,
+                               int64_t start, int64_t end, int64_t block_size, int64_t stride, int64_t H,
+                               int64_t G, int64_t D, float scale, int kv_format, const float *lut, float *kbuf,
+                               float *vbuf, float *m, float *l, float *acc) {
+    float s[TILE];
+    const int64_t head_bytes = D + 4;
+    for (int64_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
+    memset(acc, 0, (size_t)(H * D) * sizeof(float));
+    for (int64_t pos = start, n; pos < end; pos += n) {
+        const int64_t off = pos % block_size;
+        n = block_size - off < end - pos ? block_size - off : end - pos;
+        if (n > TILE) n = TILE;
+        const int64_t base = ((int64_t)table[pos / block_size] * block_size + off) * stride;
+        if ((pos / block_size + 1) * block_size < end) { /* touch the next block's pages early */
+            const int64_t next = (int64_t)table[pos / block_size + 1] * block_size * stride;
+            for (int64_t b = 0; b < block_size * stride; b += 4 * PAGE_FLOATS) {
+                __builtin_prefetch(k_cache + next + b);
+                __builtin_prefetch(v_cache + next + b);
+            }
+        }
+        for (int64_t kh = 0; kh < H / G; kh++) {
+            dequantize_rows(k_cache + base + kh * head_bytes, stride, n, D, kv_format, lut, kbuf);
+            dequantize_rows(v_cache + base + kh * head_bytes, stride, n, D, kv_format, lut, vbuf);
+            for (int64_t h = kh * G; h < (kh + 1) * G; h++) {
+                scores(q + h * D, kbuf, D, n, D, scale, s);
+                float mx = m[h];
+                for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+                const float c = expf(m[h] - mx); /* 0 on the first tile (m = -inf) */
+                l[h] = c * l[h] + exp_sum(s, (int)n, mx);
+                m[h] = mx;
+                scale_accumulate(acc + h * D, c, s, vbuf, D, (int)n, D);
+            }
+        }
+    }
+}
+
 void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_stride, int64_t k_stride,
-                     int64_t v_stride, float *k_cache, float *v_cache, const int64_t *slots,
+                     int64_t v_stride, void *k_cache, void *v_cache, const int64_t *slots,
                      const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs, int64_t max_blocks,
                      int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
-                     float scale, float *out) {
+                     float scale, int kv_format, float *out) {
     const int64_t H = num_heads, D = head_dim, G = num_heads / num_kv_heads, row = num_kv_heads * D;
+    const int64_t qrow = num_kv_heads * (D + 4); /* bytes of one token's row in a quantized cache */
     for (int64_t i = 0; i < num_seqs; i++) {
         if (slots[i] < 0) continue;
-        memcpy(k_cache + slots[i] * row, k + i * k_stride, (size_t)row * sizeof(float));
-        memcpy(v_cache + slots[i] * row, v + i * v_stride, (size_t)row * sizeof(float));
+        if (kv_format == TQ_KV_FLOAT32) {
+            memcpy((float *)k_cache + slots[i] * row, k + i * k_stride, (size_t)row * sizeof(float));
+            memcpy((float *)v_cache + slots[i] * row, v + i * v_stride, (size_t)row * sizeof(float));
+            continue;
+        }
+        for (int64_t kh = 0; kh < num_kv_heads; kh++) {
+            quantize_row(k + i * k_stride + kh * D, (uint8_t *)k_cache + slots[i] * qrow + kh * (D + 4), D, kv_format);
+            quantize_row(v + i * v_stride + kh * D, (uint8_t *)v_cache + slots[i] * qrow + kh * (D + 4), D, kv_format);
+        }
     }
+    float lut[256];
+    if (kv_format == TQ_KV_FP8) fp8_e4m3_table(lut);
     int64_t longest = 0, total = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
         const int64_t span = (window > 0 && seq_lens[i] > window) ? window : seq_lens[i];
@@ -224,14 +360,21 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
 
 #pragma omp parallel if (total * H >= PARALLEL_MIN)
     {
+        float *kbuf = kv_format == TQ_KV_FLOAT32 ? NULL : malloc((size_t)(2 * TILE * D) * sizeof(float));
+        if (kv_format != TQ_KV_FLOAT32 && kbuf == NULL) abort();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             const int64_t i = it / chunks, c = it % chunks;
             const int64_t len = seq_lens[i], lo = (window > 0 && len > window) ? len - window : 0;
             const int64_t start = lo + c * chunk_len, end = start + chunk_len < len ? start + chunk_len : len;
             float *m = part + it * part_len, *l = m + H, *acc = l + H;
-            attend_range(q + i * q_stride, k_cache, v_cache, block_tables + i * max_blocks, start, end, block_size,
-                         row, H, G, D, scale, m, l, acc);
+            const int32_t *table = block_tables + i * max_blocks;
+            if (kv_format == TQ_KV_FLOAT32)
+                attend_range(q + i * q_stride, k_cache, v_cache, table, start, end, block_size, row, H, G, D, scale,
+                             m, l, acc);
+            else
+                attend_range_quant(q + i * q_stride, k_cache, v_cache, table, start, end, block_size, qrow, H, G,
+                                   D, scale, kv_format, lut, kbuf, kbuf + TILE * D, m, l, acc);
             if (chunks == 1) {
                 for (int64_t h = 0; h < H; h++) {
                     const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
@@ -263,6 +406,7 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
                 for (int64_t d = 0; d < D; d++) o[d] *= inv;
             }
         }
+        free(kbuf);
     }
     free(part);
 }

@@ -37,20 +37,21 @@ void tq_rms_norm(const float *x, float *residual, const float *weight, float *ou
 void tq_rope(float *x, const float *cos_sin, const int64_t *positions, int64_t tokens, int64_t heads,
              int64_t head_dim, int64_t row_stride);
 void tq_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t d, int64_t in_stride);
-/* paged_attention.c */
+/* paged_attention.c; kv_format: what the cache holds */
+enum { TQ_KV_FLOAT32 = 0, TQ_KV_INT8 = 1, TQ_KV_FP8 = 2 };
 void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_stride, int64_t k_stride,
-                     int64_t v_stride, float *k_cache, float *v_cache, const int64_t *slots,
+                     int64_t v_stride, void *k_cache, void *v_cache, const int64_t *slots,
                      const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs, int64_t max_blocks,
                      int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
-                     float scale, float *out);
+                     float scale, int kv_format, float *out);
 /* layer.c */
 void tq_llama_layer_decode(float *x, float *residual, int first, const float *in_norm, const float *post_norm,
                            float eps, const tq_layout *layouts, const uint8_t *qkv_w, const float *qkv_bias,
                            const uint8_t *o_w, const uint8_t *gate_up_w, const uint8_t *down_w,
-                           const float *cos_sin, const int64_t *positions, float *k_cache, float *v_cache,
+                           const float *cos_sin, const int64_t *positions, void *k_cache, void *v_cache,
                            const int64_t *slots, const int32_t *block_tables, const int32_t *seq_lens, int64_t B,
                            int64_t max_blocks, int64_t block_size, int64_t H, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t inter, int64_t window, float scale,
-                           float *scratch);
+                           int kv_format, float *scratch);
 
 #endif

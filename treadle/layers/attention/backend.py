@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treadle.layers.attention.kv_quant import is_quantized, write_quantized
 from treadle.layers.attention.metadata import AttentionMetadata, StepPlan
 
 
@@ -41,14 +42,20 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, width]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, width]
         meta: AttentionMetadata,
         spec: AttentionSpec,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write the new K/V into the cache at ``meta.slot_mapping`` (slots < 0 are
         skipped), then return causal attention of every new query over its
-        sequence's whole context (cached tokens plus the new ones)."""
+        sequence's whole context (cached tokens plus the new ones).
+
+        The cache is float (width = head_dim) or quantized (int8 / float8_e4m3fn rows of
+        head_dim values and a scale, ``kv_quant``): then the new rows are quantized as they
+        are written, and attention reads every key and value, the new ones included, as the
+        cache holds them (dequantized), so the result does not depend on which tokens
+        arrived in this step."""
 
 
 def write_kv(
@@ -58,22 +65,25 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens]
 ) -> None:
-    """Scatter new keys/values into their physical slots."""
+    """Scatter new keys/values into their physical slots (quantizing them for a quantized cache)."""
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+    if is_quantized(k_cache):
+        write_quantized(k, v, k_cache, v_cache, slot_mapping)
+        return
     flat_k.index_copy_(0, slot_mapping, k.to(flat_k.dtype))
     flat_v.index_copy_(0, slot_mapping, v.to(flat_v.dtype))
 
 
 def gather_context(
-    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, width]
     block_table: torch.Tensor,  # [max_blocks]
     seq_len: int,
-) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
-    """Read one sequence's first ``seq_len`` cached tokens through its block table."""
+) -> torch.Tensor:  # [seq_len, num_kv_heads, width]
+    """Read one sequence's first ``seq_len`` cached rows (as stored) through its block table."""
     block_size = cache.shape[1]
     n_blocks = (seq_len + block_size - 1) // block_size
     blocks = cache[block_table[:n_blocks].long()]  # [n_blocks, block_size, H, D]

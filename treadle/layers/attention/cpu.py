@@ -36,6 +36,11 @@ and a verify-only step stays an all-decode step (the one-call C layer).
 Prefill (and chunked prefill) runs SDPA per sequence with 4-D inputs (the flash CPU
 kernel; 3-D inputs fall back to the math kernel), causal without cached context,
 otherwise with an explicit [q_len, seq_len] mask over the gathered context.
+
+A quantized cache (int8 / fp8 rows with a scale each, ``kv_quant``): torch writes quantize
+through ``kv_quant.write_quantized``; the torch reads dequantize what they gather; a prompt
+chunk without cached context attends to its own keys rounded through the quantizer (what the
+cache now holds). The C kernel reads and writes the packed rows itself.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ import torch.nn.functional as F
 from treadle.kernels import native
 from treadle.kernels.attention import paged_decode
 from treadle.layers.attention.backend import AttentionBackend, AttentionSpec
+from treadle.layers.attention.kv_quant import dequantize, is_quantized, quantize, read_cache, write_quantized
 from treadle.layers.attention.metadata import AttentionMetadata, DecodeKernelArgs, StepPlan
 
 DECODE_ROWS_MAX = 8  # queries this short run as decode rows (speculative verifies)
@@ -182,10 +188,10 @@ def flash_decode(
     lay = plan.layouts.get(key)
     if lay is None:
         lay = plan.layouts[key] = _split_layout(plan, k_cache.shape[1], h_kv, spec.sliding_window, q.dtype)
-    s, n = lay.num_splits, lay.split_len
+    s, n, width = lay.num_splits, lay.split_len, k_cache.shape[3]
     # gathered chunks [B*S, L, Hkv, D], seen as [B*S, Hkv, L, D] (strided, no copy)
-    keys = k_cache.index_select(0, lay.flat_table).view(b * s, n, h_kv, d).transpose(1, 2).to(q.dtype)
-    values = v_cache.index_select(0, lay.flat_table).view(b * s, n, h_kv, d).transpose(1, 2).to(q.dtype)
+    keys = read_cache(k_cache.index_select(0, lay.flat_table).view(b * s, n, h_kv, width), q.dtype).transpose(1, 2)
+    values = read_cache(v_cache.index_select(0, lay.flat_table).view(b * s, n, h_kv, width), q.dtype).transpose(1, 2)
     # GQA: the G query heads of a KV head become G "query rows" against the same keys
     qg = q.view(b, 1, h_kv, group, d)
     if s > 1:
@@ -214,9 +220,11 @@ def flash_prefill(
     q_len = q.shape[0]
     context = seq_len - q_len
     if context > 0:  # earlier chunks live only in the cache
-        k = _gather(k_cache, block_table, seq_len).to(q.dtype)
-        v = _gather(v_cache, block_table, seq_len).to(q.dtype)
-    elif k_cache.dtype != q.dtype:  # read back what the cache holds, as the reference does
+        k = read_cache(_gather(k_cache, block_table, seq_len), q.dtype)
+        v = read_cache(_gather(v_cache, block_table, seq_len), q.dtype)
+    elif is_quantized(k_cache):  # read back what the cache holds, as the reference does
+        k, v = dequantize(quantize(k, k_cache.dtype), q.dtype), dequantize(quantize(v, v_cache.dtype), q.dtype)
+    elif k_cache.dtype != q.dtype:
         k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
     # [1, H, len, D]: the flash CPU kernel needs 4-D inputs (3-D falls back to the math path)
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
@@ -242,6 +250,9 @@ def _write_kv(
 ) -> None:
     if plan.write_rows is not None:
         k, v = k.index_select(0, plan.write_rows), v.index_select(0, plan.write_rows)
+    if is_quantized(k_cache):
+        write_quantized(k, v, k_cache, v_cache, plan.write_slots)
+        return
     # 2-D views: index_copy_ on 3-D rows is ~100x slower on CPU
     width = k_cache.shape[2] * k_cache.shape[3]
     k_cache.view(-1, width).index_copy_(0, plan.write_slots, k.reshape(-1, width).to(k_cache.dtype))
@@ -249,10 +260,10 @@ def _write_kv(
 
 
 def _gather(
-    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, width]
     block_table: torch.Tensor,  # [max_blocks]
     seq_len: int,
-) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+) -> torch.Tensor:  # [seq_len, num_kv_heads, width] as stored
     n_blocks = -(-seq_len // cache.shape[1])
     blocks = cache.index_select(0, block_table[:n_blocks].long())
     return blocks.view(-1, *cache.shape[2:])[:seq_len]

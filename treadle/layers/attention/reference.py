@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.layers.attention.backend import AttentionBackend, AttentionSpec, gather_context, write_kv
+from treadle.layers.attention.kv_quant import read_cache
 from treadle.layers.attention.metadata import AttentionMetadata
 
 
@@ -42,8 +43,8 @@ class ReferenceBackend(AttentionBackend):
         for i, (q_len, s_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
             if q_len == 0:
                 continue
-            keys = gather_context(k_cache, meta.block_tables[i], s_len).to(q.dtype)
-            values = gather_context(v_cache, meta.block_tables[i], s_len).to(q.dtype)
+            keys = read_cache(gather_context(k_cache, meta.block_tables[i], s_len), q.dtype)
+            values = read_cache(gather_context(v_cache, meta.block_tables[i], s_len), q.dtype)
             # [H, q_len, D] x [H, s_len, D]; expand KV heads for GQA/MQA
             qi = q[start : start + q_len].transpose(0, 1)
             ki = keys.transpose(0, 1).repeat_interleave(group, dim=0)

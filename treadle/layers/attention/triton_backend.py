@@ -8,6 +8,12 @@ imports without triton. Under ``TRITON_INTERPRET=1`` the same kernels run on CPU
 The decode path (``meta.max_query_len == 1``) reads only the metadata *tensors* and tensor
 shapes, never host lists or values: no host synchronisation and a grid that depends only
 on the batch size, so it can be captured in a CUDA graph (see ``treadle.worker.cuda_graph``).
+
+A quantized cache (``kv_quant``: int8 / fp8 rows with a float32 scale each) is written by
+quantizing in torch and copying the packed bytes with the same store kernel; the attention
+kernels read it as bytes (``KV_QUANT``) and dequantize each tile. A prompt chunk's own keys,
+which prefill reads from ``k``/``v`` rather than the cache, are rounded through the
+quantizer first, so every key is read as the cache holds it (as the reference does).
 """
 from __future__ import annotations
 
@@ -18,9 +24,22 @@ import torch
 
 from treadle.config import TreadleError
 from treadle.layers.attention.backend import AttentionBackend, AttentionSpec
+from treadle.layers.attention.kv_quant import dequantize, is_quantized, quantize
 from treadle.layers.attention.metadata import AttentionMetadata
 
 _NO_WINDOW = 1 << 30  # larger than any context: "every earlier key is in the window"
+_KV_QUANT = {torch.int8: 1, torch.float8_e4m3fn: 2}  # the kernels' KV_QUANT code of a quantized cache
+
+
+def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor | int, ...]:
+    """(k cache, v cache, k scales, v scales, KV_QUANT) as the attention kernels take them:
+    a quantized cache as bytes plus a float32 view of the same memory for the scales."""
+    code = _KV_QUANT.get(k_cache.dtype, 0)
+    if code == 0:
+        return k_cache, v_cache, k_cache, v_cache, code
+    as_bytes = torch.int8 if code == 1 else torch.uint8  # fp8 bytes are decoded in the kernel
+    kb, vb = k_cache.view(as_bytes), v_cache.view(as_bytes)
+    return kb, vb, kb.view(torch.float32), vb.view(torch.float32), code
 
 
 def _pow2(n: int, floor: int = 1) -> int:
@@ -99,9 +118,12 @@ class TritonBackend(AttentionBackend):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens]; < 0 = skip
     ) -> None:
-        num_tokens, num_kv_heads, head_dim = k.shape
-        if num_tokens == 0:
+        if k.shape[0] == 0:
             return
+        if is_quantized(k_cache):  # packed rows (values + scale), copied as bytes
+            k, v = quantize(k, k_cache.dtype).view(torch.uint8), quantize(v, v_cache.dtype).view(torch.uint8)
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        num_tokens, num_kv_heads, head_dim = k.shape
         self._k.store_kv_kernel[(num_tokens,)](
             k, v, k_cache, v_cache, slot_mapping,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -125,8 +147,11 @@ class TritonBackend(AttentionBackend):
         block_m = tiles.prefill_block_m
         num_seqs = meta.seq_lens_tensor.shape[0]
         grid = (num_seqs, spec.num_heads, (meta.max_query_len + block_m - 1) // block_m)
+        if is_quantized(k_cache):  # the chunk's own keys as the cache holds them
+            k, v = dequantize(quantize(k, k_cache.dtype), q.dtype), dequantize(quantize(v, v_cache.dtype), q.dtype)
+        *caches, kv_quant = _cache_args(k_cache, v_cache)
         self._k.prefill_kernel[grid](
-            q, k, v, k_cache, v_cache, out,
+            q, k, v, *caches, out,
             meta.block_tables, meta.seq_lens_tensor, meta.query_start_loc,
             spec.scale, spec.sliding_window or _NO_WINDOW,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -134,7 +159,7 @@ class TritonBackend(AttentionBackend):
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
             k_cache.shape[1], spec.head_dim, spec.num_heads // spec.num_kv_heads,
             BLOCK_M=block_m, BLOCK_N=tiles.prefill_block_n, BLOCK_D=_pow2(spec.head_dim, 16),
-            IEEE=q.dtype == torch.float32,
+            IEEE=q.dtype == torch.float32, KV_QUANT=kv_quant,
         )
 
     def _decode(
@@ -154,15 +179,16 @@ class TritonBackend(AttentionBackend):
         # partial numerators [S, H, splits, D] and (max, denominator) pairs [S, H, splits, 2]
         part_acc = torch.empty((num_seqs, spec.num_heads, splits, spec.head_dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_seqs, spec.num_heads, splits, 2), dtype=torch.float32, device=q.device)
+        *caches, kv_quant = _cache_args(k_cache, v_cache)  # strides: elements of 1 byte when quantized
         self._k.decode_split_kernel[(num_seqs, spec.num_kv_heads, splits)](
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, meta.query_start_loc,
+            q, *caches, meta.block_tables, meta.seq_lens_tensor, meta.query_start_loc,
             part_acc, part_ml,
             spec.scale, spec.sliding_window or _NO_WINDOW,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.block_tables.stride(0),
             k_cache.shape[1], spec.head_dim, group, spec.num_heads,
             NUM_SPLITS=splits, BLOCK_G=_pow2(group, 16), BLOCK_N=tiles.decode_block_n, BLOCK_D=block_d,
-            IEEE=q.dtype == torch.float32,
+            IEEE=q.dtype == torch.float32, KV_QUANT=kv_quant,
         )
         self._k.decode_reduce_kernel[(num_seqs, spec.num_heads)](
             part_acc, part_ml, out, meta.query_start_loc,

@@ -28,6 +28,12 @@ stores an unnormalised partial (m, l, acc); a second kernel merges the splits::
 The number of splits is a compile-time constant and the split bounds are computed on
 the device from ``seq_lens``, so a decode step launches the same grid whatever the
 lengths are: the path is safe to capture in a CUDA graph.
+
+Quantized caches (``KV_QUANT`` 1: int8, 2: float8 e4m3fn; ``kv_quant``'s packed rows): the
+cache pointers are byte-typed, the strides count bytes, and each row's float32 scale sits
+right after its ``head_dim`` values; ``scale_ptr`` is a float32 view of the same memory, so
+the scale of the row at byte offset ``base`` is ``scale_ptr[(base + head_dim) // 4]``. e4m3
+bytes are decoded with integer arithmetic (any GPU, and the interpreter).
 """
 from __future__ import annotations
 
@@ -83,6 +89,32 @@ def _online_softmax_step(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _fp8_e4m3_to_f32(b):
+    """float8 e4m3fn bytes (as int32 0..255) -> float32: (1 + m/8) 2^(e-7), or m 2^-9 when e = 0."""
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    pow2 = ((e + 120) << 23).to(tl.float32, bitcast=True)  # 2^(e-7), built in the exponent bits
+    mag = tl.where(e == 0, m * 0.001953125, (1.0 + m * 0.125) * pow2)
+    return tl.where((b & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def _load_kv(cache_ptr, scale_ptr, base, offs_d, row_valid, d_valid, head_dim, KV_QUANT: tl.constexpr):
+    """The [N, BLOCK_D] tile of rows at offsets base [N] (rows row_valid, columns d_valid): as
+    stored (float cache), or dequantized to float32 (int8 / fp8 rows, each times its scale)."""
+    raw = tl.load(cache_ptr + base[:, None] + offs_d[None, :], mask=row_valid[:, None] & d_valid[None, :], other=0)
+    if KV_QUANT == 0:
+        return raw
+    else:
+        scale = tl.load(scale_ptr + (base + head_dim) // 4, mask=row_valid, other=0.0)
+        if KV_QUANT == 1:
+            values = raw.to(tl.float32)
+        else:
+            values = _fp8_e4m3_to_f32(raw.to(tl.int32) & 255)
+        return values * scale[:, None]
+
+
+@triton.jit
 def _paged_offsets(block_tables_ptr, row, pos, valid, block_size, stride_cb, stride_cs, kv_head, stride_ch):
     """Cache offset [N] (without the head_dim term) of positions pos [N] of one sequence."""
     block = tl.load(block_tables_ptr + row + pos // block_size, mask=valid, other=0).to(tl.int64)
@@ -97,13 +129,14 @@ def _head_rows(ptr, rows, stride_t, head_offset, offs_d):
 
 @triton.jit
 def prefill_kernel(
-    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
     scale, window,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     block_size, head_dim, group,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     """Causal attention of one tile of a sequence's new tokens over its cached context
     (read through the block table) and over the new chunk (read from k, v)."""
@@ -131,9 +164,8 @@ def prefill_kernel(
         k_valid = k_pos < ctx_len
         base = _paged_offsets(block_tables_ptr, seq * stride_bt, k_pos, k_valid, block_size, stride_cb, stride_cs,
                               kv_head, stride_ch)
-        kv_mask = k_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = _load_kv(k_cache_ptr, k_scale_ptr, base, offs_d, k_valid, d_valid, head_dim, KV_QUANT).to(q.dtype)
+        v = _load_kv(v_cache_ptr, v_scale_ptr, base, offs_d, k_valid, d_valid, head_dim, KV_QUANT).to(q.dtype)
         s = _dot(q, tl.trans(k), IEEE) * scale
         visible = k_valid[None, :] & (q_pos[:, None] - k_pos[None, :] < window)
         s = tl.where(visible, s, float("-inf"))
@@ -159,13 +191,13 @@ def prefill_kernel(
 
 @triton.jit
 def decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
     part_acc_ptr, part_ml_ptr,
     scale, window,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
     block_size, head_dim, group, num_heads,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     """Partial attention of one decode token's query heads in KV group ``kv_head``
     over split ``split`` of its context. Writes acc [group, D] and (m, l) per head to
@@ -197,9 +229,8 @@ def decode_split_kernel(
         k_pos = start + tl.arange(0, BLOCK_N)
         k_valid = k_pos < s_hi
         base = _paged_offsets(block_tables_ptr, row, k_pos, k_valid, block_size, stride_cb, stride_cs, kv_head, stride_ch)
-        kv_mask = k_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = _load_kv(k_cache_ptr, k_scale_ptr, base, offs_d, k_valid, d_valid, head_dim, KV_QUANT).to(q.dtype)
+        v = _load_kv(v_cache_ptr, v_scale_ptr, base, offs_d, k_valid, d_valid, head_dim, KV_QUANT).to(q.dtype)
         s = _dot(q, tl.trans(k), IEEE) * scale
         s = tl.where(k_valid[None, :], s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, IEEE)
