@@ -1,7 +1,7 @@
 """Build and load Treadle's C kernels (``csrc/*.c``, one shared library) with ctypes.
 
 The C sources include no torch or Python headers, so the first build takes a few
-seconds (``gcc -O3 -march=native -fopenmp``; most of it the matmul specialized per GGUF
+seconds (``gcc -O3 -fopenmp`` and the variant's flags; most of it the matmul specialized per GGUF
 block type); the library is cached under
 ``$TREADLE_CACHE_DIR`` (default ``~/.cache/treadle``) by a hash of the source, the
 flags and the CPU, and written atomically, so concurrent processes are safe. OpenMP

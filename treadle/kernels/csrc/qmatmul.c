@@ -22,8 +22,9 @@
  * row's result does not depend on the batch it is in. Threads split the weight rows (OpenMP,
  * the libgomp and thread count torch uses); tiles of 2 weight rows x up to 4 activation rows
  * share each expanded weight block and each loaded activation block.
- * Built with -march=native: AVX2/FMA/F16C paths where the CPU has them, plain C otherwise
- * (or with -DTQ_PLAIN_C, the reference build the tests compare against).
+ * Built once per variant (native.py VARIANTS, chosen at load by CPU features): AVX2/FMA/F16C
+ * paths, plus vpdpwssd in the avx512-vnni build, or plain C (-DTQ_PLAIN_C, the reference build the
+ * tests compare against).
  */
 #include <stdint.h>
 #include <stdlib.h>
