@@ -37,34 +37,34 @@ class TimedBackend:
 PARTS = ("schedule", "prepare", "model", "attention", "sample", "update", "output", "step")
 
 
-def time_decode_step(eng, timed: TimedBackend) -> tuple[float, ...]:  # noqa: ANN001
+def time_decode_step(eng, timed: TimedBackend, clock=time.perf_counter) -> tuple[float, ...]:  # noqa: ANN001
     """One engine step, as LLMEngine.step runs it, with a timer around each part (seconds, in PARTS order)."""
     runner = eng.executor.worker.runner
     timed.seconds = 0.0
-    t0 = time.perf_counter()
+    t0 = clock()
     sched = eng.scheduler.schedule()
-    t1 = time.perf_counter()
+    t1 = clock()
     runner._update_states(sched)
     batch = runner._prepare(sched)
-    t2 = time.perf_counter()
+    t2 = clock()
     with torch.inference_mode():
         hidden = runner.forward(batch)
         index = torch.tensor([i for _, i in batch.sample_rows])
         logits = runner.model.compute_logits(hidden.index_select(0, index))
-    t3 = time.perf_counter()
+    t3 = clock()
     states = [runner.requests[rid] for rid, _ in batch.sample_rows]
     tokens, _ = runner.sampler(logits, [s.sampling_row() for s in states])
     result = ModelRunnerOutput(sampled={})
     for state, tok in zip(states, tokens):
         state.output_token_ids.append(tok)
         result.sampled[state.data.request_id] = [tok]
-    t4 = time.perf_counter()
+    t4 = clock()
     touched = eng.scheduler.update_from_output(sched, result)
-    t5 = time.perf_counter()
+    t5 = clock()
     updated = eng.outputs.process(touched, result, lambda r: eng.scheduler.finish(r, RequestStatus.FINISHED_STOPPED))
     for pid in updated:
         eng.outputs.make_output(pid)
-    t6 = time.perf_counter()
+    t6 = clock()
     return (t1 - t0, t2 - t1, t3 - t2 - timed.seconds, timed.seconds, t4 - t3, t5 - t4, t6 - t5, t6 - t0)
 
 
@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the process's CPU time (all threads together), steadier on a shared machine")
     ap.add_argument("--module-path", action="store_true",
                     help="run decoder layers module by module (no one-call C layer), so attention is timed apart")
     args = ap.parse_args()
@@ -97,11 +99,12 @@ def main() -> None:
         eng.step()  # prefill
     parts: dict[str, list[float]] = {k: [] for k in PARTS}
     for _ in range(args.steps):
-        for k, v in zip(PARTS, time_decode_step(eng, timed)):
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
+        for k, v in zip(PARTS, time_decode_step(eng, timed, clock)):
             parts[k].append(v)
     step = statistics.median(parts["step"])
     print(f"model {args.model} quantization {args.quantization} dtype {args.dtype} batch {args.batch} "
-          f"threads {torch.get_num_threads()}: median step {step * 1e3:.2f} ms = {args.batch / step:.1f} tok/s")
+          f"threads {torch.get_num_threads()} clock {args.clock}: median step {step * 1e3:.2f} ms = {args.batch / step:.1f} tok/s")
     print(f"{'part':<12}{'median ms':>10}{'share':>8}")
     for k in PARTS[:-1]:
         m = statistics.median(parts[k])

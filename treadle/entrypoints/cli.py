@@ -12,8 +12,24 @@ from treadle.config import TreadleError
 _SUBCOMMANDS: list[str] = ["generate", "convert", "bench", "serve", "router"]  # modules under treadle.entrypoints, e.g. "convert"
 
 
+class _Version(argparse.Action):
+    """``--version``: the package version and the CPU kernel variant this machine runs (built,
+    or found in the cache, only when asked)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="show the version and the CPU kernels, then exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        from treadle import __version__
+        from treadle.kernels import native
+
+        print(f"treadle {__version__}\ncpu kernels: {native.describe()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treadle", description="Treadle LLM inference engine")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
     for name in _SUBCOMMANDS:
         importlib.import_module(f"treadle.entrypoints.{name}").register(sub)

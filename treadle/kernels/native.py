@@ -1,7 +1,7 @@
 """Build and load Treadle's C kernels (``csrc/*.c``, one shared library) with ctypes.
 
 The C sources include no torch or Python headers, so the first build takes a few
-seconds (``gcc -O3 -march=native -fopenmp``; most of it the matmul specialized per GGUF
+seconds (``gcc -O3 -fopenmp`` and the variant's flags; most of it the matmul specialized per GGUF
 block type); the library is cached under
 ``$TREADLE_CACHE_DIR`` (default ``~/.cache/treadle``) by a hash of the source, the
 flags and the CPU, and written atomically, so concurrent processes are safe. OpenMP
@@ -11,8 +11,12 @@ threads and ``torch.set_num_threads``.
 ``TREADLE_NATIVE_KERNELS=0`` turns the kernels off; so does a machine without a C
 compiler (one warning, then callers fall back to plain torch).
 
-``plain=True`` (tests) builds and calls the same sources with ``-DTQ_PLAIN_C``: the plain-C
-reference paths, even where the machine has the SIMD ones.
+Runtime dispatch: the same sources are built once per *variant* (``VARIANTS``, best first:
+AVX-512 VNNI, AVX2, plain C), each with its own ``-m`` flags; the first variant whose CPU
+features (``/proc/cpuinfo`` flags) this machine has, and that builds, is chosen once per process
+and logged (``describe()``, also shown by ``treadle --version``). ``plain=True`` or
+``variant="plain"`` (tests) builds and calls the plain-C reference paths (``-DTQ_PLAIN_C``)
+even where the machine has the SIMD ones; a variant the CPU lacks is never built or run.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -33,7 +38,27 @@ from treadle import envs
 
 logger = logging.getLogger(__name__)
 
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
+_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One build of the kernels: its compiler flags and the CPU features (``/proc/cpuinfo``
+    flag names) it needs to run."""
+
+    name: str
+    flags: tuple[str, ...]
+    needs: tuple[str, ...]
+
+
+_AVX2 = ("avx2", "fma", "f16c")
+VARIANTS = (  # best first; "plain" (the reference) runs everywhere
+    Variant("avx512-vnni", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+                            "-mtune=native"), (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+    Variant("avx2", ("-mavx2", "-mfma", "-mf16c", "-mtune=native"), _AVX2),
+    Variant("plain", ("-march=native", "-DTQ_PLAIN_C"), ()),
+)
+_BY_NAME = {v.name: v for v in VARIANTS}
 
 
 def _cpu_id() -> str:
@@ -44,6 +69,18 @@ def _cpu_id() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+@cache
+def cpu_features() -> frozenset[str]:
+    """This CPU's feature flags as Linux names them (empty where /proc/cpuinfo has none)."""
+    line = _cpu_id()
+    return frozenset(line.split(":", 1)[1].split()) if line.startswith("flags") else frozenset()
+
+
+def missing_features(variant: str) -> tuple[str, ...]:
+    """The CPU features ``variant`` needs that this machine lacks (empty: it can run here)."""
+    return tuple(f for f in _BY_NAME[variant].needs if f not in cpu_features())
 
 
 def _cache_dir() -> Path:
@@ -66,28 +103,60 @@ def _build(compiler: str, flags: tuple[str, ...], sources: list[Path], target: P
 
 
 @cache
-def library(plain: bool = False) -> ctypes.CDLL | None:
-    """The compiled kernels, or None when they are turned off or cannot be built."""
-    if not envs.native_kernels():
-        return None
+def build_variant(name: str) -> ctypes.CDLL | None:
+    """Variant ``name`` built (or found in the cache) and loaded; None when it cannot be."""
     compiler = envs.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         logger.warning("no C compiler found: Treadle's CPU kernels are off (plain torch is used)")
         return None
     csrc = Path(__file__).parent / "csrc"
     sources = sorted(csrc.glob("*.c"))
-    flags = (*_FLAGS, "-DTQ_PLAIN_C") if plain else _FLAGS
+    flags = (*_FLAGS, *_BY_NAME[name].flags)
     digest = hashlib.sha256()
     for part in (*(p.read_bytes() for p in sorted(csrc.glob("*.[ch]"))), " ".join(flags).encode(), compiler.encode(), _cpu_id().encode()):
         digest.update(part)
-    target = _cache_dir() / f"treadle_kernels_{digest.hexdigest()[:16]}.so"
+    target = _cache_dir() / f"treadle_kernels_{name}_{digest.hexdigest()[:16]}.so"
     try:
         if not target.exists():
             _build(compiler, flags, sources, target)
         return ctypes.CDLL(str(target))
     except (OSError, RuntimeError) as exc:
-        logger.warning("Treadle's CPU kernels could not be built (plain torch is used): %s", exc)
+        logger.warning("Treadle's CPU kernels (%s) could not be built: %s", name, exc)
         return None
+
+
+@cache
+def selected_variant() -> str | None:
+    """The variant this process runs: the best one the CPU can run that builds (chosen once)."""
+    if not envs.native_kernels():
+        return None
+    for v in VARIANTS:
+        if not missing_features(v.name) and build_variant(v.name) is not None:
+            logger.info("Treadle CPU kernels: %s", describe(v.name))
+            return v.name
+    logger.warning("Treadle's CPU kernels are off (plain torch is used)")
+    return None
+
+
+def describe(chosen: str | None = None) -> str:
+    """One line: the chosen variant and the better ones this CPU cannot run, with what they need."""
+    chosen = chosen or selected_variant()
+    if chosen is None:
+        return "off (plain torch)"
+    better = [v.name for v in VARIANTS][: [v.name for v in VARIANTS].index(chosen)]
+    passed = [f"{name} (CPU lacks {' '.join(missing_features(name))})" for name in better if missing_features(name)]
+    return chosen + (f"; skipped {', '.join(passed)}" if passed else "")
+
+
+def library(plain: bool = False, variant: str | None = None) -> ctypes.CDLL | None:
+    """The compiled kernels of ``variant`` (default: the selected one; ``plain``: the plain-C
+    reference), or None when they are turned off or cannot be built."""
+    name = "plain" if plain else variant or selected_variant()
+    if name is None or not envs.native_kernels():
+        return None
+    if missing_features(name):
+        raise ValueError(f"kernel variant {name} cannot run on this CPU (lacks {' '.join(missing_features(name))})")
+    return build_variant(name)
 
 
 # argument types of a kernel, in its C signature's order (P: a pointer, I: int64_t,
@@ -96,9 +165,10 @@ _ARG = {"P": ctypes.c_void_p, "I": ctypes.c_int64, "C": ctypes.c_int, "F": ctype
 
 
 @cache
-def kernel(name: str, signature: str, plain: bool = False):  # noqa: ANN201
-    """The C function ``name`` with ctypes argument types from ``signature`` (e.g. "CPPI")."""
-    lib = library(plain)
+def kernel(name: str, signature: str, plain: bool = False, variant: str | None = None):  # noqa: ANN201
+    """The C function ``name`` with ctypes argument types from ``signature`` (e.g. "CPPI"), from
+    the selected variant's build (``plain``: the reference build; ``variant``: that one's)."""
+    lib = library(plain, variant)
     assert lib is not None, "Treadle's CPU kernels are not available"
     fn = getattr(lib, name)
     fn.argtypes = [_ARG[c] for c in signature]
@@ -107,7 +177,7 @@ def kernel(name: str, signature: str, plain: bool = False):  # noqa: ANN201
 
 
 def available() -> bool:
-    return library() is not None
+    return selected_variant() is not None
 
 
 # the block types the kernels read, by GGML's own type numbers (csrc/qblocks.h)
@@ -132,7 +202,7 @@ def layout(segments: Segments) -> Layout:
 
 
 def qmatmul(segments: Segments, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
-            plain: bool = False) -> torch.Tensor:
+            plain: bool = False, variant: str | None = None) -> torch.Tensor:
     """x [..., K] float32 @ W^T -> [..., N] float32, W the GGUF blocks ``weight`` (uint8, the
     segments' rows back to back)."""
     k = x.shape[-1]
@@ -141,7 +211,7 @@ def qmatmul(segments: Segments, weight: torch.Tensor, x: torch.Tensor, bias: tor
         flat = flat.float().contiguous()
     n = sum(rows for _, rows in segments)
     y = torch.empty(flat.shape[0], n, dtype=torch.float32)
-    kernel("tq_matmul", "PPPPPIII", plain)(
+    kernel("tq_matmul", "PPPPPIII", plain, variant)(
         ctypes.addressof(layout(segments)), weight.data_ptr(), flat.data_ptr(), y.data_ptr(),
         None if bias is None else bias.data_ptr(), flat.shape[0], n, k,
     )

@@ -22,8 +22,9 @@
  * row's result does not depend on the batch it is in. Threads split the weight rows (OpenMP,
  * the libgomp and thread count torch uses); tiles of 2 weight rows x up to 4 activation rows
  * share each expanded weight block and each loaded activation block.
- * Built with -march=native: AVX2/FMA/F16C paths where the CPU has them, plain C otherwise
- * (or with -DTQ_PLAIN_C, the reference build the tests compare against).
+ * Built once per variant (native.py VARIANTS, chosen at load by CPU features): AVX2/FMA/F16C
+ * paths, plus vpdpwssd in the avx512-vnni build, or plain C (-DTQ_PLAIN_C, the reference build the
+ * tests compare against).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,6 +33,19 @@
 #include "qblocks.h"
 
 #define MR 4 /* activation rows per pass over a weight row */
+
+#ifdef TQ_AVX2
+/* lo + (the second half's 16-bit products, pairs summed): one vpdpwssd in the avx512-vnni build,
+ * a multiply-add and an add otherwise; the same exact integers either way */
+static inline __attribute__((always_inline)) __m256i block_sum(__m256i lo, __m256i w1, const int16_t *xq) {
+    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 16));
+#ifdef TQ_VNNI
+    return _mm256_dpwssd_epi32(lo, w1, x1);
+#else
+    return _mm256_add_epi32(lo, _mm256_madd_epi16(w1, x1));
+#endif
+}
+#endif
 
 /* Activation rows -> 16-bit blocks: xq [M, K] int16; xd, xs [M, K/32]; xh [M, K/32, 2] float. */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, float *xd, float *xs, float *xh) {
@@ -108,10 +122,12 @@ static inline __attribute__((always_inline)) void tile(int qtype, const uint8_t 
 #ifdef TQ_AVX2
                     /* activations loaded per use: madd's memory operand, no registers held (8 accumulators) */
                     const __m256i lo = _mm256_madd_epi16(w[r][0], _mm256_loadu_si256((const __m256i *)xq));
-                    const __m256i hi = _mm256_madd_epi16(w[r][1], _mm256_loadu_si256((const __m256i *)(xq + 16)));
+                    const __m256i hi = split_scales(qtype)
+                        ? _mm256_madd_epi16(w[r][1], _mm256_loadu_si256((const __m256i *)(xq + 16)))
+                        : lo;
                     const __m256 t = split_scales(qtype)
                         ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), d1[r], _mm256_mul_ps(_mm256_cvtepi32_ps(lo), d0[r]))
-                        : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), d0[r]);
+                        : _mm256_mul_ps(_mm256_cvtepi32_ps(block_sum(lo, w[r][1], xq)), d0[r]);
                     acc[i][r] = _mm256_fmadd_ps(t, vx, acc[i][r]);
 #else
                     int lo = 0, hi = 0;

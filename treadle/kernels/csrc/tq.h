@@ -16,6 +16,11 @@ static inline float hsum(__m256 v) { /* the sum of 8 floats */
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+/* AVX-512 VNNI with 256-bit forms (the avx512-vnni build): vpdpwssd, a 16-bit multiply-add and
+ * the sum in one instruction */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TQ_VNNI 1
+#endif
 #endif
 
 /* qmatmul.c */

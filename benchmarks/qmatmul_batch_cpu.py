@@ -1,0 +1,102 @@
+"""The GGUF matmul on SmolLM2-135M's shapes at batch 1 / 4 / 16, this tree's kernels against a
+git ref's (default ``main``), side by side in one process, interleaved call by call.
+
+    .venv/bin/python benchmarks/qmatmul_batch_cpu.py [--ref main] [--threads 1]
+
+Per shape and batch: the median over repeats of one ``tq_matmul`` call (thread CPU time with
+one thread, so other jobs on a shared machine disturb it less; wall time with more), and the
+per-token total of a decode step's matmuls (30 layers x q/k/v, o, gate/up, down + the Q8_0
+lm_head), with its ratio to batch 1. Weights are random blocks (tests/gguf_files.py) that stay
+in cache, so this is the kernels' arithmetic, not memory bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from gguf_files import random_blocks  # noqa: E402
+
+from treadle.kernels import native  # noqa: E402
+
+# (name, block type, N, K, times per decode step)
+SHAPES = [("qkv", "Q4_1", 960, 576, 30), ("o", "Q4_1", 576, 576, 30), ("gate_up", "Q4_1", 3072, 576, 30),
+          ("down", "Q4_1", 576, 1536, 30), ("lm_head", "Q8_0", 49152, 576, 1)]
+BATCHES = (1, 4, 16)
+
+
+def build_ref(ref: str, out: Path) -> ctypes.CDLL:
+    """The kernels of git ref ``ref``, built with the flags this tree's default build uses."""
+    csrc = out / "csrc"
+    csrc.mkdir()
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{ref}:treadle/kernels/csrc"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in names:
+        text = subprocess.run(["git", "show", f"{ref}:treadle/kernels/csrc/{name}"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+        (csrc / name).write_text(text)
+    target = out / "ref.so"
+    cmd = ["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE",
+           *map(str, sorted(csrc.glob("*.c"))), "-o", str(target), "-lm"]
+    subprocess.run(cmd, check=True)
+    return ctypes.CDLL(str(target))
+
+
+def caller(lib: ctypes.CDLL, qtype: str, n: int, k: int, w: torch.Tensor, x: torch.Tensor):  # noqa: ANN201
+    fn = lib.tq_matmul
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
+    lay = native.layout(((qtype, n),))
+    y = torch.empty(x.shape[0], n)
+    args = (ctypes.addressof(lay), w.data_ptr(), x.data_ptr(), y.data_ptr(), None, x.shape[0], n, k)
+    return lambda: fn(*args) or y  # holds y (the kernel writes into it)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ref", default="main")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {args.ref: build_ref(args.ref, Path(tmp)), "this tree": native.library()}
+        print(f"threads {args.threads}, median ms per call ({'thread CPU' if args.threads == 1 else 'wall'} time)")
+        print("| shape | build | " + " | ".join(f"M={m}" for m in BATCHES) + " |")
+        print("|---|---|" + "---|" * len(BATCHES))
+        step = {name: dict.fromkeys(BATCHES, 0.0) for name in libs}
+        for shape, qtype, n, k, per_step in SHAPES:
+            w = random_blocks(qtype, n, k, seed=1).data.reshape(-1)
+            times: dict[str, dict[int, float]] = {name: {} for name in libs}
+            for m in BATCHES:
+                x = torch.randn(m, k)
+                fns = {name: caller(lib, qtype, n, k, w, x) for name, lib in libs.items()}
+                samples: dict[str, list[float]] = {name: [] for name in libs}
+                for fn in fns.values():
+                    fn()
+                for _ in range(args.repeats):
+                    for name, fn in fns.items():  # interleaved: both see the same machine load
+                        t = clock()
+                        fn()
+                        samples[name].append(clock() - t)
+                for name in libs:
+                    times[name][m] = statistics.median(samples[name]) * 1e3
+                    step[name][m] += times[name][m] * per_step
+            for name in libs:
+                print(f"| {shape} {qtype} {n}x{k} | {name} | " + " | ".join(f"{times[name][m]:.3f}" for m in BATCHES) + " |")
+        for name in libs:
+            cells = " | ".join(f"{step[name][m]:.2f} ({step[name][m] / step[name][1]:.2f}x)" for m in BATCHES)
+            print(f"| decode-step matmuls | {name} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()

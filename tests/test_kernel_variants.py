@@ -1,0 +1,95 @@
+"""Runtime dispatch of the C kernels' builds (``native.VARIANTS``): every variant this CPU can
+run is checked against the plain-C reference build and the dequantized oracle; variants it
+cannot run are skipped with the features it lacks; every variant must at least compile.
+A row's result must not depend on its batch: bit for bit at batch 1 and batch 16."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf_files import random_blocks
+
+from treadle.kernels import native
+from treadle.quantization.gguf_native import NATIVE_TYPES, dequantize_blocks
+
+K = 512  # two K-quant super-blocks per row
+N = 37  # odd: a segment's last row goes alone
+pytestmark = pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)")
+VARIANTS = pytest.mark.parametrize("variant", [v.name for v in native.VARIANTS])
+
+
+def runnable(variant: str) -> str:
+    missing = native.missing_features(variant)
+    if missing:
+        pytest.skip(f"{variant}: this CPU lacks {' '.join(missing)}")
+    return variant
+
+
+def q16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the kernels round activations: 16 bits per block of 32."""
+    b = x.reshape(*x.shape[:-1], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 32767
+    return (torch.round(b * torch.where(d > 0, 1.0 / d, torch.zeros_like(d))) * d).reshape(x.shape)
+
+
+def rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@VARIANTS
+def test_every_variant_compiles(variant: str) -> None:
+    """Built even where the CPU cannot run it (nothing of it is called then)."""
+    assert native.build_variant(variant) is not None
+
+
+def test_the_best_runnable_variant_is_selected_and_described() -> None:
+    best = next(v.name for v in native.VARIANTS if not native.missing_features(v.name))
+    assert native.selected_variant() == best
+    line = native.describe()
+    assert line.startswith(best)
+    for v in native.VARIANTS[: [v.name for v in native.VARIANTS].index(best)]:
+        assert f"{v.name} (CPU lacks {' '.join(native.missing_features(v.name))})" in line
+
+
+@VARIANTS
+@pytest.mark.parametrize("qtype", NATIVE_TYPES)
+def test_variant_matches_reference_and_oracle(variant: str, qtype: str) -> None:
+    runnable(variant)
+    blocks = random_blocks(qtype, N, K, seed=7)
+    w = blocks.data.reshape(-1)
+    w_deq = dequantize_blocks(blocks)
+    bias = rand(N, seed=8)
+    for rows in (1, 5, 16):
+        x = rand(rows, K, seed=9 + rows)
+        y = native.qmatmul(((qtype, N),), w, x, bias, variant=variant)
+        ref = native.qmatmul(((qtype, N),), w, x, bias, plain=True)
+        oracle = F.linear(q16(x), w_deq, bias)
+        tol = float(oracle.abs().max()) * 1e-5  # float32 summation order differs between builds
+        torch.testing.assert_close(y, ref, rtol=0, atol=tol)
+        torch.testing.assert_close(y, oracle, rtol=0, atol=tol)
+
+
+@VARIANTS
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_1", "Q4_K", "Q6_K", "Q2_K"])
+def test_rows_are_bitwise_equal_at_batch_1_and_16(variant: str, qtype: str) -> None:
+    runnable(variant)
+    blocks = random_blocks(qtype, N, K, seed=11)
+    w, seg = blocks.data.reshape(-1), ((qtype, N),)
+    x = rand(16, K, seed=12)
+    batch = native.qmatmul(seg, w, x, variant=variant)
+    for i in range(16):
+        assert torch.equal(native.qmatmul(seg, w, x[i : i + 1], variant=variant)[0], batch[i])
+    # and wherever a row sits in the batch
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(13))
+    assert torch.equal(native.qmatmul(seg, w, x[perm], variant=variant), batch[perm])
+
+
+def test_simd_variants_agree_bit_for_bit() -> None:
+    """The SIMD builds differ only in how the exact integer dot products are formed."""
+    simd = [v.name for v in native.VARIANTS if v.name != "plain" and not native.missing_features(v.name)]
+    if len(simd) < 2:
+        pytest.skip(f"needs two runnable SIMD variants, this CPU runs {simd or 'none'}")
+    blocks = random_blocks("Q4_1", N, K, seed=14)
+    x = rand(9, K, seed=15)
+    outs = [native.qmatmul((("Q4_1", N),), blocks.data.reshape(-1), x, variant=v) for v in simd]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
