@@ -9,7 +9,8 @@ import sys
 
 from treadle.config import TreadleError
 
-_SUBCOMMANDS: list[str] = ["generate", "convert", "bench", "serve", "router"]  # modules under treadle.entrypoints, e.g. "convert"
+_SUBCOMMANDS: list[str] = ["generate", "convert", "bench", "serve", "router",
+                          "train_draft_head"]  # modules under treadle.entrypoints, e.g. "convert"
 
 
 class _Version(argparse.Action):
