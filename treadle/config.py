@@ -181,19 +181,19 @@ class SpeculativeConfig:
     (``method``), K drafts per verify, the n-gram window, and whether the fallback controller
     may turn speculation off where it does not pay."""
 
-    method: str  # "ngram" | "draft_model" (eagle / medusa: not yet)
+    method: str  # "ngram" | "draft_model" | "eagle" | "medusa"
     num_speculative_tokens: int  # K
     prompt_lookup_min: int
     prompt_lookup_max: int
     fallback: bool
-    model: str | None = None  # draft_model / eagle / medusa: the draft's path or name (None: layer-skip)
+    model: str | None = None  # draft_model: the draft's path or name (None: layer-skip); eagle / medusa: the head's directory
     draft_layers: int | None = None  # draft_model "self:N": the target's first N layers are the draft
 
     @property
     def lookahead_slots(self) -> int:
         """KV slots the scheduler reserves past each scheduled chunk: a proposer with its own
-        KV (every method but ngram) writes its K - 1 drafts and the new token there."""
-        return 0 if self.method == "ngram" else self.num_speculative_tokens
+        KV (every method but ngram and medusa) writes its K - 1 drafts and the new token there."""
+        return 0 if self.method in ("ngram", "medusa") else self.num_speculative_tokens
 
 
 KV_CONNECTORS = ("tcp", "shm")

@@ -62,6 +62,7 @@ from treadle.layers.attention.kv_quant import cache_dtype, row_width
 from treadle.layers.attention.selector import resolve_backend_name
 from treadle.loaders import ModelSource, open_model_source, parse_dtype
 from treadle.quantization import resolve_quantization
+from treadle.spec_decode.head_format import HEAD_METHODS, eagle_layer_config, read_head_config
 
 logger = logging.getLogger("treadle")
 
@@ -82,10 +83,12 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
     # native GGUF keeps the file's blocks: the file size is the weights' size
     weights = source.path.stat().st_size if quantization == "gguf" else weight_bytes(source.config, dtype)
     kv_memory = parse_bytes(args.kv_cache_memory)
-    speculative = _speculative_on_one_rank(args)
+    speculative = with_draft_head(_speculative_on_one_rank(args), source)
     draft = draft_model_config(speculative, source)
     if draft is not None:
         weights += weight_bytes(draft, dtype)
+    else:
+        draft = draft_head_kv_config(speculative, source)
     kv_dtype = _kv_cache_dtype(args.kv_cache_dtype, dtype, source.config.head_dim)
     share = world if on_cpu else 1
     plan = plan_kv_cache(
@@ -266,8 +269,6 @@ def resolve_speculative(raw: dict[str, Any] | str | None) -> SpeculativeConfig |
     method = spec["method"] or ("draft_model" if spec["model"] else None)
     if method not in SPEC_METHODS:
         raise TreadleError(f"speculative_config method {method!r} is not one of {', '.join(SPEC_METHODS)}")
-    if method not in ("ngram", "draft_model"):
-        raise TreadleError(f"speculative method {method!r} is not available yet; use 'ngram' or 'draft_model'")
     ints = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
     for key in ints:
         if not isinstance(spec[key], int) or isinstance(spec[key], bool) or spec[key] < 1:
@@ -282,7 +283,12 @@ def resolve_speculative(raw: dict[str, Any] | str | None) -> SpeculativeConfig |
 
 
 def _draft_model_name(method: str, model: object) -> tuple[str | None, int | None]:
-    """(path or name, None) or, for ``"self:N"``, (None, N): the target's first N layers."""
+    """(path or name, None) or, for ``"self:N"``, (None, N): the target's first N layers; an
+    eagle / medusa head's directory (None: the target's own, see ``with_draft_head``)."""
+    if method in HEAD_METHODS:
+        if model is not None and (not isinstance(model, str) or not model):
+            raise TreadleError(f'speculative method {method} needs "model": a draft-head directory')
+        return model, None
     if method != "draft_model":
         return None, None
     if not isinstance(model, str) or not model:
@@ -317,3 +323,37 @@ def draft_model_config(spec: SpeculativeConfig | None, target: ModelSource) -> M
         raise TreadleError(f"draft model {spec.model}: its tokenizer differs from the target's; "
                            "a draft needs the target's vocabulary")
     return draft.config
+
+
+def with_draft_head(spec: SpeculativeConfig | None, target: ModelSource) -> SpeculativeConfig | None:
+    """eagle / medusa: the head's directory (default: the target directory's
+    ``draft-heads/<method>``, e.g. the heads shipped with stories260k), checked against the
+    target (a one-line TreadleError for a missing, malformed or mismatched head)."""
+    if spec is None or spec.method not in HEAD_METHODS:
+        return spec
+    model = spec.model
+    if model is None:
+        default = target.path / "draft-heads" / spec.method
+        if not (target.path.is_dir() and default.is_dir()):
+            raise TreadleError(f'speculative method {spec.method} needs "model": a draft-head directory (make one '
+                               f"with `treadle train-draft-head`); {target.path} ships no {spec.method} head")
+        model = str(default)
+    head = read_head_config(model)
+    if head.method != spec.method:
+        raise TreadleError(f"draft head {model} is a {head.method} head, not {spec.method}")
+    why = head.target.mismatch(target.config)
+    if why is not None:
+        raise TreadleError(f"draft head {model} does not fit this model: {why}")
+    if head.method == "medusa" and spec.num_speculative_tokens > head.num_speculative_tokens:
+        raise TreadleError(f"draft head {model} has {head.num_speculative_tokens} Medusa heads; "
+                           f"num_speculative_tokens {spec.num_speculative_tokens} needs as many")
+    return dataclasses.replace(spec, model=model)
+
+
+def draft_head_kv_config(spec: SpeculativeConfig | None, target: ModelSource) -> ModelConfig | None:
+    """The EAGLE layer's config (its KV shares the blocks); None for every other method."""
+    if spec is None or spec.method != "eagle" or spec.model is None:
+        return None
+    head = read_head_config(spec.model)
+    assert head.layer is not None
+    return eagle_layer_config(target.config, head.layer)

@@ -32,6 +32,7 @@ def register(sub: Any) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=64, help="generation batch size")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for training (one is fastest on a busy machine)")
     p.set_defaults(func=run)
 
 
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         if value < 1:
             raise TreadleError(f"{name} must be at least 1")
     prompts = _read_prompts(args.prompts)
+    torch.set_num_threads(max(1, args.threads))
     t0 = time.perf_counter()
     seqs = generate_sequences(args.target, prompts, args.chat, args.max_new_tokens, args.max_num_seqs)
     lm = load_model(args.target, select_backend("cpu", torch.device("cpu")), quantization="auto")

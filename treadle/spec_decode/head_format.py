@@ -21,6 +21,7 @@ a mismatch or a malformed directory is one TreadleError line.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -67,6 +68,14 @@ class EagleLayerShape:
     def like(cfg: ModelConfig) -> EagleLayerShape:
         """The shape of one of the target's own decoder layers."""
         return EagleLayerShape(cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+
+
+def eagle_layer_config(target: ModelConfig, shape: EagleLayerShape) -> ModelConfig:
+    """The ModelConfig of the EAGLE layer (its KV cache is planned and allocated from it): the
+    target's RoPE and norm settings, one layer of ``shape``, no bias, no sliding window."""
+    return dataclasses.replace(
+        target, num_layers=1, intermediate_size=shape.intermediate_size, num_heads=shape.num_attention_heads,
+        num_kv_heads=shape.num_key_value_heads, head_dim=shape.head_dim, qkv_bias=False, sliding_window=None)
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,15 @@ y_t = argmax lm_head(h_t) (the token after position t), at every position:
             then an unrolled pass with g_{t-1} in place of h_t, as chained drafting sees it
 
 The target's embedding, final norm and lm_head are frozen float copies (dequantized when the
-target is quantized); only the head's tensors train.
+target is quantized); only the head's tensors train. With a large vocabulary (SmolLM2: 49152)
+the cross-entropy runs over the lm_head rows of the tokens that occur as labels (a few
+thousand): most of the cost of a step otherwise, and the feature regression keeps the head's
+output near the target's hidden state for the other rows.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -86,6 +91,7 @@ class TrainSettings:
     lr: float = 3e-3
     feature_weight: float = 1.0  # eagle: weight of the feature regression
     seed: int = 0
+    max_train_vocab: int = 8192  # above it, the cross-entropy runs over the tokens that occur as labels
 
 
 class _Batch:
@@ -113,7 +119,7 @@ def _ce(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> tuple
 
 def medusa_loss(heads: MedusaHeads, target: FrozenTarget, batch: _Batch) -> tuple[torch.Tensor, float]:
     feats = heads(batch.hidden)  # [K, B, T, H]
-    total, accs = torch.zeros(()), []
+    total, accs = torch.zeros(()), list[float]()
     for k in range(feats.shape[0]):
         shift = k + 1
         if batch.hidden.shape[1] <= shift:
@@ -147,6 +153,12 @@ def train_head(cfg: ModelConfig, target: FrozenTarget, tokens: list[list[int]], 
                progress: Callable[[int, float, float], None] | None = None) -> dict[str, torch.Tensor]:
     """Train a head; returns its tensors (the file's names). ``progress(step, loss, acc)``
     is called after every step (acc: the first draft's accuracy on the step's batch)."""
+    if cfg.vocab_size > settings.max_train_vocab:  # a large vocabulary: most rows never occur as labels
+        rows = torch.unique(torch.cat(labels))
+        remap = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
+        remap[rows] = torch.arange(rows.numel())
+        labels = [remap[lb] for lb in labels]
+        target = dataclasses.replace(target, lm_head=target.lm_head[rows])
     gen = torch.Generator().manual_seed(settings.seed)
     torch.manual_seed(settings.seed)
     module: torch.nn.Module
@@ -155,7 +167,9 @@ def train_head(cfg: ModelConfig, target: FrozenTarget, tokens: list[list[int]], 
     else:
         module = EagleTrainLayer(cfg, EagleLayerShape.like(cfg))
     opt = torch.optim.AdamW(module.parameters(), lr=settings.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, settings.lr, total_steps=max(1, settings.steps), pct_start=0.1)
+    warm, steps = max(1, settings.steps // 10), settings.steps
+    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, cosine decay
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     order = torch.randperm(len(tokens), generator=gen).tolist()
     cursor = 0
     for step in range(settings.steps):
@@ -177,5 +191,5 @@ def train_head(cfg: ModelConfig, target: FrozenTarget, tokens: list[list[int]], 
         opt.step()
         sched.step()
         if progress is not None:
-            progress(step, float(loss), acc)
+            progress(step, float(loss.detach()), acc)
     return {k: v.detach() for k, v in module.state_dict().items()}

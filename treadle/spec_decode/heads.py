@@ -21,8 +21,6 @@ to the same outputs.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,7 +40,7 @@ from treadle.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
 )
-from treadle.spec_decode.head_format import EagleLayerShape
+from treadle.spec_decode.head_format import EagleLayerShape, eagle_layer_config
 
 
 class MedusaHeads(nn.Module):
@@ -50,21 +48,14 @@ class MedusaHeads(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int) -> None:
         super().__init__()
-        self.heads = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
-        for lin in self.heads:
+        linears = [nn.Linear(hidden_size, hidden_size) for _ in range(num_heads)]
+        for lin in linears:
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
+        self.heads = nn.ModuleList(linears)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [K, ..., H]
         return torch.stack([hidden + F.silu(lin(hidden)) for lin in self.heads])
-
-
-def eagle_layer_config(target: ModelConfig, shape: EagleLayerShape) -> ModelConfig:
-    """The ModelConfig of the EAGLE layer: the target's RoPE and norm settings, one layer of
-    ``shape`` (no bias, no sliding window)."""
-    return dataclasses.replace(
-        target, num_layers=1, intermediate_size=shape.intermediate_size, num_heads=shape.num_attention_heads,
-        num_kv_heads=shape.num_key_value_heads, head_dim=shape.head_dim, qkv_bias=False, sliding_window=None)
 
 
 class _Norm(nn.Module):

@@ -10,6 +10,9 @@ from treadle.layers.attention.kv_quant import cache_dtype
 from treadle.loaders import load_model
 from treadle.models.llama import KVCache, LlamaForCausalLM
 from treadle.spec_decode.draft_model import DraftModelProposer, LayerSkipDraft
+from treadle.spec_decode.head_format import HEAD_METHODS, eagle_layer_config, load_head
+from treadle.spec_decode.head_proposers import EagleProposer, MedusaProposer
+from treadle.spec_decode.heads import EagleLayer, MedusaHeads
 from treadle.spec_decode.ngram import NgramProposer
 from treadle.spec_decode.proposer import Proposer
 from treadle.worker.fused_layers import fuse_decoder_layers
@@ -25,8 +28,8 @@ def build_proposer(spec: SpeculativeConfig | None, target: LlamaForCausalLM, tar
     k = spec.num_speculative_tokens
     if spec.method == "ngram":
         return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-    if spec.method != "draft_model":
-        raise NotImplementedError(spec.method)  # the resolver admits no other method yet
+    if spec.method in HEAD_METHODS:
+        return _head_proposer(spec, target, cache, device)
     max_positions = target.config.max_position_embeddings
     if spec.draft_layers is not None:
         return DraftModelProposer(k, LayerSkipDraft(target, spec.draft_layers), target_kv[: spec.draft_layers],
@@ -39,3 +42,19 @@ def build_proposer(spec: SpeculativeConfig | None, target: LlamaForCausalLM, tar
                            device)  # the target's cache dtype: the planner sized the shared blocks with it
     return DraftModelProposer(k, loaded.model, kv, target.backend, cache.block_size,
                               min(max_positions, loaded.config.max_position_embeddings), False, device)
+
+
+def _head_proposer(spec: SpeculativeConfig, target: LlamaForCausalLM, cache: CacheConfig,
+                   device: torch.device) -> Proposer:
+    """An EAGLE or Medusa head (``spec.model``: its directory, filled in by the resolver)."""
+    assert spec.model is not None
+    config, tensors = load_head(spec.model, target.config, spec.method)
+    k = spec.num_speculative_tokens
+    if config.layer is None:  # medusa
+        heads = MedusaHeads(target.config.hidden_size, config.num_speculative_tokens)
+        heads.load_state_dict(tensors)
+        return MedusaProposer(k, heads.to(device).eval(), target)
+    layer = EagleLayer(target, config.layer, tensors)
+    kv = allocate_kv_cache(eagle_layer_config(target.config, config.layer), cache.num_blocks, cache.block_size,
+                           cache_dtype(cache.kv_cache_dtype), device)
+    return EagleProposer(k, layer, kv[0], cache.block_size, target.config.max_position_embeddings, device)

@@ -1,0 +1,121 @@
+"""Proposers that draft from the target's hidden states with a trained head (``heads.py``;
+the contract: ``proposer.py``).
+
+Medusa has no KV: for each drafting request, its last verified row h_t (the row that produced
+the new token x at t+1) goes through the K heads at once; head k drafts token t+k+2.
+
+EAGLE owns one layer of KV in the target's block pool (same block ids and slot mapping). Its
+index j pairs the target's h_j with the token after it, x_{j+1}, so it is valid for every
+position the target has verified, and the token after the last one is the new token x:
+
+    request r, verified positions [s, s+v), new token x at s+v:
+    catch-up   one flat forward over every request:  (h_j, x_{j+1}) at index j, j in [s, s+v)
+               (a request without a new token, e.g. a prompt chunk: only j with x_{j+1} known)
+               -> g at index s+v-1 -> d1 = argmax lm_head(g)
+    chain      K-1 one-row forwards: (g, d_i) at index s+v-1+i -> the next g, d_{i+1}
+               (indices >= s+v are scratch, in the scheduler's lookahead slots: rewritten by
+               the next step's catch-up before anyone attends to them)
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from treadle.layers.attention import StepInputBuilder
+from treadle.models.llama import KVCache, LlamaForCausalLM
+from treadle.spec_decode.heads import EagleLayer, MedusaHeads
+from treadle.spec_decode.proposer import Proposer, ProposerStep, RequestProgress
+
+
+def _argmax_tokens(target: LlamaForCausalLM, features: torch.Tensor) -> list[int]:
+    logits = target.compute_logits(features)
+    assert logits is not None, "speculation runs on one rank"
+    return [int(t) for t in logits.argmax(-1).tolist()]
+
+
+class MedusaProposer(Proposer):
+    def __init__(self, num_speculative_tokens: int, heads: MedusaHeads, target: LlamaForCausalLM) -> None:
+        super().__init__(num_speculative_tokens)
+        self.heads, self.target = heads, target
+
+    @torch.inference_mode()
+    def propose(self, step: ProposerStep) -> dict[str, list[int]]:
+        rows = [r for r in step.requests if r.wants_drafts and r.num_verified > 0]
+        if not rows or step.hidden is None:
+            return {}
+        index = torch.tensor([r.flat_start + r.num_verified - 1 for r in rows], device=step.hidden.device)
+        feats = self.heads(step.hidden.index_select(0, index).float())[: self.k]  # [K, n, H]
+        k, n, h = feats.shape
+        tokens = _argmax_tokens(self.target, feats.reshape(k * n, h).to(self.target.dtype))
+        return {r.request_id: tokens[i::n] for i, r in enumerate(rows)}
+
+
+class _Run(NamedTuple):
+    request: RequestProgress
+    begin: int  # first EAGLE index run in the catch-up
+    end: int  # one past the last
+
+
+class EagleProposer(Proposer):
+    def __init__(self, num_speculative_tokens: int, layer: EagleLayer, kv_cache: KVCache, block_size: int,
+                 max_positions: int, device: torch.device | str = "cpu") -> None:
+        """``kv_cache``: the layer's (k, v) over the target's block ids."""
+        super().__init__(num_speculative_tokens)
+        self.layer, self.kv_cache, self.max_positions = layer, kv_cache, max_positions
+        self.backend = layer.target[0].backend
+        self.device = torch.device(device)
+        self.inputs = StepInputBuilder(block_size, 0, self.device)
+
+    def _forward(self, runs: list[_Run], tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """The layer over each run's indices [begin, end) (rows in run order); features [n, H]."""
+        query_lens = [r.end - r.begin for r in runs]
+        positions, meta = self.inputs.build(query_lens, [r.end for r in runs], [r.request.block_ids for r in runs])
+        meta.plan = self.backend.plan(meta)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self.layer(ids, hidden, positions, self.kv_cache, meta)
+
+    def _catch_up(self, step: ProposerStep) -> tuple[list[_Run], torch.Tensor] | None:
+        assert step.hidden is not None
+        runs, tokens, rows = [], [], []
+        for r in step.requests:
+            end = min(r.start + r.num_verified, len(r.token_ids) - 1, self.max_positions)
+            if end <= r.start:
+                continue
+            runs.append(_Run(r, r.start, end))
+            tokens += r.token_ids[r.start + 1 : end + 1]
+            rows.append(torch.arange(r.flat_start, r.flat_start + end - r.start))
+        if not runs:
+            return None
+        hidden = step.hidden.index_select(0, torch.cat(rows).to(step.hidden.device))
+        return runs, self._forward(runs, tokens, hidden)
+
+    @torch.inference_mode()
+    def propose(self, step: ProposerStep) -> dict[str, list[int]]:
+        if step.hidden is None:
+            return {}
+        caught = self._catch_up(step)
+        if caught is None:
+            return {}
+        runs, feats = caught
+        last = torch.tensor([r.end - r.begin for r in runs], device=feats.device).cumsum(0) - 1
+        # drafting needs the catch-up to have reached the new token's predecessor
+        live = [i for i, r in enumerate(runs)
+                if r.request.wants_drafts and r.end == len(r.request.token_ids) - 1]
+        if not live:
+            return {}
+        feat = feats.index_select(0, last[live])
+        runs = [runs[i] for i in live]
+        first = _argmax_tokens(self.layer.target[0], feat)
+        drafts = {r.request.request_id: [t] for r, t in zip(runs, first)}
+        for i in range(1, self.k):
+            keep = [j for j, r in enumerate(runs) if r.end + i <= min(r.request.num_slots, self.max_positions)]
+            if not keep:
+                break
+            runs, feat = [runs[j] for j in keep], feat[keep]
+            index_runs = [_Run(r.request, r.end - 1 + i, r.end + i) for r in runs]
+            ids = [drafts[r.request.request_id][-1] for r in runs]
+            feat = self._forward(index_runs, ids, feat)
+            for r, t in zip(runs, _argmax_tokens(self.layer.target[0], feat)):
+                drafts[r.request.request_id].append(t)
+        return drafts
