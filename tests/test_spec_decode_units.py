@@ -47,7 +47,7 @@ def test_speculative_config_from_dict_json_and_cli() -> None:
     ({"method": "ngram", "num_speculative_tokens": 0}, "at least 1"),
     ({"method": "ngram", "prompt_lookup_min": 5}, "must not exceed"),
     ({"method": "ngram", "fallback": "yes"}, "true or false"),
-    ({"method": "eagle"}, "not available yet"),
+    ({"method": "eagle", "model": 3}, "draft-head directory"),
 ])
 def test_speculative_config_errors_are_one_line(raw: object, match: str) -> None:
     with pytest.raises(TreadleError, match=match) as info:
