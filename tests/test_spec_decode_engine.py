@@ -123,9 +123,11 @@ def test_stop_strings_and_eos_identical_on_stories() -> None:
     assert_no_leaks(llm)
 
 
-def test_speculative_sampling_distribution_equals_plain_on_stories() -> None:
+@pytest.mark.parametrize("speculative", [NGRAM, {"method": "eagle", "num_speculative_tokens": 3, "fallback": False}],
+                         ids=["ngram", "eagle"])
+def test_speculative_sampling_distribution_equals_plain_on_stories(speculative: dict[str, object]) -> None:
     """600 unseeded samples of three tokens (top-k 3: at most 27 outcomes) with and without
-    n-gram drafts. Two samples of n from one distribution: each outcome's count difference has
+    drafts (n-gram; the EAGLE head shipped with stories260k). Two samples of n from one distribution: each outcome's count difference has
     standard deviation sqrt(2 n p_i), so E[TV] <= sum_i sqrt(2 p_i / n) / 2 (p from the pooled
     counts); the test allows 3x that."""
     import collections
@@ -134,7 +136,7 @@ def test_speculative_sampling_distribution_equals_plain_on_stories() -> None:
     n = 600
     params = SamplingParams(temperature=1.0, top_k=3, n=n, max_tokens=3, ignore_eos=True)
     counts = []
-    for kw in ({}, {"speculative_config": NGRAM}):
+    for kw in ({}, {"speculative_config": speculative}):
         llm = LLM("stories260k", max_num_seqs=1024, num_kv_blocks=1024, max_num_batched_tokens=4096, **kw)
         out = llm.generate(STORY[1], params, use_tqdm=False)[0]
         counts.append(collections.Counter(tuple(o.token_ids) for o in out.outputs))

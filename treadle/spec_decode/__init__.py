@@ -1,6 +1,7 @@
 """Speculative decoding, in three pieces kept apart (design guide, principle 9):
 
-    proposer            (proposer.py: the contract; ngram.py, draft_model.py)
+    proposer            (proposer.py: the contract; ngram.py, draft_model.py,
+                         head_proposers.py: EAGLE / Medusa heads, heads.py, head_format.py)
                                                the runner hands it the step, gets K drafts per request
     verifier            (rejection_sampler.py) the runner's target logits at the 1 + K rows ->
                                                the accepted drafts plus one token
