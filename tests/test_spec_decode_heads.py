@@ -96,6 +96,7 @@ VARIANTS = {
     "k1": {"k": 1},
     "chunked": {"max_num_batched_tokens": 8},  # drafts cut by the budget, prompt chunks beside verifies
     "preemption": {"num_kv_blocks": 7, "max_num_batched_tokens": 32},
+    "fallback-on": {"fallback": True},  # the default: the controller may drop drafts (KV catch-up goes on)
 }
 
 
@@ -105,10 +106,12 @@ def test_random_head_on_random_model_greedy_identical(tiny_llama: Path, tmp_path
                                                        variant: str) -> None:
     kw = dict(VARIANTS[variant])
     k = int(kw.pop("k", 4))  # type: ignore[call-overload]
+    fallback = bool(kw.pop("fallback", False))
     head = random_head(tiny_llama, tmp_path / method, method)
     prompts = token_prompts(tiny_llama, 5)
     plain, _ = run(tiny_llama, prompts, GREEDY, **kw)
-    out, llm = run(tiny_llama, prompts, GREEDY, speculative_config=spec(method, head, k), **kw)
+    out, llm = run(tiny_llama, prompts, GREEDY, speculative_config={**spec(method, head, k), "fallback": fallback},
+                   **kw)
     assert out == plain
     stats = llm.get_stats()["spec_decode"]
     assert stats["drafts"] > 0 and stats["emitted_tokens"] == stats["accepted_tokens"] + stats["drafts"]
