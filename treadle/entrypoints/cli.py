@@ -9,7 +9,7 @@ import sys
 
 from treadle.config import TreadleError
 
-_SUBCOMMANDS: list[str] = ["generate", "convert", "bench", "serve"]  # modules under treadle.entrypoints, e.g. "convert"
+_SUBCOMMANDS: list[str] = ["generate", "convert", "bench", "serve", "quantize", "eval"]  # modules under treadle.entrypoints, e.g. "convert"
 
 
 def build_parser() -> argparse.ArgumentParser:
