@@ -12,6 +12,7 @@ KV group uses the same s for its d -- ``tie_heads`` makes a per-channel statisti
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,7 +22,8 @@ from treadle.quantize.layers import SmoothGroup, linear
 
 def head_groups(layer: nn.Module) -> tuple[int, int]:
     """(KV heads, query heads per KV head) of the layer's attention."""
-    head_dim = int(getattr(layer.get_submodule("self_attn"), "head_dim"))
+    attn: Any = layer.get_submodule("self_attn")  # transformers' attention: head_dim is a plain int
+    head_dim = int(attn.head_dim)
     kv = linear(layer, "self_attn.v_proj").out_features // head_dim
     return kv, linear(layer, "self_attn.o_proj").in_features // (kv * head_dim)
 
