@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
 from treadle.bench.perplexity import PerplexityResult, evaluate
 from treadle.config import TreadleError
 
@@ -33,25 +35,39 @@ ROWS = (
 )
 
 
-def evaluate_text(model: str, text: Path, quantization: str | None, reference: str | None, window: int = 512,
-                  stride: int = 256) -> PerplexityResult:
-    from treadle.layers.attention.selector import select_backend
-    from treadle.loaders import load_model
+def _read_ids(model: str, text: Path) -> list[int]:
+    from treadle.loaders import open_model_source
 
     try:
         raw = text.read_text(encoding="utf-8")
     except OSError as e:
         raise TreadleError(f"{text}: cannot read the evaluation text ({e.strerror})") from None
-    if window < 2 or not 0 < stride <= window:
-        raise TreadleError("--window must be >= 2 and 0 < --stride <= --window")
-    lm = load_model(model, select_backend("auto", "cpu"), quantization=quantization)
-    ref = load_model(reference, select_backend("auto", "cpu"), quantization="none") if reference else None
-    if lm.tokenizer is None:
+    tokenizer = open_model_source(model).tokenizer
+    if tokenizer is None:
         raise TreadleError(f"{model}: no tokenizer")
-    ids = lm.tokenizer.encode(raw)
+    ids = tokenizer.encode(raw)
     if len(ids) < 2:
         raise TreadleError(f"{text}: too short to score")
-    return evaluate(lm, ids, window, stride, ref)
+    return ids
+
+
+def _logits_and_result(model: str, ids: list[int], quantization: str | None, window: int, stride: int,
+                       reference: list[torch.Tensor] | None) -> tuple[PerplexityResult, list[torch.Tensor]]:
+    from treadle.layers.attention.selector import select_backend
+    from treadle.loaders import load_model
+
+    if window < 2 or not 0 < stride <= window:
+        raise TreadleError("--window must be >= 2 and 0 < --stride <= --window")
+    return evaluate(load_model(model, select_backend("auto", "cpu"), quantization=quantization), ids, window, stride,
+                    reference)
+
+
+def evaluate_text(model: str, text: Path, quantization: str | None, reference: str | None, window: int = 512,
+                  stride: int = 512) -> PerplexityResult:
+    """``model`` (loaded with ``quantization``) on ``text``; ``reference`` is loaded in float."""
+    ids = _read_ids(model, text)
+    ref = _logits_and_result(reference, ids, "none", window, stride, None)[1] if reference else None
+    return _logits_and_result(model, ids, quantization, window, stride, ref)[0]
 
 
 def _checkpoint(model: str, row: Row, workdir: Path) -> str:
@@ -66,22 +82,24 @@ def _checkpoint(model: str, row: Row, workdir: Path) -> str:
     return str(out)
 
 
-def accuracy_table(models: list[str], workdir: Path, text: Path) -> str:
-    """Markdown: one line per (model, row); a row that cannot run says why."""
+def accuracy_table(models: list[str], workdir: Path, text: Path, window: int = 512, stride: int = 512) -> str:
+    """Markdown: one line per (model, row); a row that cannot run says why. The float row's
+    logits are the reference of the others."""
     lines = ["| model | mode | perplexity | vs float | top-1 agree | mean abs dlogit | weights MB | decode ms |",
              "|---|---|---|---|---|---|---|---|"]
     for model in models:
-        base: float | None = None
+        ids = _read_ids(model, text)
+        base: tuple[float, list[torch.Tensor]] | None = None
         for row in ROWS:
             try:
                 path = _checkpoint(model, row, workdir) if row.method else model
-                r = evaluate_text(path, text, row.quantization, None if row.label == "float32" else model)
+                r, logits = _logits_and_result(path, ids, row.quantization, window, stride, base and base[1])
             except TreadleError as e:
                 lines.append(f"| {model} | {row.label} | n/a: {e} | | | | | |")
                 continue
-            base = r.perplexity if base is None else base
+            base = base or (r.perplexity, logits)
             agree = "" if r.top1_agreement is None else f"{100 * r.top1_agreement:.1f} %"
             dl = "" if r.mean_abs_dlogit is None else f"{r.mean_abs_dlogit:.3f}"
-            lines.append(f"| {model} | {row.label} | {r.perplexity:.3f} | {100 * (r.perplexity / base - 1):+.2f} % | "
+            lines.append(f"| {model} | {row.label} | {r.perplexity:.3f} | {100 * (r.perplexity / base[0] - 1):+.2f} % | "
                          f"{agree} | {dl} | {r.weight_mb:.1f} | {r.decode_ms:.1f} |")
     return "\n".join(lines)

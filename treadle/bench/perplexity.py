@@ -2,7 +2,8 @@
 
 Method (``treadle eval perplexity``): the text is tokenized once (with the tokenizer's
 special tokens, so a BOS is prepended where the model expects one) and cut into windows of
-``window`` tokens that start every ``stride`` tokens:
+``window`` tokens that start every ``stride`` tokens (default: stride = window, windows
+side by side; a smaller stride gives later windows more context at more cost):
 
     tokens   t0 t1 t2 ............................................ tN-1
     window 1 [t0 ....................... t(W-1)]            scores t1 .. t(W-1)
@@ -105,27 +106,34 @@ def decode_step_ms(lm: LoadedModel, prompt: list[int], steps: int = 16) -> float
 
 
 @torch.no_grad()
-def evaluate(lm: LoadedModel, ids: list[int], window: int, stride: int,
-             reference: LoadedModel | None = None) -> PerplexityResult:
-    """Perplexity of ``lm`` on ``ids`` (see the module docstring), compared with ``reference``."""
+def window_logits(lm: LoadedModel, ids: list[int], window: int, stride: int) -> list[torch.Tensor]:
+    """Each window's logits at the positions it scores ([scored, vocab] float32)."""
     runner = SequenceRunner(lm, window)
-    ref_runner = SequenceRunner(reference, window) if reference is not None else None
-    nll, agree, dlogit, count = 0.0, 0, 0.0, 0
-    for begin, end, first in windows(len(ids), window, stride):
-        rows = slice(first - 1 - begin, end - 1 - begin)  # logits at p - 1 predict token p
-        logits = runner.feed(ids[begin:end], restart=True)[rows]
-        targets = torch.tensor(ids[first:end])
-        nll += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
-        count += len(targets)
-        if ref_runner is not None:
-            ref = ref_runner.feed(ids[begin:end], restart=True)[rows]
-            agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
-            dlogit += float((logits - ref).abs().mean(-1).sum())
-    return PerplexityResult(
-        tokens_scored=count,
-        perplexity=float(torch.exp(torch.tensor(nll / count))),
-        top1_agreement=agree / count if ref_runner is not None else None,
-        mean_abs_dlogit=dlogit / count if ref_runner is not None else None,
+    return [runner.feed(ids[begin:end], restart=True)[first - 1 - begin:end - 1 - begin]
+            for begin, end, first in windows(len(ids), window, stride)]
+
+
+@torch.no_grad()
+def evaluate(lm: LoadedModel, ids: list[int], window: int, stride: int,
+             reference: list[torch.Tensor] | None = None) -> tuple[PerplexityResult, list[torch.Tensor]]:
+    """Perplexity of ``lm`` on ``ids`` (see the module docstring), compared with a reference
+    model's ``window_logits`` on the same windows; also returns ``lm``'s own."""
+    logits = window_logits(lm, ids, window, stride)
+    targets = torch.tensor([ids[p] for _, end, first in windows(len(ids), window, stride) for p in range(first, end)])
+    flat = torch.cat(logits)
+    nll = float(torch.nn.functional.cross_entropy(flat, targets, reduction="sum"))
+    agree: float | None = None
+    dlogit: float | None = None
+    if reference is not None:
+        ref = torch.cat(reference)
+        agree = float((flat.argmax(-1) == ref.argmax(-1)).float().mean())
+        dlogit = float((flat - ref).abs().mean())
+    result = PerplexityResult(
+        tokens_scored=len(targets),
+        perplexity=float(torch.exp(torch.tensor(nll / len(targets)))),
+        top1_agreement=agree,
+        mean_abs_dlogit=dlogit,
         weight_mb=weight_megabytes(lm),
         decode_ms=decode_step_ms(lm, ids[:64]),
     )
+    return result, logits
