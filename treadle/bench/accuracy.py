@@ -29,9 +29,9 @@ ROWS = (
     Row("RTN int4-g32 (W4A16)", "rtn", 4, 32, None),
     Row("GPTQ int4-g32 (W4A16)", "gptq", 4, 32, None),
     Row("AWQ int4-g32 (W4A16)", "awq", 4, 32, None),
-    Row("load-time int8 (weight-only RTN)", None, None, None, "int8"),
-    Row("load-time int4-g32 (weight-only RTN)", None, None, None, "int4-g32"),
-    Row("GGUF native blocks", None, None, None, "gguf"),
+    Row("--quantization int8 (load time: Q8_0 blocks, weight-only)", None, None, None, "int8"),
+    Row("--quantization int4-g32 (load time: Q4_1 blocks, asymmetric)", None, None, None, "int4-g32"),
+    Row("--quantization gguf (the file's own blocks)", None, None, None, "gguf"),
 )
 
 
