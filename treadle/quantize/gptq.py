@@ -13,21 +13,21 @@ from torch import nn
 
 from treadle.config import TreadleError
 from treadle.quantize.grid import Grid
-from treadle.quantize.layers import LayerInput, linear_inputs, linears, run_layer
+from treadle.quantize.layers import SMOOTH_GROUPS, LayerInput, linear_inputs, linears, run_layer
 
 BLOCK = 128
 
 
 class HessianSum:
-    """Running 2 X^T X / n of a linear's inputs, in float64."""
+    """Running 2 X^T X / n of a linear's inputs (products in float32, the sum in float64)."""
 
     def __init__(self, in_features: int) -> None:
         self.h = torch.zeros(in_features, in_features, dtype=torch.float64)
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:  # [tokens, in]
-        x = x.to(torch.float64)
-        self.h.mul_(self.n / (self.n + len(x))).addmm_(x.T, x, alpha=2.0 / (self.n + len(x)))
+        x = x.to(torch.float32)
+        self.h.mul_(self.n / (self.n + len(x))).add_((x.T @ x).to(torch.float64), alpha=2.0 / (self.n + len(x)))
         self.n += len(x)
 
 
@@ -82,13 +82,15 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, grid: Grid, damp:
 @torch.no_grad()
 def gptq_layer(layer: nn.Module, inputs: list[LayerInput], grid: Grid, damp: float,
                act_order: bool, skip: set[str]) -> dict[str, torch.Tensor]:
-    """Hessians of every linear (but ``skip``) from one float pass of the layer, then GPTQ
-    each in place."""
+    """Hessians of every linear (but ``skip``) from one float pass of the layer (one per
+    distinct input: q/k/v share one, gate/up another), then GPTQ each in place."""
     mods = {n: m for n, m in linears(layer).items() if n not in skip}
-    sums = {name: HessianSum(m.in_features) for name, m in mods.items()}
-    with linear_inputs(layer, list(mods), lambda name, x: sums[name].add(x)):
+    shared = {n: g.linears[0] for g in SMOOTH_GROUPS for n in g.linears if n in mods}
+    source = {n: shared.get(n, n) for n in mods}
+    sums = {s: HessianSum(mods[s].in_features) for s in set(source.values())}
+    with linear_inputs(layer, list(sums), lambda name, x: sums[name].add(x)):
         run_layer(layer, inputs)
     scales = {}
     for name, m in mods.items():
-        m.weight.data, scales[name] = gptq_quantize(m.weight.data, sums[name].h, grid, damp, act_order)
+        m.weight.data, scales[name] = gptq_quantize(m.weight.data, sums[source[name]].h, grid, damp, act_order)
     return scales
