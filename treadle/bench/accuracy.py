@@ -2,6 +2,7 @@
 the float model (``treadle eval table``)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -70,19 +71,22 @@ def evaluate_text(model: str, text: Path, quantization: str | None, reference: s
     return _logits_and_result(model, ids, quantization, window, stride, ref)[0]
 
 
-def _checkpoint(model: str, row: Row, workdir: Path) -> str:
+def _checkpoint(model: str, row: Row, workdir: Path, quantize: bool) -> str:
     from treadle.quantize.pipeline import quantize_checkpoint
     from treadle.quantize.spec import QuantizeSpec
 
     assert row.method is not None
     out = workdir / (f"{Path(model).name}-{row.method}-w{row.bits}" + (f"-g{row.group_size}" if row.group_size else ""))
     if not (out / "config.json").is_file():
+        if not quantize:
+            raise TreadleError(f"{out} not made (--no-quantize)")
         spec = QuantizeSpec.build(row.method, row.bits, row.group_size, 0.8, TABLE_SAMPLES, 256)
         quantize_checkpoint(model, out, CALIBRATION_TEXT, spec)
     return str(out)
 
 
-def accuracy_table(models: list[str], workdir: Path, text: Path, window: int = 512, stride: int = 512) -> str:
+def accuracy_table(models: list[str], workdir: Path, text: Path, window: int = 512, stride: int = 512,
+                   quantize: bool = True) -> str:
     """Markdown: one line per (model, row); a row that cannot run says why. The float row's
     logits are the reference of the others."""
     lines = ["| model | mode | perplexity | vs float | top-1 agree | mean abs dlogit | weights MB | decode ms |",
@@ -92,14 +96,16 @@ def accuracy_table(models: list[str], workdir: Path, text: Path, window: int = 5
         base: tuple[float, list[torch.Tensor]] | None = None
         for row in ROWS:
             try:
-                path = _checkpoint(model, row, workdir) if row.method else model
+                path = _checkpoint(model, row, workdir, quantize) if row.method else model
                 r, logits = _logits_and_result(path, ids, row.quantization, window, stride, base and base[1])
             except TreadleError as e:
                 lines.append(f"| {model} | {row.label} | n/a: {e} | | | | | |")
+                print(lines[-1], file=sys.stderr, flush=True)
                 continue
             base = base or (r.perplexity, logits)
             agree = "" if r.top1_agreement is None else f"{100 * r.top1_agreement:.1f} %"
             dl = "" if r.mean_abs_dlogit is None else f"{r.mean_abs_dlogit:.3f}"
             lines.append(f"| {model} | {row.label} | {r.perplexity:.3f} | {100 * (r.perplexity / base[0] - 1):+.2f} % | "
                          f"{agree} | {dl} | {r.weight_mb:.1f} | {r.decode_ms:.1f} |")
+            print(lines[-1], file=sys.stderr, flush=True)  # progress: the table grows row by row
     return "\n".join(lines)

@@ -34,6 +34,7 @@ def register(subparsers: Any) -> None:
     table.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "stories260k"])
     table.add_argument("--workdir", type=Path, default=Path("quantized"))
     table.add_argument("--text", type=Path, default=DEFAULT_TEXT, metavar="FILE")
+    table.add_argument("--no-quantize", action="store_true", help="only rows whose checkpoints are in --workdir")
     table.set_defaults(func=run_table)
 
 
@@ -54,5 +55,5 @@ def run_perplexity(args: argparse.Namespace) -> int:
 def run_table(args: argparse.Namespace) -> int:
     from treadle.bench.accuracy import accuracy_table
 
-    print(accuracy_table(args.models, args.workdir, args.text))
+    print(accuracy_table(args.models, args.workdir, args.text, quantize=not args.no_quantize))
     return 0
