@@ -2,8 +2,9 @@
 
 Method (``treadle eval perplexity``): the text is tokenized once (with the tokenizer's
 special tokens, so a BOS is prepended where the model expects one) and cut into windows of
-``window`` tokens that start every ``stride`` tokens (default: stride = window, windows
-side by side; a smaller stride gives later windows more context at more cost):
+``window`` tokens that start every ``stride`` tokens (default: stride = window - 1, windows
+side by side overlapping by the one token a window cannot predict; a smaller stride gives
+later windows more context at more cost):
 
     tokens   t0 t1 t2 ............................................ tN-1
     window 1 [t0 ....................... t(W-1)]            scores t1 .. t(W-1)
@@ -44,9 +45,11 @@ class PerplexityResult:
 
 
 def windows(num_tokens: int, window: int, stride: int) -> Iterator[tuple[int, int, int]]:
-    """(begin, end, first scored position) of each window; positions are scored once."""
+    """(begin, end, first scored position) of each window; positions are scored once. The
+    step is at most ``window - 1``: a window's first token has no prediction inside it, so
+    consecutive windows overlap by at least one token."""
     scored_to = 1  # position 0 has no prediction
-    for begin in range(0, num_tokens - 1, stride):
+    for begin in range(0, num_tokens - 1, min(stride, window - 1)):
         end = min(begin + window, num_tokens)
         if end > scored_to:
             yield begin, end, scored_to
