@@ -25,7 +25,7 @@ def register(subparsers: Any) -> None:
     ppl.add_argument("--reference", default=None, metavar="MODEL", help="float model to compare logits with")
     ppl.add_argument("--no-reference", action="store_true", help="perplexity only")
     ppl.add_argument("--window", type=int, default=512)
-    ppl.add_argument("--stride", type=int, default=None, help="default: --window (windows side by side)")
+    ppl.add_argument("--stride", type=int, default=None, help="default: --window - 1 (windows side by side, overlapping by one token)")
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
     ppl.set_defaults(func=run_perplexity)
     table = sub.add_parser("table", help="the accuracy table (markdown) of docs/benchmarks.md",
