@@ -36,6 +36,7 @@ LAYERS: dict[str, float] = {
     "treadle.kv_transfer.scheduler": 2.5,  # the connector's scheduler side: a Scheduler with remote-KV hooks
     "treadle.kv_transfer": 5.8,  # the connector's worker side and the tcp / shm connectors
     "treadle.worker": 6,  # model runner, fused-layer planner, CUDA graphs
+    "treadle.quantize": 6,  # treadle quantize: calibration on transformers, compressed-tensors writer
     "treadle.executor": 7,  # drives the workers (in process or in worker processes)
     "treadle.engine": 8,
     "treadle.entrypoints.engine_args": 9,
