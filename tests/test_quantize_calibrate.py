@@ -169,6 +169,11 @@ def test_eval_perplexity_on_stories260k(capsys: pytest.CaptureFixture[str]) -> N
     assert int4["tokens_scored"] == same["tokens_scored"]
     assert 0.5 < int4["top1_agreement"] < 1.0 and int4["mean_abs_dlogit"] > 0
     assert int4["perplexity"] != same["perplexity"] and int4["weight_mb"] < same["weight_mb"]
+    assert main(["eval", "perplexity", "stories260k", "--json", "--window", "128", "--stride", "64",
+                 "--kv-cache-dtype", "int8"]) == 0
+    kv8 = json.loads(capsys.readouterr().out)  # float weights, int8 cache, against the float cache
+    assert kv8["tokens_scored"] == same["tokens_scored"] and kv8["weight_mb"] == same["weight_mb"]
+    assert 0.9 < kv8["top1_agreement"] < 1.0 and 0 < kv8["mean_abs_dlogit"] < int4["mean_abs_dlogit"]
 
 
 @pytest.mark.parametrize(("method", "bits"), [("smoothquant", 8), ("gptq", 4), ("awq", 4)])

@@ -21,6 +21,7 @@ class Row(NamedTuple):
     bits: int | None
     group_size: int | None
     quantization: str | None  # the load-time mode (`--quantization`) of the float model
+    kv_cache_dtype: str = "auto"  # `--kv-cache-dtype`
 
 
 ROWS = (
@@ -33,6 +34,8 @@ ROWS = (
     Row("--quantization int8 (load time: Q8_0 blocks, weight-only)", None, None, None, "int8"),
     Row("--quantization int4-g32 (load time: Q4_1 blocks, asymmetric)", None, None, None, "int4-g32"),
     Row("--quantization gguf (the file's own blocks)", None, None, None, "gguf"),
+    Row("float32 weights, --kv-cache-dtype int8", None, None, None, "none", "int8"),
+    Row("float32 weights, --kv-cache-dtype fp8", None, None, None, "none", "fp8"),
 )
 
 
@@ -53,22 +56,26 @@ def _read_ids(model: str, text: Path) -> list[int]:
 
 
 def _logits_and_result(model: str, ids: list[int], quantization: str | None, window: int, stride: int,
-                       reference: list[torch.Tensor] | None) -> tuple[PerplexityResult, list[torch.Tensor]]:
+                       reference: list[torch.Tensor] | None,
+                       kv_cache_dtype: str = "auto") -> tuple[PerplexityResult, list[torch.Tensor]]:
     from treadle.layers.attention.selector import select_backend
     from treadle.loaders import load_model
 
     if window < 2 or not 0 < stride <= window:
         raise TreadleError("--window must be >= 2 and 0 < --stride <= --window")
+    if kv_cache_dtype not in ("auto", "int8", "fp8"):
+        raise TreadleError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of auto, int8, fp8")
     return evaluate(load_model(model, select_backend("auto", "cpu"), quantization=quantization), ids, window, stride,
-                    reference)
+                    reference, kv_cache_dtype)
 
 
 def evaluate_text(model: str, text: Path, quantization: str | None, reference: str | None, window: int = 512,
-                  stride: int = 512) -> PerplexityResult:
-    """``model`` (loaded with ``quantization``) on ``text``; ``reference`` is loaded in float."""
+                  stride: int = 512, kv_cache_dtype: str = "auto") -> PerplexityResult:
+    """``model`` (loaded with ``quantization``, its KV cache in ``kv_cache_dtype``) on ``text``;
+    ``reference`` is loaded in float with a float cache."""
     ids = _read_ids(model, text)
     ref = _logits_and_result(reference, ids, "none", window, stride, None)[1] if reference else None
-    return _logits_and_result(model, ids, quantization, window, stride, ref)[0]
+    return _logits_and_result(model, ids, quantization, window, stride, ref, kv_cache_dtype)[0]
 
 
 def _checkpoint(model: str, row: Row, workdir: Path, quantize: bool) -> str:
@@ -97,7 +104,8 @@ def accuracy_table(models: list[str], workdir: Path, text: Path, window: int = 5
         for row in ROWS:
             try:
                 path = _checkpoint(model, row, workdir, quantize) if row.method else model
-                r, logits = _logits_and_result(path, ids, row.quantization, window, stride, base and base[1])
+                r, logits = _logits_and_result(path, ids, row.quantization, window, stride, base and base[1],
+                                               row.kv_cache_dtype)
             except TreadleError as e:
                 lines.append(f"| {model} | {row.label} | n/a: {e} | | | | | |")
                 print(lines[-1], file=sys.stderr, flush=True)

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from treadle.layers.attention import StepInputBuilder
+from treadle.layers.attention.kv_quant import cache_dtype
 from treadle.loaders import LoadedModel
+from treadle.worker.model_runner import allocate_kv_cache
 
 BLOCK_SIZE = 16
 
@@ -59,15 +61,15 @@ def windows(num_tokens: int, window: int, stride: int) -> Iterator[tuple[int, in
 
 
 class SequenceRunner:
-    """One sequence at a time through a loaded model's paged forward."""
+    """One sequence at a time through a loaded model's paged forward, its KV cache in
+    ``kv_cache_dtype`` ("auto": the model's dtype; "int8" / "fp8" as ``--kv-cache-dtype``)."""
 
-    def __init__(self, lm: LoadedModel, max_len: int) -> None:
+    def __init__(self, lm: LoadedModel, max_len: int, kv_cache_dtype: str = "auto") -> None:
         cfg = lm.config
         self.model = lm.model
         blocks = -(-max_len // BLOCK_SIZE)
-        shape = (blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
-        self.caches = [(torch.zeros(shape, dtype=lm.model.dtype), torch.zeros(shape, dtype=lm.model.dtype))
-                       for _ in range(cfg.num_layers)]
+        dtype = lm.model.dtype if kv_cache_dtype == "auto" else cache_dtype(kv_cache_dtype)
+        self.caches = allocate_kv_cache(cfg, blocks, BLOCK_SIZE, dtype, "cpu")
         self.table = [list(range(blocks))]
         self.inputs = StepInputBuilder(BLOCK_SIZE)
         self.length = 0
@@ -97,8 +99,8 @@ def weight_megabytes(lm: LoadedModel) -> float:
     return total / 2**20
 
 
-def decode_step_ms(lm: LoadedModel, prompt: list[int], steps: int = 16) -> float:
-    runner = SequenceRunner(lm, len(prompt) + steps + 1)
+def decode_step_ms(lm: LoadedModel, prompt: list[int], steps: int = 16, kv_cache_dtype: str = "auto") -> float:
+    runner = SequenceRunner(lm, len(prompt) + steps + 1, kv_cache_dtype)
     last = runner.feed(prompt, restart=True)[-1]
     times = []
     for _ in range(steps):
@@ -109,19 +111,21 @@ def decode_step_ms(lm: LoadedModel, prompt: list[int], steps: int = 16) -> float
 
 
 @torch.no_grad()
-def window_logits(lm: LoadedModel, ids: list[int], window: int, stride: int) -> list[torch.Tensor]:
+def window_logits(lm: LoadedModel, ids: list[int], window: int, stride: int,
+                  kv_cache_dtype: str = "auto") -> list[torch.Tensor]:
     """Each window's logits at the positions it scores ([scored, vocab] float32)."""
-    runner = SequenceRunner(lm, window)
+    runner = SequenceRunner(lm, window, kv_cache_dtype)
     return [runner.feed(ids[begin:end], restart=True)[first - 1 - begin:end - 1 - begin]
             for begin, end, first in windows(len(ids), window, stride)]
 
 
 @torch.no_grad()
 def evaluate(lm: LoadedModel, ids: list[int], window: int, stride: int,
-             reference: list[torch.Tensor] | None = None) -> tuple[PerplexityResult, list[torch.Tensor]]:
+             reference: list[torch.Tensor] | None = None,
+             kv_cache_dtype: str = "auto") -> tuple[PerplexityResult, list[torch.Tensor]]:
     """Perplexity of ``lm`` on ``ids`` (see the module docstring), compared with a reference
     model's ``window_logits`` on the same windows; also returns ``lm``'s own."""
-    logits = window_logits(lm, ids, window, stride)
+    logits = window_logits(lm, ids, window, stride, kv_cache_dtype)
     targets = torch.tensor([ids[p] for _, end, first in windows(len(ids), window, stride) for p in range(first, end)])
     flat = torch.cat(logits)
     nll = float(torch.nn.functional.cross_entropy(flat, targets, reduction="sum"))
@@ -137,6 +141,6 @@ def evaluate(lm: LoadedModel, ids: list[int], window: int, stride: int,
         top1_agreement=agree,
         mean_abs_dlogit=dlogit,
         weight_mb=weight_megabytes(lm),
-        decode_ms=decode_step_ms(lm, ids[:64]),
+        decode_ms=decode_step_ms(lm, ids[:64], kv_cache_dtype=kv_cache_dtype),
     )
     return result, logits

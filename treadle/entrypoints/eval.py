@@ -22,6 +22,8 @@ def register(subparsers: Any) -> None:
     ppl.add_argument("--text", type=Path, default=DEFAULT_TEXT, metavar="FILE",
                      help="evaluation text (default: the bundled treadle/assets/text/eval.txt)")
     ppl.add_argument("--quantization", default=None, help="as for `treadle generate` (gguf, int8, int4-g32, ...)")
+    ppl.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                     help="the KV cache's dtype, as for `treadle serve` (the reference keeps a float cache)")
     ppl.add_argument("--reference", default=None, metavar="MODEL", help="float model to compare logits with")
     ppl.add_argument("--no-reference", action="store_true", help="perplexity only")
     ppl.add_argument("--window", type=int, default=512)
@@ -43,7 +45,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
 
     result = evaluate_text(args.model, args.text, args.quantization,
                            None if args.no_reference else (args.reference or args.model), args.window,
-                           args.stride or args.window)
+                           args.stride or args.window, args.kv_cache_dtype)
     if args.json:
         print(json.dumps(asdict(result)))
         return 0
