@@ -100,11 +100,12 @@ def _fp8_e4m3_to_f32(b):
 
 @triton.jit
 def _load_kv(cache_ptr, scale_ptr, base, offs_d, row_valid, d_valid, head_dim, KV_QUANT: tl.constexpr):
-    """The [N, BLOCK_D] tile of rows at offsets base [N] (rows row_valid, columns d_valid): as
-    stored (float cache), or dequantized to float32 (int8 / fp8 rows, each times its scale)."""
+    """The [N, BLOCK_D] tile of rows at offsets base [N] (rows row_valid, columns d_valid) in
+    float32 (a float cache's values exactly; int8 / fp8 rows dequantized, each times its scale).
+    One return type for every KV_QUANT: a real compile unifies the branches' return types."""
     raw = tl.load(cache_ptr + base[:, None] + offs_d[None, :], mask=row_valid[:, None] & d_valid[None, :], other=0)
     if KV_QUANT == 0:
-        return raw
+        return raw.to(tl.float32)
     else:
         scale = tl.load(scale_ptr + (base + head_dim) // 4, mask=row_valid, other=0.0)
         if KV_QUANT == 1:
