@@ -38,3 +38,14 @@ def test_bench_latency_with_roofline(tiny_llama, tmp_path, capsys):
     assert "decode / BW bound" in capsys.readouterr().out
     rows = json.loads((tmp_path / "lat.json").read_text())["rows"]
     assert rows[0]["backend"] == "treadle" and rows[0]["decode_fraction"] > 0
+
+
+def test_bench_latency_other_checkpoint_beside_the_model(tiny_llama, tmp_path, capsys):
+    """``treadle@MODEL``: another checkpoint of the same vocabulary (a quantized one, say) in the
+    same run as --model's."""
+    other = f"treadle+int8@{tiny_llama}"
+    rc = main(["bench", "latency", "--model", str(tiny_llama), "--backends", f"treadle,{other}", "--input-len", "16",
+               "--output-len", "4", "--iters", "2", "--no-roofline", "--save-result", str(tmp_path / "lat.json")])
+    assert rc == 0
+    rows = json.loads((tmp_path / "lat.json").read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["treadle", other]

@@ -166,8 +166,15 @@ class HFBackend:
 
 def make_backend(name: str, engine_kwargs: dict[str, Any], n_ctx: int) -> Backend:
     """``name`` is a backend, optionally with a Treadle quantization after a '+'
-    (``treadle+gguf`` keeps a GGUF's 4-bit blocks, ``static+int8``, ...)."""
-    base, _, quant = name.partition("+")
+    (``treadle+gguf`` keeps a GGUF's 4-bit blocks, ``static+int8``, ...) and another checkpoint
+    of the same vocabulary after an '@' (``treadle@quantized/smollm2-w8a8``: a quantized
+    checkpoint beside its float model in one run)."""
+    spec, _, other_model = name.partition("@")
+    base, _, quant = spec.partition("+")
+    if other_model:
+        if base not in ("treadle", "treadle-nospec", "static"):
+            raise ValueError(f"backend {name!r}: only treadle and static take an @MODEL")
+        engine_kwargs = dict(engine_kwargs, model=other_model)
     if base in ("treadle", "treadle-nospec", "static"):
         kw = dict(engine_kwargs, quantization=quant) if quant else dict(engine_kwargs)
         if base == "treadle-nospec":  # beside "treadle" with --speculative-config: off vs on in one run
@@ -183,4 +190,5 @@ def make_backend(name: str, engine_kwargs: dict[str, Any], n_ctx: int) -> Backen
         from treadle.bench.llamacpp import LlamaCppBackend
 
         return LlamaCppBackend(engine_kwargs["model"], n_ctx)
-    raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)} (treadle/static take +QUANT)")
+    raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)} "
+                     "(treadle/static take +QUANT and @MODEL)")
