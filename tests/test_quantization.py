@@ -26,7 +26,15 @@ from treadle.quantization.gguf_native import (
     dequantize_blocks,
     quantize_blocks,
 )
-from treadle.quantization.int4pack import dequantize_int4, int4_mm, pack_int4, quantize_int4, quantize_int8, scale_zeros
+from treadle.quantization.int4pack import (
+    dequantize_int4,
+    int4_mm,
+    int8_mm,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    scale_zeros,
+)
 from treadle.quantization.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
 
 SHARDS = [64, 32, 32]  # a fused qkv-like layer, loaded shard by shard
@@ -265,3 +273,15 @@ def test_int4_unsupported_shape_stays_float() -> None:
     assert isinstance(layer.method.fallback, UnquantizedLinearMethod)
     x = rand(3, 172, seed=91)
     assert torch.equal(layer(x), F.linear(x, w))
+
+
+@pytest.mark.parametrize("k", [172, 100, 176])
+def test_int8_weight_only_any_input_width(k: int) -> None:
+    """stories260K's down_proj has 172 inputs: torch's int8 kernel crashed the process on such
+    widths (K not a multiple of 8) for more than one row; every width must work and agree."""
+    w = rand(64, k, seed=k)
+    q, scale = quantize_int8(w)
+    x = bf16_input(rand(7, k, seed=k + 1))
+    want = (x.float() @ (q.float() * scale.float()[:, None]).t())
+    got = int8_mm(x, q, scale.to(torch.bfloat16)).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
