@@ -142,23 +142,33 @@ def _kv_transfer_on_one_rank(args: EngineArgs) -> KVTransferConfig | None:
     return kv
 
 
-def resolve_kv_transfer(raw: dict[str, Any] | str | None) -> KVTransferConfig | None:
-    """``kv_transfer_config`` (a dict or its JSON) -> KVTransferConfig (port 0 and engine id ""
-    are settled by ``create_engine_config``); None or empty -> None. Bad keys or values are
-    one-line TreadleErrors."""
+def _json_option(raw: dict[str, Any] | str | None, name: str, known: dict[str, Any],
+                 example: str) -> dict[str, Any] | None:
+    """A JSON-object option (a dict, or its JSON text from the CLI): None when unset or empty;
+    not JSON, not an object, or an unknown key -> a one-line TreadleError naming ``name``."""
     if raw is None or raw == "" or raw == {}:
         return None
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
         except json.JSONDecodeError as e:
-            raise TreadleError(f"kv_transfer_config is not valid JSON: {e.msg} at column {e.colno}") from None
+            raise TreadleError(f"{name} is not valid JSON: {e.msg} at column {e.colno}") from None
     if not isinstance(raw, dict):
-        raise TreadleError('kv_transfer_config must be a JSON object, e.g. {"kv_connector": "tcp", ...}')
-    unknown = sorted(set(raw) - set(KV_TRANSFER_DEFAULTS))
+        raise TreadleError(f"{name} must be a JSON object, e.g. {example}")
+    unknown = sorted(set(raw) - set(known))
     if unknown:
-        raise TreadleError(f"unknown kv_transfer_config key {unknown[0]!r}; known: {', '.join(KV_TRANSFER_DEFAULTS)}")
-    kv = {**KV_TRANSFER_DEFAULTS, **raw}
+        raise TreadleError(f"unknown {name} key {unknown[0]!r}; known: {', '.join(known)}")
+    return raw
+
+
+def resolve_kv_transfer(raw: dict[str, Any] | str | None) -> KVTransferConfig | None:
+    """``kv_transfer_config`` (a dict or its JSON) -> KVTransferConfig (port 0 and engine id ""
+    are settled by ``create_engine_config``); None or empty -> None. Bad keys or values are
+    one-line TreadleErrors."""
+    parsed = _json_option(raw, "kv_transfer_config", KV_TRANSFER_DEFAULTS, '{"kv_connector": "tcp", ...}')
+    if parsed is None:
+        return None
+    kv = {**KV_TRANSFER_DEFAULTS, **parsed}
     if kv["kv_connector"] not in KV_CONNECTORS:
         raise TreadleError(f"kv_transfer_config kv_connector {kv['kv_connector']!r} is not one of "
                            f"{', '.join(KV_CONNECTORS)}")
@@ -252,20 +262,10 @@ def _speculative_on_one_rank(args: EngineArgs) -> SpeculativeConfig | None:
 def resolve_speculative(raw: dict[str, Any] | str | None) -> SpeculativeConfig | None:
     """``speculative_config`` (a dict, or its JSON text from the CLI) -> SpeculativeConfig;
     None or an empty value -> None. Unknown keys and bad values are one-line TreadleErrors."""
-    if raw is None or raw == "" or raw == {}:
+    parsed = _json_option(raw, "speculative_config", SPECULATIVE_DEFAULTS, '{"method": "ngram"}')
+    if parsed is None:
         return None
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise TreadleError(f"speculative_config is not valid JSON: {e.msg} at column {e.colno}") from None
-    if not isinstance(raw, dict):
-        raise TreadleError("speculative_config must be a JSON object, e.g. {\"method\": \"ngram\"}")
-    unknown = sorted(set(raw) - set(SPECULATIVE_DEFAULTS))
-    if unknown:
-        raise TreadleError(f"unknown speculative_config key {unknown[0]!r}; known: "
-                           f"{', '.join(SPECULATIVE_DEFAULTS)}")
-    spec = {**SPECULATIVE_DEFAULTS, **raw}
+    spec = {**SPECULATIVE_DEFAULTS, **parsed}
     method = spec["method"] or ("draft_model" if spec["model"] else None)
     if method not in SPEC_METHODS:
         raise TreadleError(f"speculative_config method {method!r} is not one of {', '.join(SPEC_METHODS)}")
