@@ -11,6 +11,19 @@ from treadle.layers.attention import StepInputBuilder
 from treadle.loaders import LoadedModel
 
 
+def scattered_block_tables(seq_lens: list[int], block_size: int, g: torch.Generator,
+                           spare: int) -> tuple[list[list[int]], int]:
+    """Block tables for sequences of ``seq_lens`` tokens over a shuffled pool with ``spare``
+    blocks no sequence uses: (tables, number of blocks in the pool)."""
+    need = [-(-s // block_size) for s in seq_lens]
+    perm = torch.randperm(sum(need) + spare, generator=g).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at : at + n])
+        at += n
+    return tables, len(perm)
+
+
 class PagedSession:
     def __init__(self, lm: LoadedModel, num_seqs: int, max_len: int, block_size: int = 4, seed: int = 0) -> None:
         cfg = lm.config

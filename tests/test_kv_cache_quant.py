@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_session import scattered_block_tables
 
 from treadle.config import ModelConfig, TreadleError
 from treadle.engine.args import engine_args
@@ -66,13 +67,8 @@ def random_cache_case(query_lens: list[int], seq_lens: list[int], heads: tuple[i
                       head_dim: int = 32, block_size: int = 16, seed: int = 0):
     """A quantized cache of random stale rows, shuffled block tables, random q/k/v."""
     g = torch.Generator().manual_seed(seed)
-    need = [-(-s // block_size) for s in seq_lens]
-    perm = torch.randperm(sum(need) + 5, generator=g).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(perm[at : at + n])
-        at += n
-    shape = (len(perm), block_size, heads[1], head_dim)
+    tables, num_blocks = scattered_block_tables(seq_lens, block_size, g, spare=5)
+    shape = (num_blocks, block_size, heads[1], head_dim)
     k_cache = quantize(torch.randn(shape, generator=g) * 3, dtype)
     v_cache = quantize(torch.randn(shape, generator=g), dtype)
     t = sum(query_lens)

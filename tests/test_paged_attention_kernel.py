@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_session import scattered_block_tables
 
 from treadle.kernels import native
 from treadle.kernels.attention import paged_decode
@@ -18,13 +19,8 @@ def decode_case(seq_lens, num_heads, num_kv_heads, head_dim=64, block_size=16, f
     """Random cache with shuffled (non-contiguous) block tables and random q/k/v for one decode
     token per sequence; with ``fused`` q/k/v are strided views split from one qkv tensor."""
     g = torch.Generator().manual_seed(seed)
-    need = [-(-s // block_size) for s in seq_lens]
-    perm = torch.randperm(sum(need) + 5, generator=g).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(perm[at : at + n])
-        at += n
-    shape = (len(perm), block_size, num_kv_heads, head_dim)
+    tables, num_blocks = scattered_block_tables(seq_lens, block_size, g, spare=5)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     b, dq, dkv = len(seq_lens), num_heads * head_dim, num_kv_heads * head_dim
     if fused:

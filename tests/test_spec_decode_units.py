@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from paged_session import scattered_block_tables
 
 from treadle.config import SchedulerConfig, SpeculativeConfig, TreadleError
 from treadle.core.kv_cache_manager import KVCacheManager
@@ -301,13 +302,8 @@ def test_verify_rows_mixed_with_prompt_chunks_and_decodes(backend_cls: type) -> 
     g = torch.Generator().manual_seed(5)
     query_lens, seq_lens, bs = [5, 1, 37, 3, 1, 12], [40, 17, 37, 130, 64, 29], 16
     heads, kv_heads, hd = 8, 2, 32
-    need = [-(-s // bs) for s in seq_lens]
-    perm = torch.randperm(sum(need) + 3, generator=g).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(perm[at : at + n])
-        at += n
-    shape = (len(perm), bs, kv_heads, hd)
+    tables, num_blocks = scattered_block_tables(seq_lens, bs, g, spare=3)
+    shape = (num_blocks, bs, kv_heads, hd)
     kc, vc = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     n = sum(query_lens)
     q, k, v = (torch.randn(n, h, hd, generator=g) for h in (heads, kv_heads, kv_heads))

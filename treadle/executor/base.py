@@ -35,6 +35,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from typing import NamedTuple
 
+from treadle import envs
 from treadle.config import EngineConfig, EngineDeadError
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 
@@ -51,8 +52,10 @@ class Executor(ABC):
 
     @property
     def max_concurrent_batches(self) -> int:
-        """How many steps may be in flight at once (1: ``submit`` runs the step at once)."""
-        return 1
+        """How many steps may be in flight at once: one per pipeline stage (only the mp and ray
+        executors run stages; TREADLE_PP_BATCH_QUEUE=0 keeps one), else 1."""
+        pp = self.config.parallel.pipeline_parallel_size
+        return pp if pp > 1 and envs.get_flag("TREADLE_PP_BATCH_QUEUE") else 1
 
     def submit(self, sched: SchedulerOutput) -> None:
         """Start one step; its output comes from a later ``collect`` (FIFO). Executors

@@ -124,12 +124,6 @@ class RayExecutor(Executor):
     def kv_capacity(self) -> KVCapacity:
         return self._capacity
 
-    @property
-    def max_concurrent_batches(self) -> int:
-        """One step per pipeline stage in flight (an actor runs its calls in order)."""
-        pp = self.config.parallel.pipeline_parallel_size
-        return pp if pp > 1 and envs.get_flag("TREADLE_PP_BATCH_QUEUE") else 1
-
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.submit(sched)
         return self.collect()
