@@ -95,6 +95,21 @@ def test_gguf_weights_count_as_the_file_size(smollm2_gguf: ModelSource) -> None:
     assert cfg.cache.num_blocks == 10  # half of what is left after the weights
 
 
+
+def test_quantized_checkpoint_weights_count_as_its_files(tmp_path) -> None:
+    """A published int4 checkpoint keeps its packed weights: the KV budget is what is left
+    after its files, not after a float32 copy (which would leave no room for any block)."""
+    from quant_checkpoints import write_compressed_tensors
+
+    from treadle.loaders.hf import weight_files
+
+    source = weightless(open_model_source(write_compressed_tensors(tmp_path / "w4a16", "int4-g32-sym")))
+    files = sum(f.stat().st_size for f in weight_files(source.path))
+    per_block = resolve(source, num_kv_blocks=1).cache.bytes_per_block
+    available = files + 20 * per_block
+    assert weight_bytes(source.config, parse_dtype("float32")) > available
+    assert resolve(source, available, max_model_len=64).cache.num_blocks == 10
+
 def test_kv_budget_is_capped(stories: ModelSource) -> None:
     per_block = resolve(stories, num_kv_blocks=1).cache.bytes_per_block
     # many sequences and lots of memory: the CPU cap binds

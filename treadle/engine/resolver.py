@@ -61,10 +61,21 @@ from treadle.engine.memory import available_memory, plan_kv_cache, weight_bytes
 from treadle.layers.attention.kv_quant import cache_dtype, row_width
 from treadle.layers.attention.selector import resolve_backend_name
 from treadle.loaders import ModelSource, open_model_source, parse_dtype
+from treadle.loaders.hf import weight_files
 from treadle.quantization import resolve_quantization
 from treadle.spec_decode.head_format import HEAD_METHODS, eagle_layer_config, read_head_config
 
 logger = logging.getLogger("treadle")
+
+
+def _resident_weight_bytes(source: ModelSource, quantization: str, dtype: torch.dtype) -> int:
+    """What the loaded weights will take: native GGUF and published quantized checkpoints keep
+    (about) their files' packed size; everything else is the layout's tensors in ``dtype``."""
+    if quantization == "gguf":
+        return source.path.stat().st_size
+    if source.checkpoint_quantization is not None:
+        return sum(f.stat().st_size for f in weight_files(source.path))
+    return weight_bytes(source.config, dtype)
 
 
 def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> EngineConfig:
@@ -80,8 +91,7 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
     parallel = _parallel_config(args, source.config)
     world = parallel.world_size
     rank_cfg = _rank_config(source.config, parallel)
-    # native GGUF keeps the file's blocks: the file size is the weights' size
-    weights = source.path.stat().st_size if quantization == "gguf" else weight_bytes(source.config, dtype)
+    weights = _resident_weight_bytes(source, quantization, dtype)
     kv_memory = parse_bytes(args.kv_cache_memory)
     speculative = with_draft_head(_speculative_on_one_rank(args), source)
     draft = draft_model_config(speculative, source)
