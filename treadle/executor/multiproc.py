@@ -100,7 +100,8 @@ class MultiprocExecutor(Executor):
         assert self._in_flight > 0, "collect without a submitted step"
         self._in_flight -= 1
         replies = self._collect(envs.execute_timeout_s(), "finish a step")
-        return self._codec.decode_output(replies[self.world_size - 1])
+        others = [self._codec.decode_kv_output(replies[r]) for r in range(self.world_size - 1)]
+        return self.merge_kv_reports(self._codec.decode_output(replies[self.world_size - 1]), others)
 
     def health(self) -> str | None:
         if self._dead is not None:

@@ -33,15 +33,18 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from treadle.config import KVTransferConfig
+    from treadle.kv_transfer.heads import RankPlacement
     from treadle.kv_transfer.worker import KVCaches, KVConnectorWorker
 
 
-def create_connector(config: KVTransferConfig, kv_caches: KVCaches) -> KVConnectorWorker:
-    """The worker side of ``config.connector`` over this worker's KV cache."""
+def create_connector(config: KVTransferConfig, kv_caches: KVCaches,
+                     placement: RankPlacement | None = None) -> KVConnectorWorker:
+    """The worker side of ``config.connector`` over this worker's KV cache; ``placement``:
+    this rank's place under tensor parallelism (None: the only rank)."""
     if config.connector == "shm":
         from treadle.kv_transfer.shm import ShmConnector
 
-        return ShmConnector(config, kv_caches)
+        return ShmConnector(config, kv_caches, placement)
     from treadle.kv_transfer.tcp import TcpConnector
 
-    return TcpConnector(config, kv_caches)
+    return TcpConnector(config, kv_caches, placement)
