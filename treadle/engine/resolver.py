@@ -135,13 +135,13 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
     config = resolve_config(args, source, available_memory(device))
     if config.kv_transfer is not None and (config.kv_transfer.port == 0 or not config.kv_transfer.engine_id):
         kv = config.kv_transfer
-        port = kv.port or _free_ports(kv.ip, config.parallel.tensor_parallel_size)
+        port = kv.port or free_ports(kv.ip, config.parallel.tensor_parallel_size)
         config = dataclasses.replace(config, kv_transfer=dataclasses.replace(
             kv, port=port, engine_id=kv.engine_id or uuid.uuid4().hex[:12]))
     return config, source
 
 
-def _free_ports(ip: str, count: int) -> int:
+def free_ports(ip: str, count: int) -> int:
     """The first of ``count`` consecutive free ports (tensor-parallel rank r serves KV on
     ``kv_port + r``)."""
     for _ in range(50):

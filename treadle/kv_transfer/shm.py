@@ -76,10 +76,11 @@ class ShmConnector(TcpConnector):
     def receive_layer(self, parts: list[Any], nbytes: int, target: str) -> tuple[int, memoryview, memoryview]:
         head = msgspec.msgpack.decode(parts[0], type=LayerHeader)
         seg = self._segments().get(target)
-        if len(parts) != 1 or seg is None or not 0 <= head.layer < self.layout.num_layers:
+        buf = None if seg is None else seg.buf
+        if len(parts) != 1 or buf is None or not 0 <= head.layer < self.layout.num_layers:
             raise TransferError("malformed layer message")
         at = 2 * head.layer * nbytes
-        kb, vb = seg.buf[at : at + nbytes], seg.buf[at + nbytes : at + 2 * nbytes]
+        kb, vb = buf[at : at + nbytes], buf[at + nbytes : at + 2 * nbytes]
         check_frame(kb, head.crc_k, nbytes, f"layer {head.layer} keys")
         check_frame(vb, head.crc_v, nbytes, f"layer {head.layer} values")
         return head.layer, kb, vb
