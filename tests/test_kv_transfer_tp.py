@@ -25,7 +25,7 @@ from treadle.engine.resolver import free_ports
 from treadle.kv_transfer import create_connector
 from treadle.kv_transfer.aggregate import KVOutputAggregator
 from treadle.kv_transfer.heads import HeadSlice, RankPlacement, num_pullers, pull_plan
-from treadle.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, LoadSpec
+from treadle.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, LoadSpec, RemotePrefill
 from treadle.kv_transfer.wire import PullRequest, TransferError
 from treadle.kv_transfer.worker import KVConnectorWorker
 from treadle.sampling_params import SamplingParams
@@ -68,6 +68,15 @@ def test_every_consumer_rank_gets_exactly_its_heads_once() -> None:
 
 def tp_p_rank_head(k: int, tp: int, rank: int, local: int) -> int:
     return rank * k // tp + local
+
+
+def test_remote_tp_size_is_read_from_the_params_and_bounded() -> None:
+    params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "127.0.0.1", "remote_port": 5000,
+              "remote_request_id": "p", "num_tokens": 9}
+    assert RemotePrefill.parse(params).tp_size == 1  # type: ignore[union-attr]
+    assert RemotePrefill.parse({**params, "remote_tp_size": 2}).tp_size == 2  # type: ignore[union-attr]
+    for bad in (0, -1, 10_000, "x"):  # a malformed body: the consumer computes the prompt itself
+        assert RemotePrefill.parse({**params, "remote_tp_size": bad}) is None
 
 
 # -- the ranks' reports merged ---------------------------------------------------------------------

@@ -46,6 +46,9 @@ class KVConnectorOutput:
     num_bytes_received: int = 0
 
 
+MAX_REMOTE_TP_SIZE = 256  # the params come from a request body: bounds the producer ranks a pull contacts
+
+
 @dataclass(frozen=True)
 class RemotePrefill:
     """A consumer's reading of ``kv_transfer_params`` with ``do_remote_prefill``."""
@@ -64,11 +67,12 @@ class RemotePrefill:
         if not params or not params.get("do_remote_prefill"):
             return None
         try:
-            return RemotePrefill(str(params["remote_engine_id"]), str(params["remote_host"]),
-                                 int(params["remote_port"]), str(params["remote_request_id"]),
-                                 int(params["num_tokens"]), int(params.get("remote_tp_size", 1)))
+            remote = RemotePrefill(str(params["remote_engine_id"]), str(params["remote_host"]),
+                                   int(params["remote_port"]), str(params["remote_request_id"]),
+                                   int(params["num_tokens"]), int(params.get("remote_tp_size", 1)))
         except (KeyError, TypeError, ValueError):
             return None
+        return remote if 1 <= remote.tp_size <= MAX_REMOTE_TP_SIZE else None
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:

@@ -12,9 +12,14 @@ recomputed here (``recomputes``). A request finished while loading keeps its blo
 workers report the transfer over, so no block is reused under a write.
 
 Producer (``do_remote_decode``, n == 1): when the request finishes (normally after its one
-token) its blocks are held, not freed; ``kv_transfer_params`` naming them goes out with the
-final output; the workers serve them until a consumer pulls them (``finished_sending`` frees
-them) or ``producer_block_timeout_s`` passes (the workers are told to stop serving first).
+token) its blocks are held, not freed; ``kv_transfer_params`` naming them (and this instance's
+``remote_tp_size``) goes out with the final output; the workers serve them until a consumer
+pulls them (``finished_sending`` frees them) or ``producer_block_timeout_s`` passes (the workers
+are told to stop serving first).
+
+Under tensor parallelism the reports read here are the instance's, merged by the executor from
+every rank's (``aggregate.py``): a load finished on all ranks, failed once all ended it and one
+failed, held blocks sent by all ranks.
 """
 from __future__ import annotations
 
