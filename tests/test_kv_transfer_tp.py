@@ -90,6 +90,11 @@ def test_a_load_fails_everywhere_once_every_rank_ended_it() -> None:
     assert agg.merge([out(failed_loading={"c": "timeout"}), out(failed_loading={"c": "refused"})]) == \
         out(failed_loading={"c": "timeout"})
     assert agg.merge([None, None]) is None and agg.num_pending == 0
+    # a step that failed on one rank: what the other ranks sent with it comes out with the next step
+    agg.add([out(finished_loading=["d"], finished_sending=["q"]), None])
+    agg.add([None, out(finished_loading=["d"])])
+    assert agg.merge([None, None]) == out(finished_loading=["d"])
+    assert agg.merge([None, out(finished_sending=["q"])]) == out(finished_sending=["q"]) and agg.num_pending == 0
 
 
 # -- the data path between connectors of different TP sizes -----------------------------------------

@@ -103,6 +103,12 @@ class Executor(ABC):
             out.kv_connector_output = self._kv_reports.merge([*others, out.kv_connector_output])
         return out
 
+    def keep_kv_reports(self, reports: list[KVConnectorOutput | None]) -> None:
+        """A step failed on some rank: the reports the others sent with it are kept for the
+        next step's output (a rank reports each transfer only once)."""
+        if self._kv_reports is not None:
+            self._kv_reports.add(reports)
+
     def check_health(self) -> None:
         """Raise EngineDeadError when ``health()`` reports a problem."""
         reason = self.health()

@@ -23,10 +23,19 @@ class KVOutputAggregator:
         self.num_ranks = num_ranks
         self._loads: dict[str, tuple[int, str | None]] = {}  # request -> (ranks ended, first failure)
         self._sends: dict[str, int] = {}  # request -> ranks that stopped serving it
+        self._merged = KVConnectorOutput()  # complete, not yet handed out
 
     def merge(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput | None:
         """One step's reports of every rank -> the instance's (None when nothing ended)."""
-        merged = KVConnectorOutput()
+        self.add(outputs)
+        merged, self._merged = self._merged, KVConnectorOutput()
+        ended = merged.finished_loading or merged.failed_loading or merged.finished_sending
+        return merged if ended or merged.num_bytes_received else None
+
+    def add(self, outputs: list[KVConnectorOutput | None]) -> None:
+        """Count reports without handing anything out yet (a step failed on another rank:
+        what these ranks reported comes out with the next ``merge``)."""
+        merged = self._merged
         for out in outputs:
             if out is None:
                 continue
@@ -41,8 +50,6 @@ class KVOutputAggregator:
                     merged.finished_sending.append(rid)
                 else:
                     self._sends[rid] = count
-        ended = merged.finished_loading or merged.failed_loading or merged.finished_sending
-        return merged if ended or merged.num_bytes_received else None
 
     def _end_load(self, merged: KVConnectorOutput, rid: str, why: str | None) -> None:
         count, failure = self._loads.pop(rid, (0, None))
