@@ -7,19 +7,25 @@ TP 2 -> TP 1 and TP 2 -> TP 2 give the greedy output of one colocated TP 1 insta
 corrupt transfer on one consumer rank is recomputed by every rank."""
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import msgspec
+import openai
 import pytest
 import torch
 import zmq
+from server_harness import MODEL_NAME, ServerThread, engine_idle, metric_values, stories_with_chat_template, wait_until
 
 from treadle.config import KVTransferConfig, TreadleError
+from treadle.engine.core_client import EngineCoreClient
 from treadle.engine.llm_engine import LLMEngine
 from treadle.engine.resolver import free_ports
 from treadle.kv_transfer import create_connector
@@ -29,6 +35,7 @@ from treadle.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput,
 from treadle.kv_transfer.wire import PullRequest, TransferError
 from treadle.kv_transfer.worker import KVConnectorWorker
 from treadle.sampling_params import SamplingParams
+from treadle.server import build_app
 
 PROMPT = "Once upon a time there was a little girl named Lily. She loved to play outside in the park"
 PROMPT_LEN = 30  # tokens of PROMPT
@@ -330,3 +337,50 @@ def test_pipeline_parallelism_is_refused_precisely() -> None:
     with pytest.raises(TreadleError, match=r"not available with pipeline parallelism \(pipeline_parallel_size 2\)"):
         LLMEngine.from_args("stories260k", pipeline_parallel_size=2, **ENGINE_KW,
                             kv_transfer_config={"kv_connector": "tcp", "kv_role": "kv_producer"})
+
+
+# -- over HTTP: engine-core processes, the TP 2 producer's with its worker processes ---------------------
+def test_http_producer_tp2_consumer_tp1_equals_colocated(tmp_path: Path) -> None:
+    model = stories_with_chat_template(tmp_path / "stories")
+    kw = {**ENGINE_KW, "max_num_batched_tokens": 256, "max_num_seqs": 8}
+
+    def start(tp: int, role: str) -> EngineCoreClient:
+        make = functools.partial(LLMEngine.from_args, str(model), tensor_parallel_size=tp, **kw,
+                                 kv_transfer_config={"kv_connector": "tcp", "kv_role": role})
+        return EngineCoreClient(str(model), make, threads=1)
+
+    with ThreadPoolExecutor(2) as pool:  # started side by side
+        futures = [pool.submit(start, 2, "kv_producer"), pool.submit(start, 1, "kv_consumer")]
+    llms = [f.result() for f in futures if f.exception() is None]
+    try:
+        for f in futures:
+            if f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        with ServerThread(build_app(llms[0], MODEL_NAME)) as producer, \
+                ServerThread(build_app(llms[1], MODEL_NAME)) as consumer:
+            client = {url: openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+                      for url in (producer.url, consumer.url)}
+
+            def complete(url: str, stream: bool, kv: dict | None, max_tokens: int = 16) -> str:
+                resp = client[url].completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=max_tokens,
+                                                      temperature=0, stream=stream,
+                                                      extra_body={} if kv is None else {"kv_transfer_params": kv})
+                if stream:
+                    return "".join(ch.choices[0].text for ch in resp if ch.choices)  # type: ignore[union-attr]
+                return resp.choices[0].text  # type: ignore[union-attr]
+
+            want = complete(consumer.url, False, None)  # the consumer computing the prompt itself: colocated
+            for stream in (False, True):
+                resp = client[producer.url].completions.create(
+                    model=MODEL_NAME, prompt=PROMPT, max_tokens=1, temperature=0,
+                    extra_body={"kv_transfer_params": {"do_remote_decode": True}})
+                params = resp.model_extra["kv_transfer_params"]  # type: ignore[index]
+                assert params["remote_tp_size"] == 2
+                assert complete(consumer.url, stream, params) == want
+            values = metric_values(consumer.url)
+            assert (values["treadle:kv_transfer_loads_total"], values["treadle:kv_transfer_recomputes_total"]) == (2, 0)
+            wait_until(lambda: engine_idle(producer.url) and engine_idle(consumer.url), 20,
+                       "both sides idle, every block free (both producer ranks reported the pulls)")
+    finally:
+        for llm in llms:
+            llm.shutdown()
