@@ -162,7 +162,7 @@ def _kv_transfer_without_pipeline(args: EngineArgs) -> KVTransferConfig | None:
     kv = resolve_kv_transfer(args.kv_transfer_config)
     if kv is not None and args.pipeline_parallel_size > 1:
         raise TreadleError(f"kv_transfer_config is not available with pipeline parallelism (pipeline_parallel_size "
-                           f"{args.pipeline_parallel_size}); it works with tensor parallelism only")
+                           f"{args.pipeline_parallel_size}); tensor parallelism is (tensor_parallel_size)")
     return kv
 
 
