@@ -6,8 +6,12 @@ that pulls them one by one through the real connector (``start_step`` with a Loa
 ``get_finished`` until it reports the load), so each figure covers the whole handover: pull
 request, the producer's copy out of its blocks, checksums, frames (tcp) or the segment (shm),
 the checks and the copy into the consumer's blocks. Connectors alternate per round; medians.
+``--tp P C``: the producer runs P tensor-parallel ranks (connectors over their KV heads, on
+ports port..port+P-1) and this process C consumer ranks; a handover ends when every consumer
+rank has its heads.
 
     python benchmarks/kv_transfer.py --tokens 512 2048 --requests 8 --rounds 3
+    python benchmarks/kv_transfer.py --shape llama3-8b-bf16 --tokens 512 --tp 2 1
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import torch
 
 from treadle.config import KVTransferConfig
 from treadle.kv_transfer import create_connector
+from treadle.kv_transfer.heads import RankPlacement
 from treadle.kv_transfer.metadata import KVConnectorMetadata, LoadSpec
 
 SHAPES = {  # layers, KV heads, head dim, dtype
@@ -38,39 +43,51 @@ def kv_cache(shape: tuple[int, int, int, torch.dtype], num_blocks: int, fill: bo
     return [(make(), make()) for _ in range(layers)]
 
 
-def producer(cfg: KVTransferConfig, shape: Any, blocks_per_req: int, num_reqs: int, conn: Any) -> None:
+def rank_connectors(cfg: KVTransferConfig, shape: Any, num_blocks: int, fill: bool, tp: int) -> list[Any]:
+    """One connector per tensor-parallel rank, each over a cache of its share of the KV heads."""
+    layers, heads, dim, dtype = shape
+    return [create_connector(cfg, kv_cache((layers, max(1, heads // tp), dim, dtype), num_blocks, fill),
+                             RankPlacement(heads, tp, r)) for r in range(tp)]
+
+
+def producer(cfg: KVTransferConfig, shape: Any, blocks_per_req: int, num_reqs: int, tp: int, conn: Any) -> None:
     torch.set_num_threads(1)
-    connector = create_connector(cfg, kv_cache(shape, blocks_per_req * num_reqs, fill=True))
+    connectors = rank_connectors(cfg, shape, blocks_per_req * num_reqs, True, tp)
     saves = {f"r{i}": list(range(i * blocks_per_req, (i + 1) * blocks_per_req)) for i in range(num_reqs)}
-    connector.start_step(KVConnectorMetadata(saves=saves))
+    for c in connectors:
+        c.start_step(KVConnectorMetadata(saves=saves))
     conn.send("ready")
     conn.recv()  # stop
-    connector.shutdown()
+    for c in connectors:
+        c.shutdown()
 
 
-def pull_all(cfg: KVTransferConfig, shape: Any, tokens: int, num_reqs: int) -> list[float]:
+def pull_all(cfg: KVTransferConfig, shape: Any, tokens: int, num_reqs: int, tp: tuple[int, int]) -> list[float]:
     blocks = -(-tokens // BLOCK)
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=producer, args=(cfg, shape, blocks, num_reqs, child), daemon=True)
+    proc = ctx.Process(target=producer, args=(cfg, shape, blocks, num_reqs, tp[0], child), daemon=True)
     proc.start()
-    consumer = create_connector(replace(cfg, role="kv_consumer"), kv_cache(shape, blocks, fill=False))
+    consumers = rank_connectors(replace(cfg, role="kv_consumer"), shape, blocks, False, tp[1])
     try:
         assert parent.poll(120), "the producer did not start"
         parent.recv()
         times = []
         for i in range(num_reqs):
             start = time.perf_counter()
-            consumer.start_step(KVConnectorMetadata(loads=[LoadSpec(f"c{i}", f"r{i}", cfg.ip, cfg.port, tokens,
-                                                                     list(range(blocks)))]))
-            out = None
-            while out is None:
-                out = consumer.get_finished(0.001)
-            assert out.finished_loading == [f"c{i}"], out.failed_loading
+            load = LoadSpec(f"c{i}", f"r{i}", cfg.ip, cfg.port, tokens, list(range(blocks)), tp[0])
+            for consumer in consumers:
+                consumer.start_step(KVConnectorMetadata(loads=[load]))
+            for consumer in consumers:
+                out = None
+                while out is None:
+                    out = consumer.get_finished(0.001)
+                assert out.finished_loading == [f"c{i}"], out.failed_loading
             times.append(time.perf_counter() - start)
         return times
     finally:
-        consumer.shutdown()
+        for consumer in consumers:
+            consumer.shutdown()
         parent.send("stop")
         proc.join(10)
 
@@ -81,11 +98,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tp", type=int, nargs=2, default=[1, 1], metavar=("PRODUCER", "CONSUMER"),
+                    help="tensor-parallel sizes of the producer and the consumer")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     layers, heads, dim, dtype = shape
     bytes_per_token = 2 * layers * heads * dim * torch.empty(0, dtype=dtype).element_size()
-    print(f"shape {args.shape}: {bytes_per_token / 1024:.1f} KiB of KV per token; {args.requests} requests per round")
+    print(f"shape {args.shape}: {bytes_per_token / 1024:.1f} KiB of KV per token; {args.requests} requests per round; "
+          f"TP {args.tp[0]} -> {args.tp[1]}")
     print("| connector | tokens | KV per request (MB) | handover p50 (ms) | bandwidth p50 (MB/s) |")
     print("|---|---:|---:|---:|---:|")
     port = 47000
@@ -93,9 +113,9 @@ def main() -> None:
         results: dict[str, list[float]] = {"tcp": [], "shm": []}
         for _ in range(args.rounds):
             for name in results:
-                port += 1
+                port += args.tp[0]
                 cfg = KVTransferConfig(name, "kv_producer", "127.0.0.1", port, "bench", 30.0, 600.0)
-                results[name] += pull_all(cfg, shape, tokens, args.requests)
+                results[name] += pull_all(cfg, shape, tokens, args.requests, tuple(args.tp))  # type: ignore[arg-type]
         mb = -(-tokens // BLOCK) * BLOCK * bytes_per_token / 1e6
         for name, times in results.items():
             p50 = statistics.median(times)

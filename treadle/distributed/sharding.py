@@ -67,6 +67,13 @@ def shard_config(cfg: ModelConfig, tp: int, tp_rank: int) -> ModelConfig:
     )
 
 
+def kv_head_range(num_kv_heads: int, tp: int, tp_rank: int) -> range:
+    """The model's KV heads that tensor-parallel rank ``tp_rank`` of ``tp`` holds (the rule
+    above: K / T of them, or the one head r * K // T when T > K)."""
+    start = tp_rank * num_kv_heads // tp
+    return range(start, start + max(1, num_kv_heads // tp))
+
+
 def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
     """The decoder layers pipeline stage ``pp_rank`` of ``pp`` runs."""
     start, size = partition(num_layers, pp, pp_rank)

@@ -66,7 +66,8 @@ class LLMEngine:
                                         lookahead_slots=0 if spec is None else spec.lookahead_slots)
         self.scheduler = (Scheduler(config.scheduler, self.kv_manager, self.spec, **sched_kw)
                           if config.kv_transfer is None else
-                          KVTransferScheduler(config.scheduler, self.kv_manager, self.spec, config.kv_transfer, **sched_kw))
+                          KVTransferScheduler(config.scheduler, self.kv_manager, self.spec, config.kv_transfer, **sched_kw,
+                                              tp_size=config.parallel.tensor_parallel_size))
         # submitted, not collected: (step, start time, the exception its submit raised, if any)
         self._in_flight: deque[tuple[SchedulerOutput, float, Exception | None]] = deque()
         self.outputs = OutputProcessor(self.tokenizer)

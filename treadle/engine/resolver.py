@@ -25,6 +25,7 @@ source is handed on to loading) and reads the device's free memory.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -121,7 +122,7 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
         enforce_eager=args.enforce_eager or device.type != "cuda" or world > 1,
         fused_layers=args.fused_layers,
         speculative=speculative,
-        kv_transfer=_kv_transfer_on_one_rank(args),
+        kv_transfer=_kv_transfer_without_pipeline(args),
     )
 
 
@@ -134,21 +135,34 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
     config = resolve_config(args, source, available_memory(device))
     if config.kv_transfer is not None and (config.kv_transfer.port == 0 or not config.kv_transfer.engine_id):
         kv = config.kv_transfer
+        port = kv.port or free_ports(kv.ip, config.parallel.tensor_parallel_size)
         config = dataclasses.replace(config, kv_transfer=dataclasses.replace(
-            kv, port=kv.port or _free_port(kv.ip), engine_id=kv.engine_id or uuid.uuid4().hex[:12]))
+            kv, port=port, engine_id=kv.engine_id or uuid.uuid4().hex[:12]))
     return config, source
 
 
-def _free_port(ip: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((ip, 0))
-        return int(s.getsockname()[1])
+def free_ports(ip: str, count: int) -> int:
+    """The first of ``count`` consecutive free ports (tensor-parallel rank r serves KV on
+    ``kv_port + r``)."""
+    for _ in range(50):
+        with contextlib.ExitStack() as stack:
+            first = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            first.bind((ip, 0))
+            port = int(first.getsockname()[1])
+            try:
+                for r in range(1, count):
+                    stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)).bind((ip, port + r))
+            except OSError:
+                continue
+            return port
+    raise TreadleError(f"kv_transfer_config: found no {count} consecutive free ports on {ip}; set kv_port")
 
 
-def _kv_transfer_on_one_rank(args: EngineArgs) -> KVTransferConfig | None:
+def _kv_transfer_without_pipeline(args: EngineArgs) -> KVTransferConfig | None:
     kv = resolve_kv_transfer(args.kv_transfer_config)
-    if kv is not None and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
-        raise TreadleError("kv_transfer_config is not available with tensor or pipeline parallelism yet")
+    if kv is not None and args.pipeline_parallel_size > 1:
+        raise TreadleError(f"kv_transfer_config is not available with pipeline parallelism (pipeline_parallel_size "
+                           f"{args.pipeline_parallel_size}); tensor parallelism is (tensor_parallel_size)")
     return kv
 
 

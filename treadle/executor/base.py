@@ -38,6 +38,8 @@ from typing import NamedTuple
 from treadle import envs
 from treadle.config import EngineConfig, EngineDeadError
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
+from treadle.kv_transfer.aggregate import KVOutputAggregator
+from treadle.kv_transfer.metadata import KVConnectorOutput
 
 
 class KVCapacity(NamedTuple):
@@ -49,6 +51,8 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._done: deque[ModelRunnerOutput | Exception] = deque()  # the synchronous submit's results
+        world = config.parallel.world_size
+        self._kv_reports = None if config.kv_transfer is None or world == 1 else KVOutputAggregator(world)
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -91,6 +95,19 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the workers and free their resources; idempotent, also after a death."""
+
+    def merge_kv_reports(self, out: ModelRunnerOutput, others: list[KVConnectorOutput | None]) -> ModelRunnerOutput:
+        """P/D over several ranks: ``out`` (the last rank's) carries the instance's transfer
+        report, merged from every rank's (``others``: the other ranks', in rank order)."""
+        if self._kv_reports is not None:
+            out.kv_connector_output = self._kv_reports.merge([*others, out.kv_connector_output])
+        return out
+
+    def keep_kv_reports(self, reports: list[KVConnectorOutput | None]) -> None:
+        """A step failed on some rank: the reports the others sent with it are kept for the
+        next step's output (a rank reports each transfer only once)."""
+        if self._kv_reports is not None:
+            self._kv_reports.add(reports)
 
     def check_health(self) -> None:
         """Raise EngineDeadError when ``health()`` reports a problem."""

@@ -2,7 +2,8 @@
 
     engine -> worker   [b"step", msgpack(SchedulerOutput)]  |  [b"stop", b""]
     worker -> engine   [rank, b"ready", msgpack(KVCapacity)]        after loading
-                       [rank, b"ok", b""]                           a step done (ranks < last)
+                       [rank, b"ok", b"" | msgpack(KVConnectorOutput)]   a step done (ranks <
+                                                                    last; P/D: their transfer report)
                        [rank, b"out", msgpack(ModelRunnerOutput)]   a step done (last rank)
                        [rank, b"err", msgpack(WorkerError)]         loading or a step failed
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
+from treadle.kv_transfer.metadata import KVConnectorOutput
 
 STEP, STOP = b"step", b"stop"
 READY, OK, OUT, ERR = b"ready", b"ok", b"out", b"err"
@@ -33,6 +35,7 @@ class Codec:
         self._output = msgspec.msgpack.Decoder(ModelRunnerOutput)
         self._capacity = msgspec.msgpack.Decoder(tuple[int, int])
         self._error = msgspec.msgpack.Decoder(WorkerError)
+        self._kv = msgspec.msgpack.Decoder(KVConnectorOutput)
 
     def encode(self, obj: object) -> bytes:
         return self._encoder.encode(obj)
@@ -48,3 +51,9 @@ class Codec:
 
     def decode_error(self, data: bytes) -> WorkerError:
         return self._error.decode(data)
+
+    def encode_kv_output(self, out: KVConnectorOutput | None) -> bytes:
+        return b"" if out is None else self._encoder.encode(out)
+
+    def decode_kv_output(self, data: bytes) -> KVConnectorOutput | None:
+        return self._kv.decode(data) if data else None

@@ -100,7 +100,8 @@ class MultiprocExecutor(Executor):
         assert self._in_flight > 0, "collect without a submitted step"
         self._in_flight -= 1
         replies = self._collect(envs.execute_timeout_s(), "finish a step")
-        return self._codec.decode_output(replies[self.world_size - 1])
+        others = [self._codec.decode_kv_output(replies[r]) for r in range(self.world_size - 1)]
+        return self.merge_kv_reports(self._codec.decode_output(replies[self.world_size - 1]), others)
 
     def health(self) -> str | None:
         if self._dead is not None:
@@ -142,10 +143,18 @@ class MultiprocExecutor(Executor):
                 missing = sorted(set(range(self.world_size)) - set(replies))
                 self._die(f"worker rank(s) {missing} did not {doing} within {timeout:.0f} s "
                           f"(TREADLE_EXECUTE_TIMEOUT_S / TREADLE_WORKER_START_TIMEOUT_S); the engine stops")
+        if not loading and any(kind == ERR for kind, _ in replies.values()):
+            self._keep_kv_reports(replies)
         for rank, (kind, payload) in sorted(replies.items()):
             if kind == ERR:
                 self._raise_worker_error(rank, payload, loading)
         return {rank: payload for rank, (_, payload) in replies.items()}
+
+    def _keep_kv_reports(self, replies: dict[int, tuple[bytes, bytes]]) -> None:
+        last = self.world_size - 1
+        self.keep_kv_reports([self._codec.decode_output(payload).kv_connector_output if rank == last
+                              else self._codec.decode_kv_output(payload)
+                              for rank, (kind, payload) in sorted(replies.items()) if kind != ERR])
 
     def _raise_worker_error(self, rank: int, payload: bytes, loading: bool) -> None:
         err = self._codec.decode_error(payload)

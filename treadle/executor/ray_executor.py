@@ -29,6 +29,7 @@ from treadle import envs
 from treadle.config import EngineConfig, EngineDeadError, TreadleError
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.executor.base import Executor, KVCapacity
+from treadle.kv_transfer.metadata import KVConnectorOutput
 
 logger = logging.getLogger("treadle")
 
@@ -58,9 +59,10 @@ class RankActor:
         self.last = rank == config.parallel.world_size - 1
         return tuple(self.worker.kv_capacity())  # type: ignore[return-value]
 
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | KVConnectorOutput | None:
+        """The last rank's output; another rank's KV transfer report (P/D), if any."""
         out = self.worker.execute(sched)
-        return out if self.last else None
+        return out if self.last else out.kv_connector_output
 
     def pid(self) -> int:
         return os.getpid()
@@ -139,7 +141,7 @@ class RayExecutor(Executor):
         outs = self._gather(self._pending.popleft(), envs.execute_timeout_s(), "finish a step")
         out = outs[self.world_size - 1]
         assert out is not None
-        return out
+        return self.merge_kv_reports(out, outs[: self.world_size - 1])
 
     def health(self) -> str | None:
         return self._dead

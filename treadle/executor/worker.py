@@ -13,6 +13,7 @@ from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.distributed import ParallelContext, shard_config, stage_layers
 from treadle.executor.base import KVCapacity
 from treadle.kv_transfer import create_connector
+from treadle.kv_transfer.heads import RankPlacement
 from treadle.layers.attention.kv_quant import cache_dtype
 from treadle.layers.attention.selector import select_backend
 from treadle.loaders import ModelSource, load_model, open_model_source, parse_dtype
@@ -54,7 +55,8 @@ class Worker:
                                   config.parallel.comm_overlap, grammars=grammars)
         self.runner.proposer = build_proposer(config.speculative, loaded.model, kv, cache, device, fused)
         self._capacity = KVCapacity(cache.num_blocks, cache.block_size)
-        self.kv_connector = None if config.kv_transfer is None else create_connector(config.kv_transfer, kv)
+        placement = RankPlacement(loaded.config.num_kv_heads, parallel.tp_size, parallel.tp_rank)
+        self.kv_connector = None if config.kv_transfer is None else create_connector(config.kv_transfer, kv, placement)
 
     def kv_capacity(self) -> KVCapacity:
         return self._capacity

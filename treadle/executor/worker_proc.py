@@ -2,7 +2,8 @@
 
     join the gloo process group (rank, world size) on 127.0.0.1
     build the Worker (load the model, allocate the KV cache)  -> [rank, ready, capacity] or err
-    loop: [step, sched] -> Worker.execute -> [rank, out, output] (last rank) / [rank, ok] / err
+    loop: [step, sched] -> Worker.execute -> [rank, out, output] (last rank) /
+                                             [rank, ok, its KV transfer report or b""] / err
           [stop]        -> leave
           nothing for a second and the parent process is gone -> leave (never an orphan)
 """
@@ -99,7 +100,8 @@ def _serve(worker: Worker, spec: WorkerSpec, inputs: zmq.Socket, results: zmq.So
         except Exception as e:  # noqa: BLE001 - reported; the engine decides
             results.send_multipart([rank, ERR, codec.encode(_error(e))])
             continue
-        results.send_multipart([rank, OUT, codec.encode(out)] if last else [rank, OK, b""])
+        results.send_multipart([rank, OUT, codec.encode(out)] if last else
+                               [rank, OK, codec.encode_kv_output(out.kv_connector_output)])
 
 
 def _error(e: BaseException) -> WorkerError:

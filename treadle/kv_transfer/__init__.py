@@ -2,7 +2,7 @@
 
     client -> router -> producer (kv_producer): prompt + first token; blocks held; answer
                         carries kv_transfer_params {do_remote_prefill, remote_host/port,
-                        remote_request_id, num_tokens, ...}
+                        remote_tp_size, remote_request_id, num_tokens, ...}
                      -> consumer (kv_consumer): same request + those params; pulls the KV of
                         prompt[:-1], computes the last prompt token itself (its logits give
                         the first output token), decodes
@@ -17,6 +17,12 @@ The contract is split as the engine is (guide principle 10):
 - worker side (``worker.py``, ``KVConnectorWorker``): start loading, wait for a layer, save a
   layer, finished transfers and failed ones (reported per request in ``KVConnectorOutput`` on
   the ``ModelRunnerOutput``; the scheduler recomputes those prompts).
+
+Tensor parallelism (any sizes on either side): every rank runs the worker side over the KV heads
+it holds; producer rank r serves on ``kv_port + r`` and consumer rank c pulls exactly its heads
+from the producer ranks that hold them (``heads.py``); the executor merges the ranks' reports
+(``aggregate.py``), so the scheduler side reads one report per instance and a load that failed on
+any rank is recomputed on all. Pipeline parallelism is refused by the resolver.
 
 Connectors: ``tcp`` (``tcp.py``, ZeroMQ, msgspec headers + raw frames, across machines) and
 ``shm`` (``shm.py``, shared memory, one host). An RDMA library (NIXL, Mooncake) plugs in as
@@ -33,15 +39,18 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from treadle.config import KVTransferConfig
+    from treadle.kv_transfer.heads import RankPlacement
     from treadle.kv_transfer.worker import KVCaches, KVConnectorWorker
 
 
-def create_connector(config: KVTransferConfig, kv_caches: KVCaches) -> KVConnectorWorker:
-    """The worker side of ``config.connector`` over this worker's KV cache."""
+def create_connector(config: KVTransferConfig, kv_caches: KVCaches,
+                     placement: RankPlacement | None = None) -> KVConnectorWorker:
+    """The worker side of ``config.connector`` over this worker's KV cache; ``placement``:
+    this rank's place under tensor parallelism (None: the only rank)."""
     if config.connector == "shm":
         from treadle.kv_transfer.shm import ShmConnector
 
-        return ShmConnector(config, kv_caches)
+        return ShmConnector(config, kv_caches, placement)
     from treadle.kv_transfer.tcp import TcpConnector
 
-    return TcpConnector(config, kv_caches)
+    return TcpConnector(config, kv_caches, placement)

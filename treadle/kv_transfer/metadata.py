@@ -11,7 +11,8 @@ from typing import Any
 @dataclass
 class LoadSpec:
     """Consumer: pull the KV of the first ``num_tokens`` tokens of the remote request into
-    ``local_block_ids`` (the remote blocks cover exactly as many tokens)."""
+    ``local_block_ids`` (the remote blocks cover exactly as many tokens). The producer's rank
+    r serves on ``remote_port + r`` (``remote_tp_size`` ranks)."""
 
     request_id: str
     remote_request_id: str
@@ -19,6 +20,7 @@ class LoadSpec:
     remote_port: int
     num_tokens: int
     local_block_ids: list[int]
+    remote_tp_size: int = 1
 
 
 @dataclass
@@ -40,8 +42,11 @@ class KVConnectorOutput:
 
     finished_loading: list[str] = field(default_factory=list)
     failed_loading: dict[str, str] = field(default_factory=dict)  # request id -> why (its blocks are recomputed)
-    finished_sending: list[str] = field(default_factory=list)  # producer: pulled; the blocks may be freed
+    finished_sending: list[str] = field(default_factory=list)  # producer: pulled (or released); the blocks may be freed
     num_bytes_received: int = 0
+
+
+MAX_REMOTE_TP_SIZE = 256  # the params come from a request body: bounds the producer ranks a pull contacts
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class RemotePrefill:
     port: int
     request_id: str
     num_tokens: int  # prompt tokens whose KV the producer holds
+    tp_size: int = 1  # the producer's tensor-parallel size (rank r serves on port + r)
 
     @staticmethod
     def parse(params: dict[str, Any] | None) -> RemotePrefill | None:
@@ -61,11 +67,12 @@ class RemotePrefill:
         if not params or not params.get("do_remote_prefill"):
             return None
         try:
-            return RemotePrefill(str(params["remote_engine_id"]), str(params["remote_host"]),
-                                 int(params["remote_port"]), str(params["remote_request_id"]),
-                                 int(params["num_tokens"]))
+            remote = RemotePrefill(str(params["remote_engine_id"]), str(params["remote_host"]),
+                                   int(params["remote_port"]), str(params["remote_request_id"]),
+                                   int(params["num_tokens"]), int(params.get("remote_tp_size", 1)))
         except (KeyError, TypeError, ValueError):
             return None
+        return remote if 1 <= remote.tp_size <= MAX_REMOTE_TP_SIZE else None
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:

@@ -12,9 +12,14 @@ recomputed here (``recomputes``). A request finished while loading keeps its blo
 workers report the transfer over, so no block is reused under a write.
 
 Producer (``do_remote_decode``, n == 1): when the request finishes (normally after its one
-token) its blocks are held, not freed; ``kv_transfer_params`` naming them goes out with the
-final output; the workers serve them until a consumer pulls them (``finished_sending`` frees
-them) or ``producer_block_timeout_s`` passes (the workers are told to stop serving first).
+token) its blocks are held, not freed; ``kv_transfer_params`` naming them (and this instance's
+``remote_tp_size``) goes out with the final output; the workers serve them until a consumer
+pulls them (``finished_sending`` frees them) or ``producer_block_timeout_s`` passes (the workers
+are told to stop serving first).
+
+Under tensor parallelism the reports read here are the instance's, merged by the executor from
+every rank's (``aggregate.py``): a load finished on all ranks, failed once all ended it and one
+failed, held blocks sent by all ranks.
 """
 from __future__ import annotations
 
@@ -53,9 +58,11 @@ class KVTransferStats:
 class KVTransferScheduler(Scheduler):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, spec: FallbackController | None,
                  kv_transfer: KVTransferConfig, clock: Callable[[], float] = time.monotonic,
-                 max_batches: int = 1, send_token_ids: bool = False, lookahead_slots: int = 0) -> None:
+                 max_batches: int = 1, send_token_ids: bool = False, lookahead_slots: int = 0,
+                 tp_size: int = 1) -> None:
         super().__init__(config, kv, spec, max_batches, send_token_ids, lookahead_slots)
         self.kv_transfer = kv_transfer
+        self.tp_size = tp_size  # this instance's tensor-parallel size: producers name it in kv_transfer_params
         self._clock = clock
         self._loading: dict[str, tuple[Request, int]] = {}  # consumer: id -> (request, remote tokens)
         self._orphans: dict[str, Request] = {}  # finished while loading: freed once the workers are done
@@ -83,7 +90,7 @@ class KVTransferScheduler(Scheduler):
         self._loading[req.request_id] = (req, num_remote)
         blocks = self.kv.block_ids(req.request_id)[: self.kv.blocks_needed(num_remote)]
         self._meta.loads.append(LoadSpec(req.request_id, remote.request_id, remote.host, remote.port,
-                                         num_remote, blocks))
+                                         num_remote, blocks, remote.tp_size))
         return True
 
     def _on_connector_output(self, result: ModelRunnerOutput) -> None:
@@ -143,7 +150,7 @@ class KVTransferScheduler(Scheduler):
         self._meta.saves[rid] = block_ids
         req.kv_transfer_params = {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": cfg.engine_id,
-            "remote_host": cfg.ip, "remote_port": cfg.port, "remote_request_id": rid,
+            "remote_host": cfg.ip, "remote_port": cfg.port, "remote_tp_size": self.tp_size, "remote_request_id": rid,
             "remote_block_ids": block_ids, "num_tokens": req.num_prompt_tokens,
             "first_token_id": req.output_token_ids[0] if req.output_token_ids else None,
         }

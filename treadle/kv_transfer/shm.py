@@ -1,11 +1,12 @@
 """The ``shm`` connector: instances on one host. The same pull protocol as ``tcp`` (control
 over ZeroMQ, checksums, layer by layer), but the KV bytes do not cross a socket: the consumer
-creates a shared-memory segment sized for the transfer and names it in its PullRequest; the
-producer copies each layer's blocks straight into it and sends only the LayerHeader; the
-consumer copies the layer out into its KV cache. The consumer owns the segment (it unlinks it
-when the pull ends, whatever happened), so a dead or slow producer leaks nothing.
+creates a shared-memory segment sized for the transfer (one per producer rank it pulls from,
+sized for the heads it asks that rank for) and names it in its PullRequest; the producer copies
+each layer's blocks straight into it and sends only the LayerHeader; the consumer copies the
+layer out into its KV cache. The consumer owns the segments (it unlinks them when the pull
+ends, whatever happened), so a dead or slow producer leaks nothing.
 
-    segment layout: [layer][k | v][num_blocks * block bytes]
+    segment layout: [layer][k | v][num_blocks * block bytes of the asked heads]
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 import zmq
 
+from treadle.kv_transfer.heads import HeadSlice
 from treadle.kv_transfer.metadata import LoadSpec
 from treadle.kv_transfer.tcp import TcpConnector
 from treadle.kv_transfer.wire import LayerHeader, PullRequest, TransferError, check_frame, crc
@@ -27,32 +29,40 @@ SHM_DIR = Path("/dev/shm")  # where POSIX shared memory segments live (Linux)
 
 
 class ShmConnector(TcpConnector):
-    _local = threading.local()  # each pull thread's open segment
+    _local = threading.local()  # each pull thread's open segments, by name
 
-    def open_target(self, spec: LoadSpec) -> str:
-        size = 2 * self.layout.num_layers * len(spec.local_block_ids) * self.layout.block_bytes()
+    def open_target(self, spec: LoadSpec, part: HeadSlice) -> str:
+        if not part.num_heads:
+            return ""
+        size = 2 * self.layout.num_layers * len(spec.local_block_ids) * self.layout.block_bytes(part.num_heads)
         seg = shared_memory.SharedMemory(create=True, size=size)
-        self._local.segment = seg
+        self._segments()[seg.name] = seg
         return seg.name
 
     def close_target(self) -> None:
-        seg = getattr(self._local, "segment", None)
-        self._local.segment = None
-        if seg is not None:
+        segments = self._segments()
+        while segments:
+            seg = segments.popitem()[1]
             seg.unlink()
             _close(seg)
+
+    def _segments(self) -> dict[str, shared_memory.SharedMemory]:
+        if not hasattr(self._local, "segments"):
+            self._local.segments = {}
+        return self._local.segments  # type: ignore[no-any-return]
 
     def send_layers(self, sock: zmq.Socket, identity: bytes, req: PullRequest, blocks: list[int]) -> None:
         if not req.shm_name:
             raise TransferError("the shm connector needs the consumer's segment name")
-        nbytes = len(blocks) * self.layout.block_bytes()
+        nbytes = len(blocks) * self.layout.block_bytes(req.num_heads)
         # mapped as a file: attaching with SharedMemory would enrol the segment in this process's
         # resource tracker, which must not unlink what the consumer owns
         dst = np.memmap(SHM_DIR / req.shm_name.lstrip("/"), np.uint8, "r+", shape=(self.layout.num_layers, 2, nbytes))
         try:
             idx = torch.tensor(blocks, dtype=torch.long, device=self.kv[0][0].device)
             for layer, (k, v) in enumerate(self.kv):
-                for j, cache in enumerate((k, v)):
+                for j, full in enumerate((k, v)):
+                    cache = full.narrow(2, req.src_head, req.num_heads)
                     out = torch.from_numpy(dst[layer, j]).view(cache.dtype).view(len(blocks), *cache.shape[1:])
                     if cache.is_cpu:
                         torch.index_select(cache, 0, idx, out=out)
@@ -63,13 +73,14 @@ class ShmConnector(TcpConnector):
         finally:
             del dst
 
-    def receive_layer(self, parts: list[Any], nbytes: int) -> tuple[int, memoryview, memoryview]:
+    def receive_layer(self, parts: list[Any], nbytes: int, target: str) -> tuple[int, memoryview, memoryview]:
         head = msgspec.msgpack.decode(parts[0], type=LayerHeader)
-        seg = self._local.segment
-        if len(parts) != 1 or seg is None or not 0 <= head.layer < self.layout.num_layers:
+        seg = self._segments().get(target)
+        buf = None if seg is None else seg.buf
+        if len(parts) != 1 or buf is None or not 0 <= head.layer < self.layout.num_layers:
             raise TransferError("malformed layer message")
         at = 2 * head.layer * nbytes
-        kb, vb = seg.buf[at : at + nbytes], seg.buf[at + nbytes : at + 2 * nbytes]
+        kb, vb = buf[at : at + nbytes], buf[at + nbytes : at + 2 * nbytes]
         check_frame(kb, head.crc_k, nbytes, f"layer {head.layer} keys")
         check_frame(vb, head.crc_v, nbytes, f"layer {head.layer} values")
         return head.layer, kb, vb

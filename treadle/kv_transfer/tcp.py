@@ -2,14 +2,18 @@
 machines). Control messages are msgspec (``wire.py``); KV travels as raw frames, one message
 per layer, so the consumer writes layer i into its blocks while later layers are in flight.
 
-Producer: one ROUTER socket on ``kv_ip:kv_port`` served by a thread. A pull for a request
-not yet servable (its save arrives with the next step) is parked for up to PARK_S; one for a
-released or unknown request is refused. Serving pops the request from the servable table and,
-under the lock that ``start_step``'s releases take, copies each layer's blocks out and sends
-them; then the request is reported sent (its blocks may be freed: the frames are copies).
+Producer: each tensor-parallel rank r has one ROUTER socket on ``kv_ip:kv_port + r`` served
+by a thread. A pull for a request not yet servable (its save arrives with the next step) is
+parked for up to PARK_S; one for a released or unknown request is refused. Serving copies, under
+the lock that ``start_step``'s releases take, each layer's blocks (the asked slice of this
+rank's heads) out and sends them. Once every consumer rank that pulls from this rank
+(``heads.py``) has pulled, the request leaves the servable table and is reported sent (its
+blocks may be freed: the frames are copies); a request released before that is reported too,
+so every rank reports every held request once (the executor merges the ranks' reports).
 
-Consumer: each LoadSpec is pulled on a small thread pool through its own DEALER socket with
-one deadline (``transfer_timeout_s``) for the whole transfer; every frame's length and
+Consumer: each LoadSpec is pulled on a small thread pool: one DEALER socket per producer rank
+this rank pulls from (``heads.py``), all asked at once, layer i read from each before layer
+i + 1, one deadline (``transfer_timeout_s``) for the whole transfer; every frame's length and
 checksum and the header's layout are checked before the layer is written.
 """
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import zmq
 
 from treadle.config import KVTransferConfig
+from treadle.kv_transfer.heads import HeadSlice, RankPlacement, check_tp_size, num_pullers, pull_plan
 from treadle.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, LoadSpec
 from treadle.kv_transfer.wire import (
     KVLayout,
@@ -47,12 +52,14 @@ POLL_MS = 20
 
 
 class TcpConnector(KVConnectorWorker):
-    def __init__(self, config: KVTransferConfig, kv_caches: KVCaches) -> None:
+    def __init__(self, config: KVTransferConfig, kv_caches: KVCaches, placement: RankPlacement | None = None) -> None:
         self.config, self.kv = config, kv_caches
-        self.layout = KVLayout.of(kv_caches)
+        self.placement = placement or RankPlacement.single(kv_caches[0][0].shape[2])
+        self.layout = KVLayout.of(kv_caches, self.placement.num_kv_heads)  # the model's heads: same on every rank
         self.ctx = zmq.Context()
-        self._lock = threading.Lock()  # guards _servable and every read of held blocks
+        self._lock = threading.Lock()  # guards _servable, _pulled and every read of held blocks
         self._servable: dict[str, list[int]] = {}
+        self._pulled: dict[str, set[int]] = {}  # servable request -> consumer ranks that pulled it
         self._released: deque[str] = deque(maxlen=4096)
         self._ended: queue.SimpleQueue[tuple[str, str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -62,7 +69,7 @@ class TcpConnector(KVConnectorWorker):
         if config.is_producer:
             sock = self.ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(f"tcp://{config.ip}:{config.port}")
+            sock.bind(f"tcp://{config.ip}:{config.port + self.placement.tp_rank}")
             self._server = threading.Thread(target=self._serve, args=(sock,), name="kv-serve", daemon=True)
             self._server.start()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kv-pull") if config.is_consumer else None
@@ -74,8 +81,10 @@ class TcpConnector(KVConnectorWorker):
         with self._lock:
             self._servable.update(meta.saves)
             for rid in meta.releases:
-                self._servable.pop(rid, None)
                 self._released.append(rid)
+                self._pulled.pop(rid, None)
+                if self._servable.pop(rid, None) is not None:
+                    self._end("sent", rid, None)  # never fully pulled: this rank is done with it too
         for spec in meta.loads:
             if self._pool is None:
                 self._end("failed", spec.request_id, "this instance is not a kv_consumer")
@@ -147,27 +156,50 @@ class TcpConnector(KVConnectorWorker):
             if error:
                 sock.send_multipart([identity, self._enc.encode(PullHeader(False, error))])
                 return True  # still held: a well-formed pull may come
-            del self._servable[req.request_id]
+            done = self._count_pull(req)
             sock.send_multipart([identity, self._enc.encode(PullHeader(True, "", self.layout, req.num_blocks))])
             try:
-                self.send_layers(sock, identity, req, blocks[: req.num_blocks])
+                if req.num_heads:
+                    self.send_layers(sock, identity, req, blocks[: req.num_blocks])
             except Exception as e:  # noqa: BLE001 - a broken pull must not stop the server
                 logger.warning("serving KV of %s failed: %r", req.request_id, e)
-        self._end("sent", req.request_id, None)
+        if done:
+            self._end("sent", req.request_id, None)
+        return True
+
+    def _count_pull(self, req: PullRequest) -> bool:
+        """Note ``req``'s consumer rank as served (under the lock); True once every consumer
+        rank that pulls from this rank has: the request is then no longer servable."""
+        pulled = self._pulled.setdefault(req.request_id, set())
+        pulled.add(req.consumer_rank)
+        me = self.placement
+        if len(pulled) < num_pullers(me.num_kv_heads, me.tp_size, req.consumer_tp, me.tp_rank):
+            return False
+        del self._servable[req.request_id], self._pulled[req.request_id]
         return True
 
     def _check(self, req: PullRequest, blocks: list[int]) -> str:
+        me = self.placement
         if req.layout != self.layout:
             return f"KV layout mismatch: producer {self.layout}, consumer {req.layout}"
         if not 0 < req.num_blocks <= len(blocks):
             return f"asked for {req.num_blocks} blocks, {len(blocks)} held"
+        if req.producer_tp != me.tp_size:
+            return f"the consumer expects tensor-parallel size {req.producer_tp}, the producer has {me.tp_size}"
+        try:
+            check_tp_size(me.num_kv_heads, req.consumer_tp)
+        except TransferError as e:
+            return str(e)
+        if not (0 <= req.consumer_rank < req.consumer_tp and 0 <= req.src_head
+                and req.num_heads >= 0 and req.src_head + req.num_heads <= self.kv[0][0].shape[2]):
+            return f"heads {req.src_head}+{req.num_heads} for rank {req.consumer_rank}/{req.consumer_tp} are not held here"
         return ""
 
     def send_layers(self, sock: zmq.Socket, identity: bytes, req: PullRequest, blocks: list[int]) -> None:
         """The data path: each layer's blocks as two raw frames after a LayerHeader."""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.kv[0][0].device)
         for layer, (k, v) in enumerate(self.kv):
-            kb, vb = _raw(k, idx), _raw(v, idx)
+            kb, vb = (_raw(t.narrow(2, req.src_head, req.num_heads), idx) for t in (k, v))
             head = self._enc.encode(LayerHeader(layer, crc(kb), crc(vb)))
             sock.send_multipart([identity, head, kb, vb], copy=False)
 
@@ -180,41 +212,53 @@ class TcpConnector(KVConnectorWorker):
 
     def _transfer(self, spec: LoadSpec) -> int:
         deadline = time.monotonic() + self.config.transfer_timeout_s
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        target = self.open_target(spec)
+        me, n = self.placement, len(spec.local_block_ids)
+        plan = pull_plan(me.num_kv_heads, spec.remote_tp_size, me.tp_size)[me.tp_rank]
+        pulls: list[tuple[zmq.Socket, HeadSlice, str]] = []
         try:
-            sock.connect(f"tcp://{spec.remote_host}:{spec.remote_port}")
-            sock.send(self._enc.encode(PullRequest(spec.remote_request_id, self.layout, len(spec.local_block_ids),
-                                                   target)))
-            head = msgspec.msgpack.decode(_recv(sock, deadline)[0], type=PullHeader)
-            if not head.ok:
-                raise TransferError(head.error)
-            if head.layout != self.layout or head.num_blocks != len(spec.local_block_ids):
-                raise TransferError(f"the producer sent {head.num_blocks} blocks of {head.layout}")
+            for part in plan:  # every producer rank is asked at once
+                target = self.open_target(spec, part)
+                sock = self.ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                pulls.append((sock, part, target))
+                sock.connect(f"tcp://{spec.remote_host}:{spec.remote_port + part.producer_rank}")
+                sock.send(self._enc.encode(PullRequest(
+                    spec.remote_request_id, self.layout, n, target, spec.remote_tp_size, me.tp_size,
+                    me.tp_rank, part.src_head, part.num_heads)))
+            for sock, _, _ in pulls:
+                head = msgspec.msgpack.decode(_recv(sock, deadline)[0], type=PullHeader)
+                if not head.ok:
+                    raise TransferError(head.error)
+                if head.layout != self.layout or head.num_blocks != n:
+                    raise TransferError(f"the producer sent {head.num_blocks} blocks of {head.layout}")
             idx = torch.tensor(spec.local_block_ids, dtype=torch.long, device=self.kv[0][0].device)
-            nbytes = len(spec.local_block_ids) * self.layout.block_bytes()
-            for _ in range(self.layout.num_layers):  # written as each layer arrives
-                self._write_layer(idx, *self.receive_layer(_recv(sock, deadline), nbytes))
-            return 2 * nbytes * self.layout.num_layers
+            moving = [p for p in pulls if p[1].num_heads]
+            for _ in range(self.layout.num_layers):  # layer by layer, written as each arrives
+                for sock, part, target in moving:
+                    nbytes = n * self.layout.block_bytes(part.num_heads)
+                    self._write_layer(idx, part, *self.receive_layer(_recv(sock, deadline), nbytes, target))
+            return 2 * self.layout.num_layers * n * sum(self.layout.block_bytes(p.num_heads) for p in plan)
         finally:
-            sock.close(0)
+            for sock, _, _ in pulls:
+                sock.close(0)
             self.close_target()
 
-    def _write_layer(self, idx: torch.Tensor, layer: int, kb: memoryview, vb: memoryview) -> None:
-        """Copy one layer's received blocks into the cache (keeps no view of the buffers)."""
+    def _write_layer(self, idx: torch.Tensor, part: HeadSlice, layer: int, kb: memoryview, vb: memoryview) -> None:
+        """Copy one layer's received blocks (``part``'s heads) into the cache (keeps no view of
+        the buffers)."""
         with torch.no_grad():
             for cache, data in zip(self.kv[layer], (kb, vb)):
-                cache.index_copy_(0, idx, _tensor(data, self.layout, len(idx)).to(cache.device))
+                heads = cache.narrow(2, part.dst_head, part.num_heads)
+                heads.index_copy_(0, idx, _tensor(data, self.layout, len(idx), part.num_heads).to(cache.device))
 
-    def open_target(self, spec: LoadSpec) -> str:
-        """Where the producer writes (shm: a segment's name); tcp: in the frames ("")."""
+    def open_target(self, spec: LoadSpec, part: HeadSlice) -> str:
+        """Where the producer writes ``part`` (shm: a segment's name); tcp: in the frames ("")."""
         return ""
 
     def close_target(self) -> None:
-        """Release what ``open_target`` made."""
+        """Release what ``open_target`` made for this pull."""
 
-    def receive_layer(self, parts: list[Any], nbytes: int) -> tuple[int, memoryview, memoryview]:
+    def receive_layer(self, parts: list[Any], nbytes: int, target: str) -> tuple[int, memoryview, memoryview]:
         head = msgspec.msgpack.decode(parts[0], type=LayerHeader)
         if len(parts) != 3 or not 0 <= head.layer < self.layout.num_layers:
             raise TransferError("malformed layer message")
@@ -232,12 +276,13 @@ def _recv(sock: zmq.Socket, deadline: float) -> list[Any]:
 
 
 def _raw(t: torch.Tensor, idx: torch.Tensor) -> Any:
-    """The blocks ``idx`` of ``t`` copied out, as one flat byte array."""
-    return t.index_select(0, idx).cpu().view(torch.uint8).reshape(-1).numpy()
+    """The blocks ``idx`` of ``t`` (a view: one rank's slice of heads) copied out, as one flat
+    byte array."""
+    return t.index_select(0, idx).contiguous().cpu().view(torch.uint8).reshape(-1).numpy()
 
 
-def _tensor(data: memoryview, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+def _tensor(data: memoryview, layout: KVLayout, num_blocks: int, num_heads: int) -> torch.Tensor:
     with warnings.catch_warnings():  # read-only buffer: the tensor is only copied from
         warnings.simplefilter("ignore")
         flat = torch.frombuffer(data, dtype=layout.torch_dtype)
-    return flat.view(num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    return flat.view(num_blocks, layout.block_size, num_heads, layout.head_dim)

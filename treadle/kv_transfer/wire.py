@@ -1,11 +1,15 @@
 """The pull protocol's messages (msgspec over ZeroMQ DEALER -> ROUTER) and the frame checks.
 
     consumer DEALER                          producer ROUTER
-      PullRequest(id, layout, num_blocks, shm) ->
+      PullRequest(id, layout, num_blocks, shm,
+                  tensor-parallel sizes, consumer
+                  rank, head slice)          ->
                                              <- PullHeader(ok | error, layout, num_blocks)
                                              <- per layer: [LayerHeader(layer, crc k, crc v), k, v]
-                                                (shm: the bytes sit in the consumer's segment;
-                                                 only the LayerHeader travels)
+                                                (k, v: the blocks' slice of the asked heads;
+                                                 shm: the bytes sit in the consumer's segment,
+                                                 only the LayerHeader travels; an empty pull,
+                                                 0 heads, gets the PullHeader only)
 """
 from __future__ import annotations
 
@@ -20,17 +24,21 @@ class KVLayout(msgspec.Struct, frozen=True, array_like=True):
 
     num_layers: int
     block_size: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int  # the model's, all tensor-parallel ranks together
+    head_dim: int  # the stored width (a quantized cache adds its scales)
     dtype: str  # "float32", "bfloat16", ...
 
     @staticmethod
-    def of(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> KVLayout:
+    def of(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_kv_heads: int | None = None) -> KVLayout:
+        """``num_kv_heads``: the model's (default: the heads this cache holds, one rank)."""
         k = kv_caches[0][0]
-        return KVLayout(len(kv_caches), k.shape[1], k.shape[2], k.shape[3], str(k.dtype).removeprefix("torch."))
+        return KVLayout(len(kv_caches), k.shape[1], num_kv_heads or k.shape[2], k.shape[3],
+                        str(k.dtype).removeprefix("torch."))
 
-    def block_bytes(self) -> int:
-        return self.block_size * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=self.torch_dtype).element_size()
+    def block_bytes(self, num_heads: int | None = None) -> int:
+        """Bytes of one block of ``num_heads`` heads (default: all of the model's)."""
+        heads = self.num_kv_heads if num_heads is None else num_heads
+        return self.block_size * heads * self.head_dim * torch.empty(0, dtype=self.torch_dtype).element_size()
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -42,6 +50,11 @@ class PullRequest(msgspec.Struct, array_like=True):
     layout: KVLayout
     num_blocks: int  # the first num_blocks held blocks
     shm_name: str = ""  # shm connector: the consumer's segment the producer writes into
+    producer_tp: int = 1  # the producer's tensor-parallel size, as the consumer read it
+    consumer_tp: int = 1  # the consumer's tensor-parallel size and the pulling rank
+    consumer_rank: int = 0
+    src_head: int = 0  # the slice of the producer rank's heads to send (heads.py); 0 heads: empty
+    num_heads: int = 0
 
 
 class PullHeader(msgspec.Struct, array_like=True):

@@ -1,0 +1,67 @@
+"""The ranks' transfer reports merged into one, for an instance of several tensor-parallel ranks
+(the executor does this; the scheduler side then reads the instance's report as it reads a
+single rank's). Every rank reports every load and every held request exactly once, each when
+it is done with it (``tcp.py``), perhaps in different steps::
+
+    step    rank 0                 rank 1                  merged (2 ranks)
+    5       loaded a               -                       -
+    6       -                      failed a (checksum)     failed a: recompute on every rank
+    7       sent p                 -                       -
+    9       -                      sent p                  sent p: the blocks may be freed
+
+A load is finished once every rank finished it, and failed (first reason kept) once every rank
+ended it and any failed: only then is no rank still writing its blocks, so the scheduler may
+recompute into them. Held blocks count as sent once every rank stopped reading them.
+"""
+from __future__ import annotations
+
+from treadle.kv_transfer.metadata import KVConnectorOutput
+
+
+class KVOutputAggregator:
+    def __init__(self, num_ranks: int) -> None:
+        self.num_ranks = num_ranks
+        self._loads: dict[str, tuple[int, str | None]] = {}  # request -> (ranks ended, first failure)
+        self._sends: dict[str, int] = {}  # request -> ranks that stopped serving it
+        self._merged = KVConnectorOutput()  # complete, not yet handed out
+
+    def merge(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput | None:
+        """One step's reports of every rank -> the instance's (None when nothing ended)."""
+        self.add(outputs)
+        merged, self._merged = self._merged, KVConnectorOutput()
+        ended = merged.finished_loading or merged.failed_loading or merged.finished_sending
+        return merged if ended or merged.num_bytes_received else None
+
+    def add(self, outputs: list[KVConnectorOutput | None]) -> None:
+        """Count reports without handing anything out yet (a step failed on another rank:
+        what these ranks reported comes out with the next ``merge``)."""
+        merged = self._merged
+        for out in outputs:
+            if out is None:
+                continue
+            merged.num_bytes_received += out.num_bytes_received
+            for rid in out.finished_loading:
+                self._end_load(merged, rid, None)
+            for rid, why in out.failed_loading.items():
+                self._end_load(merged, rid, why)
+            for rid in out.finished_sending:
+                count = self._sends.pop(rid, 0) + 1
+                if count == self.num_ranks:
+                    merged.finished_sending.append(rid)
+                else:
+                    self._sends[rid] = count
+
+    def _end_load(self, merged: KVConnectorOutput, rid: str, why: str | None) -> None:
+        count, failure = self._loads.pop(rid, (0, None))
+        count, failure = count + 1, failure or why
+        if count < self.num_ranks:
+            self._loads[rid] = (count, failure)
+        elif failure is None:
+            merged.finished_loading.append(rid)
+        else:
+            merged.failed_loading[rid] = failure
+
+    @property
+    def num_pending(self) -> int:
+        """Requests some ranks, not all, have reported (0 when every report is complete)."""
+        return len(self._loads) + len(self._sends)
