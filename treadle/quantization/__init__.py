@@ -46,9 +46,7 @@ def resolve_quantization(name: str | None, gguf_file: bool, on_cpu: bool, checkp
         if name not in (None, "auto", checkpoint):
             raise TreadleError(f"quantization {name!r} conflicts with the checkpoint's quantization_config "
                                f"({checkpoint}); use --quantization auto")
-        if not on_cpu:
-            raise TreadleError(f"{checkpoint} checkpoints run on the CPU only for now")
-        return checkpoint
+        return checkpoint  # on a GPU too: Triton kernels (gpu.py)
     name = "none" if name is None else name
     if name in CHECKPOINT_METHODS:
         raise TreadleError(f"quantization {name!r} needs a checkpoint whose config.json has that quantization_config")
