@@ -95,6 +95,7 @@ def test_w4a16_layer_matches_the_decoded_weight(layout: str, m: int) -> None:
     layer.bias.data.copy_(rand(72, seed=3))
     install(layer, parts, "triton", torch.float32)
     assert isinstance(layer.method, gpu.TritonInt4Method)
+    assert layer.method.group_size == {"g32": 32, "g64": 64, "g128": 128, "channel": k, "act-order": 0}[layout]
     weight = torch.cat([p.dequantize() for p in parts])
     x = rand(m, k, seed=4)
     torch.testing.assert_close(layer(x), F.linear(x, weight, layer.bias), rtol=1e-5, atol=1e-4)

@@ -69,9 +69,10 @@ def _quant_cases() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
     for dt in ("fp16", "bf16", "fp32"):
         args = {"x_ptr": f"*{dt}", "packed_ptr": "*u8", "group_ptr": "*i32", "scale_ptr": "*fp32",
                 "mins_ptr": "*fp32", "bias_ptr": f"*{dt}", "y_ptr": f"*{dt}"}
-        for rows in (16, bm):
-            cases[f"w4a16_matmul_kernel/{dt}/{rows}"] = ("w4a16_matmul_kernel", args, {
-                "HAS_BIAS": True, "IEEE": dt == "fp32", "BLOCK_M": rows, "BLOCK_N": bn, "BLOCK_K": bk})
+        for rows, uniform in ((16, True), (bm, True), (16, False)):
+            cases[f"w4a16_matmul_kernel/{dt}/{rows}/{'uniform' if uniform else 'gather'}"] = (
+                "w4a16_matmul_kernel", args, {"HAS_BIAS": True, "IEEE": dt == "fp32", "UNIFORM": uniform,
+                                              "BLOCK_M": rows, "BLOCK_N": bn, "BLOCK_K": bk})
     return cases
 
 
@@ -113,7 +114,7 @@ def test_kernels_compile_for_sm90_within_shared_memory(tmp_path: Path) -> None:
     assert sorted(shared) == sorted([*KERNELS, *_quant_cases()])
     assert all(0 <= size <= SHARED_LIMIT for size in shared.values()), shared
     assert shared["prefill_kernel"] > 0  # the tiles really are staged through shared memory
-    assert shared["w8a8_matmul_kernel/64"] > 0 and shared["w4a16_matmul_kernel/fp16/32"] > 0
+    assert shared["w8a8_matmul_kernel/64"] > 0 and shared["w4a16_matmul_kernel/fp16/32/uniform"] > 0
 
 
 if __name__ == "__main__":

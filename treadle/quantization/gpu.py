@@ -102,6 +102,15 @@ class PackedInt4(NamedTuple):
         return PackedInt4(packed, group.to(torch.int32).contiguous(), scale.float().t().contiguous(),
                           (-zero.float() * scale.float()).t().contiguous())
 
+    def uniform_group_size(self) -> int:
+        """G when input k is in group k // G with G a multiple of the kernel's K tile (the
+        kernel's UNIFORM path), else 0."""
+        k, groups = self.group.shape[0], self.scale.shape[0]
+        size, tile = k // groups, _W4A16_TILES[2]
+        if k % groups or size % tile or not torch.equal(self.group.cpu(), torch.arange(k, dtype=torch.int32) // size):
+            return 0
+        return size
+
     def to(self, device: torch.device) -> PackedInt4:
         return PackedInt4(*(t.to(device) for t in self))
 
@@ -112,8 +121,9 @@ class PackedInt4(NamedTuple):
         return (q.float() * self.scale[g] + self.mins[g]).t()
 
 
-def w4a16_matmul(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x's dtype: x times the int4 weight ``w``, float32 sums."""
+def w4a16_matmul(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype: x times the int4 weight ``w``, float32 sums;
+    ``group_size``: ``w.uniform_group_size()`` (0: gather each input's group)."""
     tk = _kernels()
     k, n = x.shape[-1], w.packed.shape[1]
     flat = x.reshape(-1, k)
@@ -126,8 +136,9 @@ def w4a16_matmul(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = Non
     if m:
         grid = (_cdiv(m, bm), _cdiv(n, bn))
         tk.w4a16_matmul_kernel[grid](flat, w.packed, w.group, w.scale, w.mins, y if bias is None else bias, y,
-                                     m, n, k, flat.stride(0), HAS_BIAS=bias is not None,
-                                     IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                                     m, n, k, flat.stride(0), group_size, HAS_BIAS=bias is not None,
+                                     IEEE=x.dtype == torch.float32, UNIFORM=group_size > 0,
+                                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return y.view(*x.shape[:-1], n)
 
 
@@ -136,16 +147,19 @@ class TritonInt4Method(LinearMethod):
     layer's buffers ``int4_packed``, ``int4_group``, ``int4_scale``, ``int4_mins`` (so they move
     with the module). Installed by ``attach`` from decoded weights, never loaded directly."""
 
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size  # PackedInt4.uniform_group_size(), found once at load
+
     @staticmethod
     def attach(layer: Linear, weight: PackedInt4) -> None:
         """Make ``weight`` the layer's int4 weight and this method its runtime."""
         for name, t in zip(PackedInt4._fields, weight, strict=True):
             layer.register_buffer(f"int4_{name}", t)
-        layer.method = TritonInt4Method()
+        layer.method = TritonInt4Method(weight.uniform_group_size())
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         raise RuntimeError("TritonInt4Method holds decoded weights: install it with TritonInt4Method.attach")
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         w = PackedInt4(*(getattr(layer, f"int4_{name}") for name in PackedInt4._fields))
-        return w4a16_matmul(x, w, layer.bias)
+        return w4a16_matmul(x, w, layer.bias, self.group_size)

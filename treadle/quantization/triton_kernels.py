@@ -25,8 +25,10 @@ W4A16 (``w4a16_matmul_kernel``), weights packed two per byte along the inputs::
     y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])         float32 accumulation
 
 ``group`` [K] is any map of inputs to groups (k // G, per channel: all 0, or GPTQ's act-order
-``g_idx``), so no activation permutation is needed; each K tile gathers its rows of
-``scale``/``mins`` ([groups, N], contiguous along N).
+``g_idx``), so no activation permutation is needed: each K tile gathers its rows of
+``scale``/``mins`` ([groups, N], contiguous along N). Contiguous groups of G inputs (G a
+multiple of the K tile: 32/64/128, or per channel) take the ``UNIFORM`` path instead, one
+row of scale/mins per K tile.
 """
 from __future__ import annotations
 
@@ -95,11 +97,13 @@ def w8a8_matmul_kernel(
 
 @triton.jit
 def w4a16_matmul_kernel(
-    x_ptr, packed_ptr, group_ptr, scale_ptr, mins_ptr, bias_ptr, y_ptr, M, N, K, stride_x,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr, packed_ptr, group_ptr, scale_ptr, mins_ptr, bias_ptr, y_ptr, M, N, K, stride_x, group_size,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UNIFORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """y [M, N] (y's dtype) = x [M, K] (rows ``stride_x`` apart) times the int4 weight above."""
+    """y [M, N] (y's dtype) = x [M, K] (rows ``stride_x`` apart) times the int4 weight above.
+    ``UNIFORM``: group[k] is k // group_size with group_size a multiple of BLOCK_K, so a K tile
+    reads one row of scale/mins; otherwise each input's group is gathered."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,9 +117,14 @@ def w4a16_matmul_kernel(
         wmask = kmask[:, None] & (rn[None, :] < N)
         byte = tl.load(packed_ptr + (kk[:, None] // 2).to(tl.int64) * N + rn[None, :], mask=wmask, other=0)
         q = ((byte.to(tl.int32) >> ((kk[:, None] % 2) * 4)) & 0xF).to(tl.float32)  # [BLOCK_K, BLOCK_N]
-        g = tl.load(group_ptr + kk, mask=kmask, other=0).to(tl.int64)
-        sm = g[:, None] * N + rn[None, :]
-        w = q * tl.load(scale_ptr + sm, mask=wmask, other=0.0) + tl.load(mins_ptr + sm, mask=wmask, other=0.0)
+        if UNIFORM:
+            row = (k0 // group_size).to(tl.int64) * N + rn
+            scale = tl.load(scale_ptr + row, mask=rn < N, other=0.0)
+            w = q * scale[None, :] + tl.load(mins_ptr + row, mask=rn < N, other=0.0)[None, :]
+        else:
+            g = tl.load(group_ptr + kk, mask=kmask, other=0).to(tl.int64)
+            sm = g[:, None] * N + rn[None, :]
+            w = q * tl.load(scale_ptr + sm, mask=wmask, other=0.0) + tl.load(mins_ptr + sm, mask=wmask, other=0.0)
         if IEEE:
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
