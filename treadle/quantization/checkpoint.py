@@ -12,7 +12,8 @@ replace its float ``weight`` and how to read them. This module is the common par
 
 The expected-tensor check, the dtype check (both before any weight is read) and the
 per-layer method factory all derive from those two calls (the parsers, one module per
-quant_method, are chosen in ``published.py``). Everything is CPU-only for now.
+quant_method, are chosen in ``published.py``). The methods run on the CPU (C kernels) or, for
+weights on a CUDA device, on Triton kernels (``gpu.py``), chosen once after loading.
 """
 from __future__ import annotations
 
