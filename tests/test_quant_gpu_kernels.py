@@ -77,11 +77,17 @@ def _int4(rows: int, k: int, group: torch.Tensor, seed: int) -> Int4Weight:
                       torch.randint(0, 16, (rows, groups), generator=gen).float(), group)
 
 
-LAYOUTS = {  # the group of each of K inputs, as each format decodes it
-    "g32": lambda k: torch.arange(k) // 32, "g64": lambda k: torch.arange(k) // 64,
-    "g128": lambda k: torch.arange(k) // 128, "channel": lambda k: torch.zeros(k, dtype=torch.long),
-    "act-order": lambda k: torch.randperm(k, generator=torch.Generator().manual_seed(5)) // 32,
+def _act_order(k: int, seed: int) -> torch.Tensor:
+    return torch.randperm(k, generator=torch.Generator().manual_seed(seed)) // 32
+
+
+LAYOUTS = {  # the group of each of K inputs in each of two shards, as each format decodes it
+    "g32": lambda k: [torch.arange(k) // 32] * 2, "g64": lambda k: [torch.arange(k) // 64] * 2,
+    "g128": lambda k: [torch.arange(k) // 128] * 2, "channel": lambda k: [torch.zeros(k, dtype=torch.long)] * 2,
+    "act-order": lambda k: [_act_order(k, 5)] * 2,
+    "act-order-per-shard": lambda k: [_act_order(k, 5), _act_order(k, 6)],  # GPTQ's fused q/k/v
 }
+GROUP_SIZES = {"g32": 32, "g64": 64, "g128": 128, "channel": 256, "act-order": 0, "act-order-per-shard": 0}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -89,13 +95,13 @@ LAYOUTS = {  # the group of each of K inputs, as each format decodes it
 def test_w4a16_layer_matches_the_decoded_weight(layout: str, m: int) -> None:
     """A fused layer of two shards installed on the Triton runtime, against x @ w.T + b."""
     k = 256
-    group = LAYOUTS[layout](k)
-    parts = [_int4(48, k, group, seed=1), _int4(24, k, group, seed=2)]
+    groups = LAYOUTS[layout](k)
+    parts = [_int4(48, k, groups[0], seed=1), _int4(24, k, groups[1], seed=2)]
     layer = Linear(k, [48, 24], bias=True, dtype=torch.float32, method=W8A8Method())  # any placeholder method
     layer.bias.data.copy_(rand(72, seed=3))
     install(layer, parts, "triton", torch.float32)
     assert isinstance(layer.method, gpu.TritonInt4Method)
-    assert layer.method.group_size == {"g32": 32, "g64": 64, "g128": 128, "channel": k, "act-order": 0}[layout]
+    assert layer.method.group_size == GROUP_SIZES[layout]
     weight = torch.cat([p.dequantize() for p in parts])
     x = rand(m, k, seed=4)
     torch.testing.assert_close(layer(x), F.linear(x, weight, layer.bias), rtol=1e-5, atol=1e-4)
@@ -106,7 +112,7 @@ def test_w4a16_in_16_bit_activations() -> None:
     the same code; it is compiled for sm_90 but not run here: the interpreter's tl.dot on
     bfloat16 tiles returns garbage (an interpreter bug, seen with a plain 16x16 dot)."""
     k = 128
-    parts = [_int4(64, k, LAYOUTS["g32"](k), seed=6)]
+    parts = [_int4(64, k, LAYOUTS["g32"](k)[0], seed=6)]
     layer = Linear(k, [64], bias=False, dtype=torch.float16, method=W8A8Method())
     install(layer, parts, "triton", torch.float16)
     x = rand(3, k, seed=7).to(torch.float16)
@@ -116,9 +122,8 @@ def test_w4a16_in_16_bit_activations() -> None:
     torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2)
 
 
-def load_on_triton(path: Path, quantized_layers: int = 2 * 4) -> LoadedModel:
-    """load_model's steps with every quantized layer finished on the Triton kernels
-    (``quantized_layers`` of them stay quantized: by default qkv, o, gate_up, down of both layers)."""
+def load_on_triton(path: Path) -> LoadedModel:
+    """load_model's steps with every quantized layer finished on the Triton kernels."""
     source = open_model_source(str(path))
     method, weights = quantization_plan(source, "auto")
     model = model_class(source.config.architecture)(source.config, CPUBackend(), torch.float32, method=method)
@@ -134,7 +139,7 @@ def load_on_triton(path: Path, quantized_layers: int = 2 * 4) -> LoadedModel:
             if isinstance(layer.method, W8A8Method):
                 layer.method.use("triton")
         on_triton += isinstance(layer.method, W8A8Method | gpu.TritonInt4Method)
-    assert on_triton == quantized_layers
+    assert on_triton == 2 * 4  # qkv, o, gate_up, down of both layers
     return LoadedModel(model=model.eval(), config=source.config, tokenizer=source.tokenizer, path=source.path)
 
 
@@ -150,7 +155,7 @@ def test_compressed_tensors_model_on_triton_matches_transformers(tmp_path: Path,
 @pytest.mark.parametrize("method,group,desc_act", [("gptq", 32, True), ("awq", 64, False)])
 def test_gptq_awq_model_on_triton_matches_transformers(tmp_path: Path, method: str, group: int,
                                                         desc_act: bool) -> None:
-    """Act-order GPTQ gives q/k/v (and gate/up) each its own g_idx: the fused layers, which
-    share one group map in the kernel, are dequantized to float at load (as on the CPU)."""
+    """Act-order GPTQ gives q/k/v (and gate/up) each its own g_idx: the fused layers stay
+    int4 on the Triton kernels too (one group row per shard)."""
     path = write_int4_checkpoint(tmp_path / method, tmp_path / "float", method, group, False, desc_act)
-    assert_matches(load_on_triton(path, 2 * 2 if desc_act else 2 * 4), tmp_path / "float", INT4_TOL)
+    assert_matches(load_on_triton(path), tmp_path / "float", INT4_TOL)

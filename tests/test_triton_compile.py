@@ -67,7 +67,7 @@ def _quant_cases() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
             "w8a8_matmul_kernel", _W8A8_ARGS, {"HAS_BIAS": bias, "BLOCK_M": rows, "BLOCK_N": bn, "BLOCK_K": bk})
     bm, bn, bk = gpu._W4A16_TILES
     for dt in ("fp16", "bf16", "fp32"):
-        args = {"x_ptr": f"*{dt}", "packed_ptr": "*u8", "group_ptr": "*i32", "scale_ptr": "*fp32",
+        args = {"x_ptr": f"*{dt}", "packed_ptr": "*u8", "group_ptr": "*i32", "shard_ptr": "*i32", "scale_ptr": "*fp32",
                 "mins_ptr": "*fp32", "bias_ptr": f"*{dt}", "y_ptr": f"*{dt}"}
         for rows, uniform in ((16, True), (bm, True), (16, False)):
             cases[f"w4a16_matmul_kernel/{dt}/{rows}/{'uniform' if uniform else 'gather'}"] = (

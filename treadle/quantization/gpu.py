@@ -83,31 +83,40 @@ def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 
 
 class PackedInt4(NamedTuple):
-    """An int4 weight as ``w4a16_matmul_kernel`` reads it (see triton_kernels.py)."""
+    """An int4 weight as ``w4a16_matmul_kernel`` reads it (see triton_kernels.py). Output
+    column n takes its inputs' groups from row ``shard[n]`` of ``group``: the shards of a fused
+    layer (q/k/v of act-order GPTQ) may each have their own ``g_idx``."""
 
     packed: torch.Tensor  # [ceil(K / 2), N] uint8, two inputs per byte (even k in the low nibble)
-    group: torch.Tensor  # [K] int32, the group of each input
+    group: torch.Tensor  # [S, K] int32, the group of each input, per shard
+    shard: torch.Tensor  # [N] int32, the shard (row of ``group``) of each output column
     scale: torch.Tensor  # [groups, N] float32
     mins: torch.Tensor  # [groups, N] float32, -zero * scale
 
     @staticmethod
-    def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: torch.Tensor) -> PackedInt4:
-        """From ``int4_checkpoint.Int4Weight``'s fields: q [N, K] 0..15, scale and zero
-        [N, groups], group [K]; w = (q - zero) * scale, rewritten q * scale + mins."""
+    def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, groups: list[torch.Tensor],
+             rows: list[int]) -> PackedInt4:
+        """From ``int4_checkpoint.Int4Weight``'s fields, the shards' rows stacked: q [N, K]
+        0..15, scale and zero [N, groups]; ``groups``/``rows``: each shard's group of each
+        input ([K]) and row count. w = (q - zero) * scale, rewritten q * scale + mins."""
         n, k = q.shape
         qt = q.t().to(torch.uint8)
         if k % 2:
             qt = torch.cat((qt, qt.new_zeros(1, n)))
         packed = (qt[0::2] | (qt[1::2] << 4)).contiguous()
-        return PackedInt4(packed, group.to(torch.int32).contiguous(), scale.float().t().contiguous(),
-                          (-zero.float() * scale.float()).t().contiguous())
+        if all(torch.equal(g, groups[0]) for g in groups):
+            groups, rows = groups[:1], [n]
+        shard = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), torch.tensor(rows))
+        return PackedInt4(packed, torch.stack(groups).to(torch.int32).contiguous(), shard,
+                          scale.float().t().contiguous(), (-zero.float() * scale.float()).t().contiguous())
 
     def uniform_group_size(self) -> int:
-        """G when input k is in group k // G with G a multiple of the kernel's K tile (the
-        kernel's UNIFORM path), else 0."""
-        k, groups = self.group.shape[0], self.scale.shape[0]
+        """G when input k is in group k // G in every column, G a multiple of the kernel's K
+        tile (the kernel's UNIFORM path), else 0."""
+        (shards, k), groups = self.group.shape, self.scale.shape[0]
         size, tile = k // groups, _W4A16_TILES[2]
-        if k % groups or size % tile or not torch.equal(self.group.cpu(), torch.arange(k, dtype=torch.int32) // size):
+        if shards > 1 or k % groups or size % tile \
+                or not torch.equal(self.group[0].cpu(), torch.arange(k, dtype=torch.int32) // size):
             return 0
         return size
 
@@ -115,10 +124,10 @@ class PackedInt4(NamedTuple):
         return PackedInt4(*(t.to(device) for t in self))
 
     def dequantize(self) -> torch.Tensor:  # [N, K] float32, the values the kernel multiplies by
-        k = self.group.shape[0]
+        k = self.group.shape[1]
         q = torch.stack((self.packed & 0xF, self.packed >> 4), 1).reshape(-1, self.packed.shape[1])[:k]
-        g = self.group.long()
-        return (q.float() * self.scale[g] + self.mins[g]).t()
+        g = self.group.long()[self.shard.long()]  # [N, K]
+        return q.t().float() * self.scale.t().gather(1, g) + self.mins.t().gather(1, g)
 
 
 def w4a16_matmul(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:
@@ -135,7 +144,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = Non
     bm = _block_m(m, bm)
     if m:
         grid = (_cdiv(m, bm), _cdiv(n, bn))
-        tk.w4a16_matmul_kernel[grid](flat, w.packed, w.group, w.scale, w.mins, y if bias is None else bias, y,
+        tk.w4a16_matmul_kernel[grid](flat, w.packed, w.group, w.shard, w.scale, w.mins, y if bias is None else bias, y,
                                      m, n, k, flat.stride(0), group_size, HAS_BIAS=bias is not None,
                                      IEEE=x.dtype == torch.float32, UNIFORM=group_size > 0,
                                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
@@ -144,7 +153,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = Non
 
 class TritonInt4Method(LinearMethod):
     """The runtime of an int4 checkpoint layer on a GPU: its ``PackedInt4`` tensors are the
-    layer's buffers ``int4_packed``, ``int4_group``, ``int4_scale``, ``int4_mins`` (so they move
+    layer's buffers ``int4_packed``, ``int4_group``, ``int4_shard``... (so they move
     with the module). Installed by ``attach`` from decoded weights, never loaded directly."""
 
     def __init__(self, group_size: int) -> None:

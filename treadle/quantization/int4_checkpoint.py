@@ -19,7 +19,8 @@ The method registers one placeholder parameter per checkpoint tensor (so ``load_
 routes them by name), stages the shards, and after loading hands the layer over to the
 runtime method chosen from the layer's device: on the CPU ``GGUFBlockMethod`` (so the fused C
 decode layer takes it too), on a CUDA device ``gpu.TritonInt4Method`` (the same decoded form
-packed two values per byte, a Triton dequantize-in-the-loop GEMM; any g_idx, no permutation).
+packed two values per byte, a Triton dequantize-in-the-loop GEMM; any g_idx, per shard, no
+permutation).
 """
 from __future__ import annotations
 
@@ -152,21 +153,22 @@ def install(layer: Linear, parts: list[Int4Weight], kernels: Kernels, dtype: tor
             device: torch.device | None = None) -> None:
     """Give ``layer`` the runtime method for its decoded weight ``parts`` (the shards of a
     fused layer, row order), its tensors on ``device`` (default: the CPU): "triton" packs them
-    for the Triton GEMM, "cpu" repacks them into Q4_1 blocks; either dequantizes them to
-    ``dtype`` where its form cannot hold them (the shards' groups differ; no C kernels, or
+    for the Triton GEMM (any groups), "cpu" repacks them into Q4_1 blocks, or dequantizes them
+    to ``dtype`` where blocks cannot hold them (the shards' groups differ; no C kernels;
     blocks of 32 straddling two groups)."""
     device = device or torch.device("cpu")
-    group = parts[0].group
-    same_groups = all(torch.equal(p.group, group) for p in parts)
     q = torch.cat([p.q for p in parts])
     scale, zero = torch.cat([p.scale for p in parts]), torch.cat([p.zero for p in parts])
-    if kernels == "triton" and same_groups:
-        TritonInt4Method.attach(layer, PackedInt4.pack(q, scale, zero, group).to(device))
+    if kernels == "triton":
+        packed = PackedInt4.pack(q, scale, zero, [p.group for p in parts], [p.q.shape[0] for p in parts])
+        TritonInt4Method.attach(layer, packed.to(device))
         return
+    group = parts[0].group
+    same_groups = all(torch.equal(p.group, group) for p in parts)
     perm = torch.argsort(group, stable=True)
     identity = bool((perm == torch.arange(group.numel())).all())
     blocks = _block_groups(group[perm]) if same_groups else None
-    if kernels == "triton" or blocks is None or not native.available():
+    if blocks is None or not native.available():
         weight = torch.cat([p.dequantize() for p in parts])
         layer.method = UnquantizedLinearMethod()
         with torch.device(device):

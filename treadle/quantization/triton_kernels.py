@@ -21,11 +21,12 @@ kernel and the torch reference produce.
 W4A16 (``w4a16_matmul_kernel``), weights packed two per byte along the inputs::
 
     packed[k // 2, n] = q[n, k] | q[n, k + 1] << 4        (k even; q in 0..15)
-    w[n, k] = q[n, k] * scale[group[k], n] + mins[group[k], n]
+    w[n, k] = q[n, k] * scale[g, n] + mins[g, n],   g = group[shard[n], k]
     y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])         float32 accumulation
 
-``group`` [K] is any map of inputs to groups (k // G, per channel: all 0, or GPTQ's act-order
-``g_idx``), so no activation permutation is needed: each K tile gathers its rows of
+``group`` [S, K] is any map of inputs to groups (k // G, per channel: all 0, or GPTQ's act-order
+``g_idx``), one row per shard of a fused layer whose shards differ (``shard`` [N] says which
+row each output column uses), so no activation permutation is needed: each K tile gathers its rows of
 ``scale``/``mins`` ([groups, N], contiguous along N). Contiguous groups of G inputs (G a
 multiple of the K tile: 32/64/128, or per channel) take the ``UNIFORM`` path instead, one
 row of scale/mins per K tile.
@@ -97,7 +98,7 @@ def w8a8_matmul_kernel(
 
 @triton.jit
 def w4a16_matmul_kernel(
-    x_ptr, packed_ptr, group_ptr, scale_ptr, mins_ptr, bias_ptr, y_ptr, M, N, K, stride_x, group_size,
+    x_ptr, packed_ptr, group_ptr, shard_ptr, scale_ptr, mins_ptr, bias_ptr, y_ptr, M, N, K, stride_x, group_size,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UNIFORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -109,6 +110,7 @@ def w4a16_matmul_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    shard = tl.load(shard_ptr + rn, mask=rn < N, other=0).to(tl.int64)  # the group row of each column
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         kmask = kk < K
@@ -122,8 +124,8 @@ def w4a16_matmul_kernel(
             scale = tl.load(scale_ptr + row, mask=rn < N, other=0.0)
             w = q * scale[None, :] + tl.load(mins_ptr + row, mask=rn < N, other=0.0)[None, :]
         else:
-            g = tl.load(group_ptr + kk, mask=kmask, other=0).to(tl.int64)
-            sm = g[:, None] * N + rn[None, :]
+            g = tl.load(group_ptr + shard[None, :] * K + kk[:, None], mask=wmask, other=0).to(tl.int64)
+            sm = g * N + rn[None, :]
             w = q * tl.load(scale_ptr + sm, mask=wmask, other=0.0) + tl.load(mins_ptr + sm, mask=wmask, other=0.0)
         if IEEE:
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
