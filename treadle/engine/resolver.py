@@ -89,7 +89,7 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
     quantization = resolve_quantization(args.quantization, is_gguf, on_cpu, checkpoint.method if checkpoint else None)
     scheduler = _scheduler_config(args, source.config.max_position_embeddings)
     parallel = _parallel_config(args, source.config)
-    if checkpoint is not None and parallel.tensor_parallel_size > 1:
+    if checkpoint is not None and parallel.tensor_parallel_size > 1 and not checkpoint.tensor_parallel:
         raise tensor_parallel_error(checkpoint.method)
     world = parallel.world_size
     rank_cfg = _rank_config(source.config, parallel)

@@ -84,7 +84,7 @@ def quantization_plan(
     if quantization == "none":
         return None, source.weights
     if checkpoint is not None:
-        if local_config is not None and local_config != source.config:
+        if local_config is not None and local_config != source.config and not checkpoint.tensor_parallel:
             raise TreadleError(f"{source.path}: {tensor_parallel_error(checkpoint.method)}")
         return checkpoint_method_factory(checkpoint, layout.shard_names), source.weights
     if quantization == "gguf":

@@ -70,8 +70,8 @@ def resolve_quantization(name: str | None, gguf_file: bool, on_cpu: bool, checkp
 
 def tensor_parallel_error(checkpoint: str) -> TreadleError:
     """Why a published quantized checkpoint cannot run split across tensor-parallel ranks."""
-    return TreadleError(f"{checkpoint} checkpoints are not supported with tensor parallelism yet (their "
-                        "quantized tensors are not split across ranks); use tensor_parallel_size 1")
+    return TreadleError(f"{checkpoint} int4 checkpoints are not supported with tensor parallelism yet (their "
+                        "packed tensors are not split across ranks; W8A8 ones are); use tensor_parallel_size 1")
 
 
 def _keep_float(layer_name: str) -> bool:

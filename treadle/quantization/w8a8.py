@@ -9,6 +9,12 @@ the kernels, ``w8a8_reference`` -- plain torch, an int32 matmul -- gives the sam
 check that; ``torch._int_mm`` is not used, it has overflowed on some CPUs). Weights on a CUDA
 device run the Triton kernels of ``gpu.py`` (same rule, same bits under the interpreter); the
 choice is made once, after loading, from the weight's device.
+
+Under tensor parallelism a row-parallel layer (o_proj, down_proj) holds the input columns of
+its rank and the per-channel scales whole; each rank quantizes its own slice of a token's
+activations with its own per-token scale (no cross-rank max), so results differ from one
+rank's by that rounding (tokens identical in the tests; log-probabilities within 0.25 on a tiny
+random model, whose activation rounding alone moves them by 0.2).
 """
 from __future__ import annotations
 
