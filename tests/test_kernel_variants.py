@@ -93,3 +93,44 @@ def test_simd_variants_agree_bit_for_bit() -> None:
     x = rand(9, K, seed=15)
     outs = [native.qmatmul((("Q4_1", N),), blocks.data.reshape(-1), x, variant=v) for v in simd]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@VARIANTS
+@pytest.mark.parametrize("k", [64, 100, 200])
+def test_w8a8_variant_is_exact(variant: str, k: int) -> None:
+    """W8A8 (csrc/w8a8.c) in every variant: the exact int32 sums of the torch reference, bit for
+    bit, -128 activations and weights included (the VNNI build offsets activations to u8)."""
+    from treadle.quantization.w8a8 import w8a8_reference
+
+    runnable(variant)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(9, k, generator=gen) * torch.rand(9, 1, generator=gen) * 4
+    x[:, 0] = -x.abs().amax(1)  # each token's largest magnitude is negative: quantizes to -128
+    w = torch.randint(-128, 128, (N, k), generator=gen, dtype=torch.int8)
+    w[:3] = -128  # rows at the int8 extreme: -128 * -128 in every product
+    scale, bias = torch.rand(N, generator=gen) * 0.01, rand(N, seed=k)
+    want = w8a8_reference(x, w, scale, bias)
+    assert torch.equal(native.w8a8_matmul(x, w, scale, bias, variant=variant), want)
+    for i in (0, 5):
+        assert torch.equal(native.w8a8_matmul(x[i : i + 1], w, scale, bias, variant=variant)[0], want[i])
+
+
+def test_w8a8_vnni_path_is_compiled_into_the_vnni_build() -> None:
+    """The avx512-vnni build's W8A8 product really is vpdpbusd (compiled here even where the
+    CPU cannot run it), and the AVX2 build's is not."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = Path(native.__file__).parent / "csrc" / "w8a8.c"
+
+    def assembly(variant: str) -> str:
+        flags = next(v.flags for v in native.VARIANTS if v.name == variant)
+        cmd = [compiler, "-O3", "-fopenmp", "-std=c11", "-D_GNU_SOURCE", *flags, "-S", "-o", "-", str(source)]
+        return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120).stdout
+
+    assert "vpdpbusd" in assembly("avx512-vnni")
+    assert "vpdpbusd" not in assembly("avx2")

@@ -109,3 +109,35 @@ def test_engine_serves_quantized_checkpoints(tmp_path: Path, kind: str) -> None:
     assert llm.engine.config.load.quantization == ("compressed-tensors" if kind == "w8a8" else "gptq")
     assert tokens == hf_run(oracle)[0]
     assert_no_leaks(llm)
+
+
+def test_w8a8_tensor_parallel_ranks_give_one_rank_tokens(tmp_path: Path) -> None:
+    """W8A8 split over two worker processes (gloo on 127.0.0.1): column-parallel layers take
+    their rows of the int8 weight and its scales, row-parallel ones their input columns with
+    the per-channel scales whole; each rank quantizes its own slice of a token's activations
+    (its own per-token scale), so logits differ from one rank's by that rounding only: on this
+    tiny random model activation rounding moves log-probabilities by up to ~0.2 (measured: W8A8
+    against the same int8 weights with float activations, 0.20; local per-rank scales on o_proj
+    and down_proj against full-row ones, 0.25), hence the tolerance."""
+    from test_parallel import KW
+    from test_parallel import PROMPTS as TP_PROMPTS
+
+    from treadle import LLM, SamplingParams
+
+    path = str(write_compressed_tensors(tmp_path / "ct", "w8a8"))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+    def run(llm: LLM) -> list:
+        try:
+            return [(c.token_ids, c.logprobs) for o in llm.generate(TP_PROMPTS[:3], params, use_tqdm=False)
+                    for c in o.outputs]
+        finally:
+            llm.shutdown()
+
+    got = run(LLM(path, tensor_parallel_size=2, **KW))
+    want = run(LLM(path, **KW))
+    for (tokens, lps), (want_tokens, want_lps) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        for lp, want_lp in zip(lps, want_lps, strict=True):
+            diffs = [abs(lp[t].logprob - want_lp[t].logprob) for t in lp.keys() & want_lp.keys()]
+            assert max(diffs, default=0) < 0.25, diffs

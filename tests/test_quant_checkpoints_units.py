@@ -168,3 +168,19 @@ def test_corrupt_or_mismatched_checkpoints_name_file_and_tensor(tmp_path: Path) 
         load_model(str(path), CPUBackend())
     message = _one_line(excinfo)
     assert "qzeros" in message or "scales" in message
+
+
+def test_int4_tensor_parallelism_is_refused_in_one_line(tmp_path: Path) -> None:
+    """int4 packed tensors are not split across ranks yet (W8A8 is: test_quant_checkpoints.py)."""
+    from treadle.distributed import shard_config
+    from treadle.engine.args import engine_args
+    from treadle.engine.resolver import resolve_config
+    from treadle.loaders import quantization_plan
+
+    source = open_model_source(str(write_compressed_tensors(tmp_path / "q", "int4-g32-sym")), skip_tokenizer_init=True)
+    with pytest.raises(TreadleError) as excinfo:  # at start-up, before any worker process
+        resolve_config(engine_args(model=str(source.path), tensor_parallel_size=2), source, 1 << 34)
+    assert "compressed-tensors int4 checkpoints are not supported with tensor parallelism" in _one_line(excinfo)
+    with pytest.raises(TreadleError) as excinfo:  # and in the loader, for load_model callers
+        quantization_plan(source, "auto", "cpu", shard_config(source.config, 2, 0))
+    assert "not supported with tensor parallelism" in _one_line(excinfo)

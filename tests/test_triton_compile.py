@@ -1,9 +1,12 @@
 """The Triton kernels compile for a real GPU (sm_90: H100/H200) on a machine without one.
 
-The interpreter (test_triton_attention.py) checks the numerics but accepts code the GPU
-compiler rejects (tl.dot shapes and types, shared memory per block). Here every kernel is
-compiled ahead of time to a CUDA binary with the ptxas shipped in the triton wheel, in a
-subprocess without TRITON_INTERPRET (other test modules set it for this process).
+The interpreter (test_triton_attention.py, test_quant_gpu_kernels.py) checks the numerics but
+accepts code the GPU compiler rejects (tl.dot shapes and types, shared memory per block,
+non-constexpr globals). Here every kernel is compiled ahead of time to a CUDA binary with the
+ptxas shipped in the triton wheel, in a subprocess without TRITON_INTERPRET (other test
+modules set it for this process): the attention kernels, and the quantized-linear kernels
+(W8A8 int8 GEMM, W4A16 dequantize-in-the-loop GEMM) at each tile size and dtype gpu.py
+launches them with.
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ import torch
 from treadle.layers.attention.triton_backend import TritonTiles
 
 KERNELS = ("store_kv_kernel", "prefill_kernel", "decode_split_kernel", "decode_reduce_kernel")
+_W8A8_ARGS = {"xq_ptr": "*i8", "xs_ptr": "*fp32", "w_ptr": "*i8", "ws_ptr": "*fp32", "bias_ptr": "*fp32",
+              "y_ptr": "*fp32"}
 SHARED_LIMIT = 99 * 1024  # bytes per block on the smallest sm_80+ parts (sm_86/sm_89)
 HEAD_DIM, GROUP, KV_HEADS = 128, 4, 8  # a Llama-3-8B-like layer
 
@@ -47,6 +52,30 @@ def _arg_type(name: str) -> str:
     return "fp32" if name == "scale" else "i32"
 
 
+def _quant_cases() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
+    """label -> (kernel, pointer argument types, constexprs) as treadle.quantization.gpu
+    launches them: decode-sized (16) and large row tiles, each activation dtype."""
+    from treadle.quantization import gpu
+
+    cases: dict[str, tuple[str, dict[str, str], dict[str, object]]] = {}
+    for dt in ("fp16", "bf16", "fp32"):
+        cases[f"w8a8_quantize_kernel/{dt}"] = (
+            "w8a8_quantize_kernel", {"x_ptr": f"*{dt}", "xq_ptr": "*i8", "xs_ptr": "*fp32"}, {"BLOCK_K": 1024})
+    bm, bn, bk = gpu._W8A8_TILES
+    for rows, bias in ((16, True), (bm, False)):
+        cases[f"w8a8_matmul_kernel/{rows}"] = (
+            "w8a8_matmul_kernel", _W8A8_ARGS, {"HAS_BIAS": bias, "BLOCK_M": rows, "BLOCK_N": bn, "BLOCK_K": bk})
+    bm, bn, bk = gpu._W4A16_TILES
+    for dt in ("fp16", "bf16", "fp32"):
+        args = {"x_ptr": f"*{dt}", "packed_ptr": "*u8", "group_ptr": "*i32", "shard_ptr": "*i32", "scale_ptr": "*fp32",
+                "mins_ptr": "*fp32", "bias_ptr": f"*{dt}", "y_ptr": f"*{dt}"}
+        for rows, uniform in ((16, True), (bm, True), (16, False)):
+            cases[f"w4a16_matmul_kernel/{dt}/{rows}/{'uniform' if uniform else 'gather'}"] = (
+                "w4a16_matmul_kernel", args, {"HAS_BIAS": True, "IEEE": dt == "fp32", "UNIFORM": uniform,
+                                              "BLOCK_M": rows, "BLOCK_N": bn, "BLOCK_K": bk})
+    return cases
+
+
 def compile_all(capability: int) -> dict[str, int]:
     """Compile each kernel for ``sm_<capability>``; returns its shared memory in bytes."""
     import triton
@@ -54,15 +83,25 @@ def compile_all(capability: int) -> dict[str, int]:
     from triton.compiler import ASTSource
 
     from treadle.layers.attention import triton_kernels
+    from treadle.quantization import triton_kernels as quant_kernels
 
+    target = GPUTarget("cuda", capability, 32)
     shared = {}
     for name, consts in _constexprs(TritonTiles.default_for(torch.float16)).items():
         fn = getattr(triton_kernels, name)
         signature = {a: "constexpr" if a in consts else _arg_type(a) for a in fn.arg_names}
         src = ASTSource(fn=fn, signature=signature, constexprs=consts)
-        binary = triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
+        binary = triton.compile(src, target=target, options={"num_warps": 4})
         assert binary.asm["cubin"], name
         shared[name] = int(binary.metadata.shared)
+    for label, (name, pointers, consts) in _quant_cases().items():
+        fn = getattr(quant_kernels, name)
+        signature = {a: "constexpr" if a in consts else pointers.get(a, "i32") for a in fn.arg_names}
+        src = ASTSource(fn=fn, signature=signature, constexprs=consts)
+        exact = name.startswith("w8a8")  # launched without fused multiply-adds (bit-exact epilogue)
+        binary = triton.compile(src, target=target, options={"num_warps": 4, "enable_fp_fusion": not exact})
+        assert binary.asm["cubin"], label
+        shared[label] = int(binary.metadata.shared)
     return shared
 
 
@@ -72,9 +111,10 @@ def test_kernels_compile_for_sm90_within_shared_memory(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, __file__, "90"], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     shared = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert sorted(shared) == sorted(KERNELS)
+    assert sorted(shared) == sorted([*KERNELS, *_quant_cases()])
     assert all(0 <= size <= SHARED_LIMIT for size in shared.values()), shared
     assert shared["prefill_kernel"] > 0  # the tiles really are staged through shared memory
+    assert shared["w8a8_matmul_kernel/64"] > 0 and shared["w4a16_matmul_kernel/fp16/32/uniform"] > 0
 
 
 if __name__ == "__main__":

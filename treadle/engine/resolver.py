@@ -63,7 +63,7 @@ from treadle.layers.attention.kv_quant import cache_dtype, row_width
 from treadle.layers.attention.selector import resolve_backend_name
 from treadle.loaders import ModelSource, open_model_source, parse_dtype
 from treadle.loaders.hf import weight_files
-from treadle.quantization import resolve_quantization
+from treadle.quantization import resolve_quantization, tensor_parallel_error
 from treadle.spec_decode.head_format import HEAD_METHODS, eagle_layer_config, read_head_config
 
 logger = logging.getLogger("treadle")
@@ -90,6 +90,8 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
     quantization = resolve_quantization(args.quantization, is_gguf, on_cpu, checkpoint.method if checkpoint else None)
     scheduler = _scheduler_config(args, source.config.max_position_embeddings)
     parallel = _parallel_config(args, source.config)
+    if checkpoint is not None and parallel.tensor_parallel_size > 1 and not checkpoint.tensor_parallel:
+        raise tensor_parallel_error(checkpoint.method)
     world = parallel.world_size
     rank_cfg = _rank_config(source.config, parallel)
     weights = _resident_weight_bytes(source, quantization, dtype)

@@ -234,19 +234,27 @@ def dequantize(qtype: str, weight: torch.Tensor, n: int, k: int, plain: bool = F
     return out
 
 
+def w8a8_weight_sums(weight: torch.Tensor) -> torch.Tensor:
+    """int8 ``weight`` [N, K] -> its row sums [N] int32, which ``w8a8_matmul`` takes (the VNNI
+    build offsets the activations to unsigned bytes and subtracts 128 times these)."""
+    return weight.sum(1, dtype=torch.int32).contiguous()
+
+
 def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                plain: bool = False) -> torch.Tensor:
+                plain: bool = False, variant: str | None = None, weight_sums: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] float32 -> [..., N] float32 through csrc/w8a8.c: x quantized to int8 per token,
-    then int8 ``weight`` [N, K] (per-row float32 ``weight_scale`` [N]) in exact int32 sums."""
+    then int8 ``weight`` [N, K] (per-row float32 ``weight_scale`` [N]) in exact int32 sums;
+    ``weight_sums``: ``w8a8_weight_sums(weight)``, computed here when not given."""
     k = x.shape[-1]
     flat = x.reshape(-1, k).float().contiguous()
     m, n = flat.shape[0], weight.shape[0]
+    sums = w8a8_weight_sums(weight) if weight_sums is None else weight_sums
     xq = torch.empty(m, k, dtype=torch.int8)
     xs = torch.empty(m, dtype=torch.float32)
-    kernel("tq_w8a8_quantize", "PIIPP", plain)(flat.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr())
+    kernel("tq_w8a8_quantize", "PIIPP", plain, variant)(flat.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr())
     y = torch.empty(m, n, dtype=torch.float32)
-    kernel("tq_w8a8_matmul", "PPPPPPIII", plain)(
-        xq.data_ptr(), xs.data_ptr(), weight.data_ptr(), weight_scale.data_ptr(),
+    kernel("tq_w8a8_matmul", "PPPPPPPIII", plain, variant)(
+        xq.data_ptr(), xs.data_ptr(), weight.data_ptr(), weight_scale.data_ptr(), sums.data_ptr(),
         None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
     )
     return y.view(*x.shape[:-1], n)

@@ -69,7 +69,7 @@ def quantization_plan(
     blocks quantized; CPU kernels), or a weight-only name such as "int8" or "int4-g64"
     (see treadle.quantization). ``local_config``: the config of the part this rank holds under
     tensor parallelism (its layers' input widths decide the weight-only methods)."""
-    from treadle.quantization import resolve_quantization, weight_only_factory
+    from treadle.quantization import resolve_quantization, tensor_parallel_error, weight_only_factory
     from treadle.quantization.checkpoint import checkpoint_method_factory
     from treadle.quantization.gguf_native import GGUFNativePlan
 
@@ -84,9 +84,8 @@ def quantization_plan(
     if quantization == "none":
         return None, source.weights
     if checkpoint is not None:
-        if local_config is not None and local_config != source.config:
-            raise TreadleError(f"{source.path}: {checkpoint.method} checkpoints are not supported with tensor "
-                               "parallelism yet")
+        if local_config is not None and local_config != source.config and not checkpoint.tensor_parallel:
+            raise TreadleError(f"{source.path}: {tensor_parallel_error(checkpoint.method)}")
         return checkpoint_method_factory(checkpoint, layout.shard_names), source.weights
     if quantization == "gguf":
         assert source.raw_weights is not None and source.tensor_types is not None

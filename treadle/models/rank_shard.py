@@ -2,7 +2,8 @@
 (no per-architecture table beyond the layout)::
 
     Split.COLUMN  rows: each part of a packed layer (q | k | v, gate | up) cut separately
-    Split.ROW     columns (input features); a bias goes whole to rank 0, zeros elsewhere
+    Split.ROW     columns (input features); a bias goes whole to rank 0, zeros elsewhere; a
+                  per-output-channel scale [out, 1] (W8A8 checkpoints) goes whole to every rank
     Split.VOCAB   rows by vocabulary range, the last rank padded with zero rows
     REPLICATED    unchanged
 
@@ -109,6 +110,8 @@ class RankSharder:
         if not _is_blocks(tensor) and tensor.dim() == 1:  # bias: added once, by rank 0
             return tensor if self.rank == 0 else torch.zeros(tensor.shape)
         full, local = lin.in_features(self.full), lin.in_features(self.local)
+        if not _is_blocks(tensor) and tensor.shape[1] == 1 < full:  # a per-output-channel scale [out, 1]
+            return tensor
         return _narrow(tensor, 1, rank_range(full, local, self.tp, self.rank, self.unit), local)
 
     def _vocab_rows(self, tensor: Any) -> Any:

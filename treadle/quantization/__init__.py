@@ -46,9 +46,7 @@ def resolve_quantization(name: str | None, gguf_file: bool, on_cpu: bool, checkp
         if name not in (None, "auto", checkpoint):
             raise TreadleError(f"quantization {name!r} conflicts with the checkpoint's quantization_config "
                                f"({checkpoint}); use --quantization auto")
-        if not on_cpu:
-            raise TreadleError(f"{checkpoint} checkpoints run on the CPU only for now")
-        return checkpoint
+        return checkpoint  # on a GPU too: Triton kernels (gpu.py)
     name = "none" if name is None else name
     if name in CHECKPOINT_METHODS:
         raise TreadleError(f"quantization {name!r} needs a checkpoint whose config.json has that quantization_config")
@@ -68,6 +66,12 @@ def resolve_quantization(name: str | None, gguf_file: bool, on_cpu: bool, checkp
             f"{', '.join(CHECKPOINT_METHODS)})"
         )
     return name
+
+
+def tensor_parallel_error(checkpoint: str) -> TreadleError:
+    """Why a published quantized checkpoint cannot run split across tensor-parallel ranks."""
+    return TreadleError(f"{checkpoint} int4 checkpoints are not supported with tensor parallelism yet (their "
+                        "packed tensors are not split across ranks; W8A8 ones are); use tensor_parallel_size 1")
 
 
 def _keep_float(layer_name: str) -> bool:

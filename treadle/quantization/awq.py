@@ -73,6 +73,9 @@ class AWQQuantization(CheckpointQuantization):
                                "not supported (supported: bits 4, group_size 32/64/128, version gemm, zero_point)")
         return AWQQuantization(AWQInt4(int(group)), tuple(raw.get("modules_to_not_convert") or ()))
 
+    def formats(self) -> list[LayerFormat]:
+        return [self.fmt]
+
     def format_for(self, module: str) -> LayerFormat | None:
         if ".layers." not in module or any(s in module for s in self.skip):
             return None

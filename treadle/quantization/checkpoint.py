@@ -12,7 +12,8 @@ replace its float ``weight`` and how to read them. This module is the common par
 
 The expected-tensor check, the dtype check (both before any weight is read) and the
 per-layer method factory all derive from those two calls (the parsers, one module per
-quant_method, are chosen in ``published.py``). Everything is CPU-only for now.
+quant_method, are chosen in ``published.py``). The methods run on the CPU (C kernels) or, for
+weights on a CUDA device, on Triton kernels (``gpu.py``), chosen once after loading.
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ class LayerFormat(ABC):
     equal formats compare equal, so the shards of a fused layer can be checked alike)."""
 
     name: str  # the scheme in words, for error messages ("compressed-tensors pack-quantized int4 g128")
+    # whether a tensor-parallel rank can take its part of each tensor as of a float weight:
+    # [out, in] tensors cut like the weight, [out, 1] per-channel scales cut by rows only
+    tensor_parallel = False
 
     @abstractmethod
     def tensors(self, rows: int, in_features: int) -> dict[str, tuple[Shape, str]]:
@@ -57,6 +61,15 @@ class CheckpointQuantization(ABC):
     def format_for(self, module: str) -> LayerFormat | None:
         """The format of checkpoint module ``module`` (``model.layers.0.self_attn.q_proj``),
         None when it is stored in float (ignored modules, lm_head, embeddings)."""
+
+    @abstractmethod
+    def formats(self) -> list[LayerFormat]:
+        """Every format some module may be stored in."""
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the checkpoint can be split across tensor-parallel ranks."""
+        return all(f.tensor_parallel for f in self.formats())
 
 
 def _module_of(weight_name: str) -> str | None:

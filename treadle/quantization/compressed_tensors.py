@@ -82,6 +82,7 @@ class PackQuantizedInt4(Int4Format):
 @dataclass(frozen=True)
 class IntQuantizedW8A8(LayerFormat):
     name = "compressed-tensors int-quantized W8A8 (int8 per-channel weights, dynamic per-token int8 activations)"
+    tensor_parallel = True
 
     def tensors(self, rows: int, in_features: int) -> dict[str, tuple[Shape, str]]:
         return {"weight": ((rows, in_features), "I8"), "weight_scale": ((rows, 1), FLOAT)}
@@ -148,6 +149,9 @@ class CompressedTensorsQuantization(CheckpointQuantization):
             fmt = getattr(scheme, "format", None) or config.format
             groups.append((list(scheme.targets), _format(fmt, scheme)))
         return CompressedTensorsQuantization(groups, list(config.ignore or []))
+
+    def formats(self) -> list[LayerFormat]:
+        return [fmt for _, fmt in self.groups]
 
     def format_for(self, module: str) -> LayerFormat | None:
         from compressed_tensors.utils.match import match_name

@@ -78,5 +78,8 @@ class GPTQQuantization(CheckpointQuantization):
                                "checkpoint_format gptq or gptq_v2, lm_head not quantized)")
         return GPTQQuantization(GPTQInt4(int(group), checkpoint_format == "gptq"))
 
+    def formats(self) -> list[LayerFormat]:
+        return [self.fmt]
+
     def format_for(self, module: str) -> LayerFormat | None:
         return self.fmt if ".layers." in module else None

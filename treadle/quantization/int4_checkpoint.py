@@ -17,7 +17,10 @@ in_features not a multiple of 32, a group boundary inside a block, q/k/v with di
 
 The method registers one placeholder parameter per checkpoint tensor (so ``load_weights``
 routes them by name), stages the shards, and after loading hands the layer over to the
-runtime method (``GGUFBlockMethod``, so the fused C decode layer takes it too).
+runtime method chosen from the layer's device: on the CPU ``GGUFBlockMethod`` (so the fused C
+decode layer takes it too), on a CUDA device ``gpu.TritonInt4Method`` (the same decoded form
+packed two values per byte, a Triton dequantize-in-the-loop GEMM; any g_idx, per shard, no
+permutation).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from treadle.kernels import native
 from treadle.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from treadle.quantization.checkpoint import LayerFormat
 from treadle.quantization.gguf_native import GGUFBlockMethod, GGUFBlocks
+from treadle.quantization.gpu import Kernels, PackedInt4, TritonInt4Method, kernels_for
 
 BLOCK = 32
 
@@ -125,33 +129,57 @@ class Int4CheckpointMethod(LinearMethod):
             out.append(self.fmt.decode({s: self.staged[(s, shard)] for s in suffixes}, rows, layer.in_features))
         return out
 
+    def _device(self, layer: Linear) -> torch.device:
+        """Where the layer was built (its placeholders'): the weights' device."""
+        return getattr(layer, next(iter(self.fmt.tensors(layer.out_features, layer.in_features)))).device
+
     def process_weights_after_loading(self, layer: Linear) -> None:
-        parts = self._decoded(layer)
+        self.finish(layer, kernels_for(self._device(layer)))
+
+    def finish(self, layer: Linear, kernels: Kernels) -> None:
+        """Decode the staged tensors and install the runtime for ``kernels`` ("cpu", or "triton":
+        CUDA tensors, or CPU tensors under TRITON_INTERPRET as the tests run it)."""
+        parts, device = self._decoded(layer), self._device(layer)
         for suffix in self.fmt.tensors(layer.out_features, layer.in_features):
             delattr(layer, suffix)
         self.staged.clear()
-        group = parts[0].group
-        same_groups = all(torch.equal(p.group, group) for p in parts)
-        perm = torch.argsort(group, stable=True)
-        identity = bool((perm == torch.arange(group.numel())).all())
-        blocks = _block_groups(group[perm]) if same_groups else None
-        if blocks is None or not native.available():
-            weight = torch.cat([p.dequantize() for p in parts])
-            layer.method = UnquantizedLinearMethod()
-            layer.method.create_weights(layer, self.dtype)
-            layer.weight.data.copy_(weight.to(self.dtype))
-            return
-        q = torch.cat([p.q for p in parts])
-        scale = torch.cat([p.scale for p in parts])[:, blocks]
-        zero = torch.cat([p.zero for p in parts])[:, blocks]
-        data = q4_1_blocks(q if identity else q[:, perm], scale, zero)
-        runtime = GGUFBlockMethod("Q4_1")
-        runtime.create_weights(layer, self.dtype)
-        runtime.load_shard(layer, GGUFBlocks("Q4_1", data, (layer.out_features, layer.in_features)), None)
-        layer.method = runtime if identity else PermutedInputMethod(runtime, perm)
+        install(layer, parts, kernels, self.dtype, device)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("an int4 checkpoint layer runs only after process_weights_after_loading")
+
+
+def install(layer: Linear, parts: list[Int4Weight], kernels: Kernels, dtype: torch.dtype,
+            device: torch.device | None = None) -> None:
+    """Give ``layer`` the runtime method for its decoded weight ``parts`` (the shards of a
+    fused layer, row order), its tensors on ``device`` (default: the CPU): "triton" packs them
+    for the Triton GEMM (any groups), "cpu" repacks them into Q4_1 blocks, or dequantizes them
+    to ``dtype`` where blocks cannot hold them (the shards' groups differ; no C kernels;
+    blocks of 32 straddling two groups)."""
+    device = device or torch.device("cpu")
+    q = torch.cat([p.q for p in parts])
+    scale, zero = torch.cat([p.scale for p in parts]), torch.cat([p.zero for p in parts])
+    if kernels == "triton":
+        packed = PackedInt4.pack(q, scale, zero, [p.group for p in parts], [p.q.shape[0] for p in parts])
+        TritonInt4Method.attach(layer, packed.to(device))
+        return
+    group = parts[0].group
+    same_groups = all(torch.equal(p.group, group) for p in parts)
+    perm = torch.argsort(group, stable=True)
+    identity = bool((perm == torch.arange(group.numel())).all())
+    blocks = _block_groups(group[perm]) if same_groups else None
+    if blocks is None or not native.available():
+        weight = torch.cat([p.dequantize() for p in parts])
+        layer.method = UnquantizedLinearMethod()
+        with torch.device(device):
+            layer.method.create_weights(layer, dtype)
+        layer.weight.data.copy_(weight.to(dtype))
+        return
+    data = q4_1_blocks(q if identity else q[:, perm], scale[:, blocks], zero[:, blocks])
+    runtime = GGUFBlockMethod("Q4_1")
+    runtime.create_weights(layer, dtype)
+    runtime.load_shard(layer, GGUFBlocks("Q4_1", data, (layer.out_features, layer.in_features)), None)
+    layer.method = runtime if identity else PermutedInputMethod(runtime, perm)
 
 
 def unpack_nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:

@@ -6,7 +6,15 @@ dynamically per token, as compressed-tensors' ``int-quantized`` scheme defines t
 
 The sums are exact int32. Treadle's C kernel (``csrc/w8a8.c``) runs it on the CPU; without
 the kernels, ``w8a8_reference`` -- plain torch, an int32 matmul -- gives the same bits (tests
-check that; ``torch._int_mm`` is not used, it has overflowed on some CPUs).
+check that; ``torch._int_mm`` is not used, it has overflowed on some CPUs). Weights on a CUDA
+device run the Triton kernels of ``gpu.py`` (same rule, same bits under the interpreter); the
+choice is made once, after loading, from the weight's device.
+
+Under tensor parallelism a row-parallel layer (o_proj, down_proj) holds the input columns of
+its rank and the per-channel scales whole; each rank quantizes its own slice of a token's
+activations with its own per-token scale (no cross-rank max), so results differ from one
+rank's by that rounding (tokens identical in the tests; log-probabilities within 0.25 on a tiny
+random model, whose activation rounding alone moves them by 0.2).
 """
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ from torch import nn
 
 from treadle.kernels import native
 from treadle.layers.linear import Linear, LinearMethod, load_rows
+from treadle.quantization.gpu import Kernels, kernels_for, w8a8_matmul
 
 _EPS = torch.finfo(torch.float32).eps
 
@@ -40,16 +49,24 @@ def w8a8_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def _scale(layer: Linear) -> torch.Tensor:
-    """The layer's weight_scale parameter (registered by W8A8Method.create_weights)."""
-    scale = layer.weight_scale
-    assert isinstance(scale, torch.Tensor)
-    return scale
+def _tensor(layer: Linear, name: str) -> torch.Tensor:
+    """The layer's ``weight_scale`` or ``weight_sums`` (registered by W8A8Method)."""
+    t = getattr(layer, name)
+    assert isinstance(t, torch.Tensor)
+    return t
 
 
 class W8A8Method(LinearMethod):
     """A layer of int8 ``weight`` [out, in] and float ``weight_scale`` [out, 1] (compressed-tensors
     names; shards of a fused layer stacked row-wise)."""
+
+    def __init__(self) -> None:
+        self.kernels: Kernels = "cpu"  # set from the weight's device after loading (``use``)
+
+    def use(self, kernels: Kernels) -> None:
+        """Run on ``kernels``: "cpu" (C kernels, or the torch reference without them) or
+        "triton" (CUDA tensors; CPU tensors only under TRITON_INTERPRET, as the tests run it)."""
+        self.kernels = kernels
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=torch.int8),
@@ -61,14 +78,18 @@ class W8A8Method(LinearMethod):
         layer.register_parameter("weight_scale", scale)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        scale = _scale(layer)
+        scale = _tensor(layer, "weight_scale")
         layer.weight_scale = nn.Parameter(scale.reshape(-1).contiguous(), requires_grad=False)  # [out]
+        layer.register_buffer("weight_sums", native.w8a8_weight_sums(layer.weight))  # [out] int32 (C kernels)
+        self.use(kernels_for(layer.weight.device))
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         bias = None if layer.bias is None else layer.bias.float().contiguous()
-        scale = _scale(layer)
-        if native.available():
-            y = native.w8a8_matmul(x, layer.weight, scale, bias)
+        scale = _tensor(layer, "weight_scale")
+        if self.kernels == "triton":
+            y = w8a8_matmul(x, layer.weight, scale, bias)
+        elif native.available():
+            y = native.w8a8_matmul(x, layer.weight, scale, bias, weight_sums=_tensor(layer, "weight_sums"))
         else:
             y = w8a8_reference(x, layer.weight, scale, bias)
         return y.to(x.dtype)

@@ -10,15 +10,33 @@
  *
  * The AVX2 path widens 16 int8 of each operand to int16 and uses madd (pairs of int16
  * products summed into int32: at most 2 * 128 * 128, no saturation, unlike maddubs which
- * would need an operand in 0..255), four activation rows per pass over a weight row; the
- * plain-C path (also built with -DTQ_PLAIN_C for the tests) is the same sum in int32. Both
- * give identical bits, as does the plain torch reference in treadle/quantization/w8a8.py.
+ * would need an operand in 0..255 and saturates its int16 pair sums), four activation rows
+ * per pass over a weight row.
+ *
+ * The AVX-512 VNNI path (the avx512-vnni build) multiplies 64 bytes at a time with vpdpbusd,
+ * which takes one operand unsigned: the activations are offset to u8 = xq + 128 (an xor with
+ * 0x80) and the offset is taken back out with the weight row's sum, precomputed at load:
+ *
+ *     sum_k xq[k] * w[k] = sum_k (xq[k] + 128) * w[k] - 128 * wsum,   wsum = sum_k w[k]
+ *
+ * vpdpbusd adds each group of four u8 x s8 products (each |p| <= 255 * 128, exact in 16
+ * bits) to an int32 lane with a plain wrapping add -- no saturation (that is vpdpbusds) --
+ * and the identity holds modulo 2^32, so the result is exact for every int8 value, -128
+ * included, whenever the true sum fits in int32 (the bound above). The K tail is a masked
+ * load: masked lanes read w = 0 and add nothing.
+ *
+ * The plain-C path (also built with -DTQ_PLAIN_C for the tests) is the same sum in int32.
+ * All give identical bits, as does the plain torch reference in treadle/quantization/w8a8.py.
  * Threads split the weight rows, so a row's result does not depend on the batch it is in.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include "tq.h"
+
+#if defined(TQ_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define TQ_W8A8_VNNI 1
+#endif
 
 void tq_w8a8_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs) {
 #pragma omp parallel for schedule(static) if (M >= 16)
@@ -42,6 +60,24 @@ static int32_t dot_plain(const int8_t *a, const int8_t *b, int64_t K) {
     for (int64_t k = 0; k < K; k++) acc += (int32_t)a[k] * (int32_t)b[k];
     return acc;
 }
+
+#ifdef TQ_W8A8_VNNI
+/* acc[r] = dot(x rows r of `rows` (<= 4), w) over K, w's row sum being wsum */
+static void dot_rows_vnni(const int8_t *x, int64_t K, int rows, const int8_t *w, int32_t wsum, int32_t *acc) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80); /* s8 ^ 0x80 == s8 + 128 as u8 */
+    __m512i s[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int64_t k = 0; k < K; k += 64) {
+        const __mmask64 live = K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (K - k)) - 1);
+        const __m512i wv = _mm512_maskz_loadu_epi8(live, w + k);
+        for (int r = 0; r < rows; r++) {
+            const __m512i xu = _mm512_xor_si512(_mm512_maskz_loadu_epi8(live, x + r * K + k), flip);
+            s[r] = _mm512_dpbusd_epi32(s[r], xu, wv);
+        }
+    }
+    for (int r = 0; r < rows; r++) /* wrapping int32 arithmetic, as the lanes do */
+        acc[r] = (int32_t)((uint32_t)_mm512_reduce_add_epi32(s[r]) - 128u * (uint32_t)wsum);
+}
+#endif
 
 #ifdef TQ_AVX2
 static inline int32_t hsum_i32(__m256i v) {
@@ -67,15 +103,18 @@ static void dot_rows_avx2(const int8_t *x, int64_t K, int rows, const int8_t *w,
 }
 #endif
 
-void tq_w8a8_matmul(const int8_t *xq, const float *xs, const int8_t *w, const float *ws, const float *bias,
-                    float *y, int64_t M, int64_t N, int64_t K) {
+/* wsum[n] = sum_k w[n, k] (read only by the VNNI path) */
+void tq_w8a8_matmul(const int8_t *xq, const float *xs, const int8_t *w, const float *ws, const int32_t *wsum,
+                    const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
 #pragma omp parallel for schedule(static) if (N * M >= 256)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *wr = w + n * K;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int rows = M - m0 < 4 ? (int)(M - m0) : 4;
             int32_t acc[4];
-#ifdef TQ_AVX2
+#if defined(TQ_W8A8_VNNI)
+            dot_rows_vnni(xq + m0 * K, K, rows, wr, wsum[n], acc);
+#elif defined(TQ_AVX2)
             dot_rows_avx2(xq + m0 * K, K, rows, wr, acc);
 #else
             for (int r = 0; r < rows; r++) acc[r] = dot_plain(xq + (m0 + r) * K, wr, K);
