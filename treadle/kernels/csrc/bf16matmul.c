@@ -11,7 +11,8 @@
  *   threads: tiles of NW = 4 weight rows (omp static)
  *   tile:    for every pair of activation rows (NX = 2): 8 accumulators in registers, each
  *            weight vector loaded once per pair; with M >= UNPACK_M the tile is first widened
- *            to float32 (4 K floats, in L1/L2) so the shift is paid once, not once per pair
+ *            to float32 (4 K floats, in L1/L2) so the shift is paid once, then each half of it
+ *            (2 rows) passes over the activation rows 6 at a time (12 accumulators)
  *
  * avx512-bf16 build (TQ_BF16): vdpbf16ps, two products per lane and instruction, on x rounded
  * to bfloat16 (exact when x came from a bfloat16 model) in 16 lanes over K % 32 == 0 --
@@ -25,6 +26,7 @@
 
 #define NW 4        /* weight rows per tile */
 #define NX 2        /* activation rows per pass over a tile */
+#define NX_WIDE 6   /* activation rows per pass over 2 widened weight rows (12 accumulators) */
 #define UNPACK_M 4  /* from this many activation rows, widen a weight tile once */
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -64,7 +66,7 @@ static inline __attribute__((always_inline)) void tile(const void *w, const int 
                                                         const int nx, int64_t K, const float *bias, void *out,
                                                         int64_t o, int ob, int64_t N) {
 #ifdef TQ_AVX2
-    __m256 acc[NX][NW];
+    __m256 acc[NX_WIDE][NW];
     for (int i = 0; i < nx; i++)
         for (int r = 0; r < nw; r++) acc[i][r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) {
@@ -99,6 +101,14 @@ static inline __attribute__((always_inline)) void rows(const void *w, const int 
     int64_t m = 0;
     for (; m + NX <= M; m += NX) tile(w, wide, x + m * K, nw, NX, K, bias, y, o + m * N, ob, N);
     for (; m < M; m++) tile(w, wide, x + m * K, nw, 1, K, bias, y, o + m * N, ob, N);
+}
+
+/* 2 widened weight rows times all M activation rows, NX_WIDE at a time (the same sums as rows) */
+static void rows_wide(const float *w, const float *x, int64_t M, int64_t K, const float *bias, void *y, int64_t o,
+                      int ob, int64_t N) {
+    int64_t m = 0;
+    for (; m + NX_WIDE <= M; m += NX_WIDE) tile(w, 1, x + m * K, 2, NX_WIDE, K, bias, y, o + m * N, ob, N);
+    rows(w + 0, 1, x + m * K, 2, M - m, K, bias, y, o + m * N, ob, N);
 }
 
 #ifdef TQ_BF16
@@ -165,7 +175,7 @@ void tq_bf16_matmul(const uint16_t *w, const void *x, int x_bf16, void *y, int y
                     rows(wt + r * K, 0, xf, 1, M, K, bn ? bn + r : NULL, y, n + r, y_bf16, N);
             } else if (wide) {
                 for (int64_t i = 0; i < NW * K; i++) wide[i] = bf16_to_f32(wt[i]);
-                rows(wide, 1, xf, NW, M, K, bn, y, n, y_bf16, N);
+                for (int h = 0; h < NW; h += 2) rows_wide(wide + h * K, xf, M, K, bn ? bn + h : NULL, y, n + h, y_bf16, N);
             } else {
                 rows(wt, 0, xf, NW, M, K, bn, y, n, y_bf16, N);
             }
