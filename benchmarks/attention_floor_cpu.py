@@ -11,8 +11,9 @@ measured read bandwidth, measured in the same process with the same threads:
     floor ms = KV bytes / read bandwidth;  achieved GB/s = KV bytes / kernel time
 
 Each timed pass walks separate caches (>= 256 MiB in all, well past the L3), as a step's layers
-do, so K/V come from memory. Wall-clock minimum and median of repeats (on a shared machine the
-minimum is the better estimate of what the kernel costs; the median shows the noise).
+do, so K/V come from memory. Clock: thread CPU time with one thread (other jobs on a shared
+machine then cost less), wall time with more; minimum and median of repeats (the minimum is the
+better estimate of what the kernel costs; the median shows the noise).
 
 Run: .venv/bin/python benchmarks/attention_floor_cpu.py [--threads N] [--batch 16] [--context 1000]
 """
@@ -37,12 +38,13 @@ FORMATS = {"float32": (torch.float32, 0), "bfloat16": (torch.bfloat16, 0), "int8
 
 def timed(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
     """(min, median) seconds of fn over repeats, after one warm-up call."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     fn()
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return min(times), statistics.median(times)
 
 
@@ -100,7 +102,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     read, copy = bandwidth()
-    print(f"threads={torch.get_num_threads()} kernels={native.describe()}")
+    clock = "thread CPU time" if torch.get_num_threads() == 1 else "wall"
+    print(f"threads={torch.get_num_threads()} clock={clock} kernels={native.describe()}")
     print(f"read bandwidth {read:.1f} GB/s, copy {copy:.1f} GB/s (read + write)")
     print(f"{'case':22s} {'KV MB':>7s} {'min ms':>8s} {'med ms':>8s} {'x30 ms':>7s} {'GB/s':>6s} {'floor ms':>9s} "
           f"{'% floor':>8s}")
