@@ -109,6 +109,20 @@ def test_fused_qkv_views_and_skipped_slot() -> None:
     assert torch.equal(k_cache.view(-1, 2, 64)[slot], k[4]) and torch.equal(v_cache.view(-1, 2, 64)[slot], v[4])
 
 
+@pytest.mark.parametrize("window", [None, 48], ids=["full", "window48"])
+def test_bfloat16_cache_matches_float32_reference_on_the_same_values(window: int | None) -> None:
+    """A bfloat16 model's cache: q/k/v and cache in bfloat16, read widened to float32 exactly;
+    the oracle is the float32 reference on the same (bfloat16) values, the output rounded once."""
+    *tensors, meta = decode_case(SEQ_LENS, 9, 3)
+    q, k, v, k_cache, v_cache = (t.bfloat16() for t in tensors)
+    spec = AttentionSpec(9, 3, 64, 64**-0.5, window)
+    ref, kc_ref, vc_ref = reference(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, spec)
+    out = paged_decode(q, k, v, k_cache, v_cache, *kernel_args(meta), spec.scale, window)
+    assert out is not None and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=1e-5, rtol=2**-8)
+    assert torch.equal(k_cache.float(), kc_ref) and torch.equal(v_cache.float(), vc_ref)
+
+
 def test_unsupported_inputs_return_none() -> None:
     q, k, v, k_cache, v_cache, meta = decode_case([5, 9], 4, 2)
     args = kernel_args(meta)

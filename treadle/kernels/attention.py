@@ -4,7 +4,9 @@ One call per layer and decode step writes the new K/V rows into the cache and re
 attention of every sequence's one new query over its whole context. The cache is float32 or
 quantized (``treadle.layers.attention.kv_quant``'s packed int8 / float8_e4m3fn rows, each
 head_dim values and a float32 scale): the kernel quantizes what it writes and dequantizes
-what it reads.
+what it reads. A bfloat16 cache (a bfloat16 model's) is read the same way, widened to float32
+exactly; q/k/v then come in bfloat16 (or float32), are taken as float32, and the output has q's
+dtype.
 """
 from __future__ import annotations
 
@@ -13,26 +15,28 @@ import torch
 from treadle.kernels import native
 
 # csrc/tq.h's kv_format of each cache dtype the kernel reads, and the extra elements of its rows
-KV_FORMATS = {torch.float32: (0, 0), torch.int8: (1, 4), torch.float8_e4m3fn: (2, 4)}
+KV_FORMATS = {torch.float32: (0, 0), torch.int8: (1, 4), torch.float8_e4m3fn: (2, 4), torch.bfloat16: (3, 0)}
 
 
 def paged_decode(
-    q: torch.Tensor,  # [B, num_heads, head_dim] float32, rows any stride
-    k: torch.Tensor,  # [B, num_kv_heads, head_dim] float32, the new keys
+    q: torch.Tensor,  # [B, num_heads, head_dim] float32 (or bfloat16 with a bfloat16 cache), rows any stride
+    k: torch.Tensor,  # [B, num_kv_heads, head_dim] same dtype as q, the new keys
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim (+ 4)] float32 / int8 / fp8, contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim (+ 4)] float32 / int8 / fp8 / bf16, contiguous
     v_cache: torch.Tensor,
     slots: torch.Tensor,  # [B] int64 contiguous, cache slot of each new row; < 0 = not written
     block_tables: torch.Tensor,  # [B, max_blocks] int32 contiguous
     seq_lens: torch.Tensor,  # [B] int32 contiguous, >= 1, new token included
     scale: float,
     sliding_window: int | None = None,
-) -> torch.Tensor | None:  # [B, num_heads, head_dim] float32
+) -> torch.Tensor | None:  # [B, num_heads, head_dim] q's dtype
     """Write k/v at ``slots``, then attend (causal, GQA, optional sliding window). Returns
     None when the inputs are not what the kernel handles, so the caller can fall back."""
     b, h, d = q.shape
-    f32, row = torch.float32, (d, 1)  # heads contiguous within a row; rows any stride
+    f32, row, dtype = torch.float32, (d, 1), q.dtype  # heads contiguous within a row; rows any stride
     kv_format, extra = KV_FORMATS.get(k_cache.dtype, (-1, 0))
+    if k_cache.dtype is torch.bfloat16 and q.dtype is k.dtype is v.dtype is torch.bfloat16:
+        q, k, v = q.float(), k.float(), v.float()
     if not (
         q.dtype == k.dtype == v.dtype == f32
         and kv_format >= 0
@@ -59,4 +63,4 @@ def paged_decode(
         b, block_tables.shape[1], k_cache.shape[1], h, k.shape[1], d, sliding_window or 0, scale, kv_format,
         out.data_ptr(),
     )
-    return out
+    return out if dtype is f32 else out.to(dtype)

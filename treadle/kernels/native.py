@@ -12,7 +12,7 @@ threads and ``torch.set_num_threads``.
 compiler (one warning, then callers fall back to plain torch).
 
 Runtime dispatch: the same sources are built once per *variant* (``VARIANTS``, best first:
-AVX-512 VNNI, AVX2, plain C), each with its own ``-m`` flags; the first variant whose CPU
+AVX-512 BF16, AVX-512 VNNI, AVX2, plain C), each with its own ``-m`` flags; the first variant whose CPU
 features (``/proc/cpuinfo`` flags) this machine has, and that builds, is chosen once per process
 and logged (``describe()``, also shown by ``treadle --version``). ``plain=True`` or
 ``variant="plain"`` (tests) builds and calls the plain-C reference paths (``-DTQ_PLAIN_C``)
@@ -53,6 +53,9 @@ class Variant:
 
 _AVX2 = ("avx2", "fma", "f16c")
 VARIANTS = (  # best first; "plain" (the reference) runs everywhere
+    Variant("avx512-bf16", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+                            "-mavx512bf16", "-mtune=native"),
+            (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")),
     Variant("avx512-vnni", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
                             "-mtune=native"), (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
     Variant("avx2", ("-mavx2", "-mfma", "-mf16c", "-mtune=native"), _AVX2),
@@ -256,5 +259,26 @@ def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     kernel("tq_w8a8_matmul", "PPPPPPPIII", plain, variant)(
         xq.data_ptr(), xs.data_ptr(), weight.data_ptr(), weight_scale.data_ptr(), sums.data_ptr(),
         None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+    )
+    return y.view(*x.shape[:-1], n)
+
+
+def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None, plain: bool = False, variant: str | None = None) -> torch.Tensor:
+    """x [..., K] float32 or bfloat16 @ W^T (+ bias) -> [..., N] in ``out_dtype`` (float32 or bfloat16;
+    default x's) through csrc/bf16matmul.c: ``weight`` [N, K] bfloat16 contiguous, K % 8 == 0;
+    float32 sums of the exact products, rounded once to bfloat16 for a bfloat16 output."""
+    k = x.shape[-1]
+    flat = x.reshape(-1, k)
+    if flat.dtype not in (torch.float32, torch.bfloat16):
+        flat = flat.float()
+    flat = flat.contiguous()
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    n, out_dtype = weight.shape[0], out_dtype or flat.dtype
+    y = torch.empty(flat.shape[0], n, dtype=out_dtype)
+    kernel("tq_bf16_matmul", "PPCPCPIII", plain, variant)(
+        weight.data_ptr(), flat.data_ptr(), int(flat.dtype == torch.bfloat16), y.data_ptr(),
+        int(out_dtype == torch.bfloat16), None if bias is None else bias.data_ptr(), flat.shape[0], n, k,
     )
     return y.view(*x.shape[:-1], n)

@@ -33,6 +33,9 @@
  * written (the same arithmetic as kv_quant.quantize: scale = amax / 127 or / 448, x / scale
  * rounded half to even), and each tile is dequantized once per KV head into a float buffer that
  * the G query heads of that KV head then read through the float code above.
+ * A bfloat16 cache (TQ_KV_BF16, a bfloat16 model's) takes the same path: rows of head_dim
+ * bfloat16 values, no scale, written rounded to nearest even (torch's float -> bfloat16) and
+ * widened to float32 exactly per tile.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -257,9 +260,39 @@ static inline __m256 load8_dequant(const uint8_t *p, int kv_format) {
 }
 #endif
 
+/* float -> bfloat16 bits, round to nearest even (finite x) */
+static inline uint16_t bf16_encode(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* n bfloat16 rows (`stride` bytes apart) -> n * D floats (D apart), exactly */
+static void widen_rows(const uint8_t *rows, int64_t stride, int64_t n, int64_t D, float *out) {
+    for (int64_t j = 0; j < n; j++) {
+        const uint16_t *r = (const uint16_t *)(rows + j * stride);
+        float *o = out + j * D;
+        int64_t d = 0;
+#ifdef TQ_AVX2
+        for (; d + 8 <= D; d += 8) {
+            const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(r + d)));
+            _mm256_storeu_ps(o + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+        }
+#endif
+        for (; d < D; d++) {
+            const uint32_t u = (uint32_t)r[d] << 16;
+            memcpy(o + d, &u, sizeof u);
+        }
+    }
+}
+
 /* n quantized rows (`stride` bytes apart) -> n * D floats (D apart), each value times its row's scale. */
 static void dequantize_rows(const uint8_t *rows, int64_t stride, int64_t n, int64_t D, int kv_format,
                             const float *lut, float *out) {
+    if (kv_format == TQ_KV_BF16) {
+        widen_rows(rows, stride, n, D, out);
+        return;
+    }
     for (int64_t j = 0; j < n; j++) {
         const uint8_t *r = rows + j * stride;
         float s;
@@ -279,14 +312,14 @@ static void dequantize_rows(const uint8_t *rows, int64_t stride, int64_t n, int6
     }
 }
 
-/* attend_range over a quantized cache (rows of `stride` bytes): each tile is dequantized per KV
- * head into kbuf / vbuf (TILE * D floats each), which the G query heads of that KV head read. */
+/* attend_range over a quantized or bfloat16 cache (rows of `stride` bytes, head_bytes per KV head):
+ * each tile is dequantized per KV head into kbuf / vbuf (TILE * D floats each), which the G query
+ * heads of that KV head read. */
 static void attend_range_quant(const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table,
-                               int64_t start, int64_t end, int64_t block_size, int64_t stride, int64_t H,
-                               int64_t G, int64_t D, float scale, int kv_format, const float *lut, float *kbuf,
-                               float *vbuf, float *m, float *l, float *acc) {
+                               int64_t start, int64_t end, int64_t block_size, int64_t stride, int64_t head_bytes,
+                               int64_t H, int64_t G, int64_t D, float scale, int kv_format, const float *lut,
+                               float *kbuf, float *vbuf, float *m, float *l, float *acc) {
     float s[TILE];
-    const int64_t head_bytes = D + 4;
     for (int64_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
     for (int64_t pos = start, n; pos < end; pos += n) {
@@ -323,7 +356,8 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
                      int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
                      float scale, int kv_format, float *out) {
     const int64_t H = num_heads, D = head_dim, G = num_heads / num_kv_heads, row = num_kv_heads * D;
-    const int64_t qrow = num_kv_heads * (D + 4); /* bytes of one token's row in a quantized cache */
+    const int64_t head_bytes = kv_format == TQ_KV_BF16 ? 2 * D : D + 4; /* a KV head's row, not float32 */
+    const int64_t qrow = num_kv_heads * head_bytes; /* bytes of one token's row in such a cache */
     for (int64_t i = 0; i < num_seqs; i++) {
         if (slots[i] < 0) continue;
         if (kv_format == TQ_KV_FLOAT32) {
@@ -331,9 +365,18 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
             memcpy((float *)v_cache + slots[i] * row, v + i * v_stride, (size_t)row * sizeof(float));
             continue;
         }
+        if (kv_format == TQ_KV_BF16) {
+            uint16_t *kd = (uint16_t *)k_cache + slots[i] * row, *vd = (uint16_t *)v_cache + slots[i] * row;
+            for (int64_t e = 0; e < row; e++) {
+                const int64_t kh = e / D, d = e % D;
+                kd[e] = bf16_encode(k[i * k_stride + kh * D + d]);
+                vd[e] = bf16_encode(v[i * v_stride + kh * D + d]);
+            }
+            continue;
+        }
         for (int64_t kh = 0; kh < num_kv_heads; kh++) {
-            quantize_row(k + i * k_stride + kh * D, (uint8_t *)k_cache + slots[i] * qrow + kh * (D + 4), D, kv_format);
-            quantize_row(v + i * v_stride + kh * D, (uint8_t *)v_cache + slots[i] * qrow + kh * (D + 4), D, kv_format);
+            quantize_row(k + i * k_stride + kh * D, (uint8_t *)k_cache + slots[i] * qrow + kh * head_bytes, D, kv_format);
+            quantize_row(v + i * v_stride + kh * D, (uint8_t *)v_cache + slots[i] * qrow + kh * head_bytes, D, kv_format);
         }
     }
     float lut[256];
@@ -373,8 +416,8 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
                 attend_range(q + i * q_stride, k_cache, v_cache, table, start, end, block_size, row, H, G, D, scale,
                              m, l, acc);
             else
-                attend_range_quant(q + i * q_stride, k_cache, v_cache, table, start, end, block_size, qrow, H, G,
-                                   D, scale, kv_format, lut, kbuf, kbuf + TILE * D, m, l, acc);
+                attend_range_quant(q + i * q_stride, k_cache, v_cache, table, start, end, block_size, qrow, head_bytes,
+                                   H, G, D, scale, kv_format, lut, kbuf, kbuf + TILE * D, m, l, acc);
             if (chunks == 1) {
                 for (int64_t h = 0; h < H; h++) {
                     const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;

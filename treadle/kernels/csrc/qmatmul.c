@@ -97,6 +97,8 @@ static inline __attribute__((always_inline)) void tile(int qtype, const uint8_t 
         for (int r = 0; r < NW; r++) {
             unit[r] = row + r * rbytes + u * ub;
             unit_scales(qtype, unit[r], &sc[r]);
+            /* batch 1 streams weights: the next row pair's line, once per cache line, one pair ahead */
+            if (NX == 1 && (u * ub) % 64 < ub) __builtin_prefetch(unit[r] + 2 * rbytes);
         }
         for (int s = 0; s < G; s++) {
             const int64_t b = u * G + s;

@@ -21,6 +21,10 @@ static inline float hsum(__m256 v) { /* the sum of 8 floats */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define TQ_VNNI 1
 #endif
+/* AVX-512 BF16 (the avx512-bf16 build): vdpbf16ps, bfloat16 pair products summed into float32 */
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define TQ_BF16 1
+#endif
 #endif
 
 /* qmatmul.c */
@@ -36,6 +40,9 @@ void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float 
                int64_t N, int64_t K);
 void tq_gather_rows(int qtype, const uint8_t *w, const int64_t *ids, int64_t n, int64_t K, float *out);
 void tq_dequantize(int qtype, const uint8_t *w, int64_t N, int64_t K, float *out);
+/* bf16matmul.c */
+void tq_bf16_matmul(const uint16_t *w, const void *x, int x_bf16, void *y, int y_bf16, const float *bias, int64_t M,
+                    int64_t N, int64_t K);
 /* ops.c */
 void tq_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t hidden,
                  int64_t x_stride, float eps);
@@ -43,7 +50,7 @@ void tq_rope(float *x, const float *cos_sin, const int64_t *positions, int64_t t
              int64_t head_dim, int64_t row_stride);
 void tq_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t d, int64_t in_stride);
 /* paged_attention.c; kv_format: what the cache holds */
-enum { TQ_KV_FLOAT32 = 0, TQ_KV_INT8 = 1, TQ_KV_FP8 = 2 };
+enum { TQ_KV_FLOAT32 = 0, TQ_KV_INT8 = 1, TQ_KV_FP8 = 2, TQ_KV_BF16 = 3 };
 void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_stride, int64_t k_stride,
                      int64_t v_stride, void *k_cache, void *v_cache, const int64_t *slots,
                      const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs, int64_t max_blocks,

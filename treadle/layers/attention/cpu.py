@@ -226,8 +226,10 @@ def flash_prefill(
         k, v = dequantize(quantize(k, k_cache.dtype), q.dtype), dequantize(quantize(v, v_cache.dtype), q.dtype)
     elif k_cache.dtype != q.dtype:
         k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
-    # [1, H, len, D]: the flash CPU kernel needs 4-D inputs (3-D falls back to the math path)
-    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    # [1, H, len, D]: the flash CPU kernel needs 4-D inputs (3-D falls back to the math path);
+    # bfloat16 runs in float32 (torch's bfloat16 flash kernel is ~25x slower without AVX-512 BF16)
+    work = torch.float32 if q.dtype is torch.bfloat16 else q.dtype
+    qt, kt, vt = (x.to(work).transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     gqa = spec.num_heads != spec.num_kv_heads
     if context == 0 and spec.sliding_window is None:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=spec.scale, enable_gqa=gqa)
@@ -238,7 +240,7 @@ def flash_prefill(
         if spec.sliding_window is not None:
             mask &= (q_pos - k_pos) < spec.sliding_window
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=spec.scale, enable_gqa=gqa)
-    return o[0].transpose(0, 1)
+    return o[0].transpose(0, 1).to(q.dtype)
 
 
 def _write_kv(

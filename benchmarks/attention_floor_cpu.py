@@ -1,0 +1,120 @@
+"""Decode attention against its memory floor on the CPU (#16 item 4).
+
+The C paged-decode kernel (``paged_decode``) on SmolLM2-135M's shapes (9 query heads, 3 KV heads,
+head_dim 64, block 16, 30 layers) at batch x context, per layer, against the time it takes just
+to read the KV bytes it must read (K and V of every context token, once) at this machine's
+measured read bandwidth, measured in the same process with the same threads:
+
+    read bandwidth   torch sum over a 512 MiB float32 tensor (reads only, nothing written)
+    copy bandwidth   dst.copy_(src), 256 MiB each way (bytes read + bytes written)
+
+    floor ms = KV bytes / read bandwidth;  achieved GB/s = KV bytes / kernel time
+
+Each timed pass walks separate caches (>= 256 MiB in all, well past the L3), as a step's layers
+do, so K/V come from memory. Clock: thread CPU time with one thread (other jobs on a shared
+machine then cost less), wall time with more; minimum and median of repeats (the minimum is the
+better estimate of what the kernel costs; the median shows the noise).
+
+Run: .venv/bin/python benchmarks/attention_floor_cpu.py [--threads N] [--batch 16] [--context 1000]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from treadle.kernels import native
+from treadle.kernels.attention import paged_decode
+from treadle.layers.attention import build_attention_metadata
+from treadle.layers.attention.cpu import build_plan
+
+H, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
+COLD_BYTES = 256 << 20
+FORMATS = {"float32": (torch.float32, 0), "bfloat16": (torch.bfloat16, 0), "int8": (torch.int8, 4)}
+
+
+def timed(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """(min, median) seconds of fn over repeats, after one warm-up call."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = clock()
+        fn()
+        times.append(clock() - t)
+    return min(times), statistics.median(times)
+
+
+def bandwidth(repeats: int = 9) -> tuple[float, float]:
+    """(read GB/s, copy GB/s counting read + written bytes), best of repeats."""
+    big = torch.rand(128 << 20)  # 512 MiB
+    read, _ = timed(lambda: big.sum(), repeats)
+    src, dst = big[: 64 << 20], torch.empty(64 << 20)
+    copy, _ = timed(lambda: dst.copy_(src), repeats)
+    return big.numel() * 4 / read / 1e9, 2 * src.numel() * 4 / copy / 1e9
+
+
+def kv_case(batch: int, context: int, fmt: str, repeats: int) -> tuple[float, float, int]:
+    """(min s, median s, KV bytes read) of one layer's decode attention over a cold cache."""
+    dtype, extra = FORMATS[fmt]
+    g = torch.Generator().manual_seed(0)
+    need = -(-context // BS)
+    perm = torch.randperm(batch * need + 4, generator=g).tolist()
+    tables = [perm[i * need : (i + 1) * need] for i in range(batch)]
+    shape = (len(perm), BS, HKV, D + extra)
+    row_bytes = HKV * (D + extra) * torch.empty(0, dtype=dtype).element_size()
+    copies = max(2, -(-COLD_BYTES // (2 * len(perm) * BS * row_bytes)))
+
+    def cache() -> torch.Tensor:
+        if dtype is torch.int8:  # int8 values and a positive float32 scale per (token, KV head)
+            c = torch.randint(-127, 128, shape, dtype=torch.int8, generator=g)
+            c[..., D:] = torch.full((len(perm), BS, HKV, 1), 0.01).view(torch.int8)
+            return c
+        return torch.rand(shape, generator=g).to(dtype)
+
+    caches = [(cache(), cache()) for _ in range(copies)]
+    act = torch.float32 if dtype is torch.int8 else dtype
+    qkv = torch.randn(batch, (H + 2 * HKV) * D, generator=g).to(act)
+    q, k, v = (x.view(batch, -1, D) for x in qkv.split([H * D, HKV * D, HKV * D], dim=-1))
+    plan = build_plan(build_attention_metadata([1] * batch, [context] * batch, tables, BS))
+    assert plan.decode is not None and plan.decode.kernel_args is not None
+    slots, block_tables, lens = plan.decode.kernel_args
+    no_write = torch.full_like(slots, -1)  # attend only: the timed bytes are the reads
+
+    def run() -> None:
+        for kc, vc in caches:
+            assert paged_decode(q, k, v, kc, vc, no_write, block_tables, lens, D**-0.5) is not None
+
+    best, med = timed(run, repeats)
+    return best / copies, med / copies, 2 * batch * context * row_bytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--context", type=int, nargs="+", default=[1000])
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    read, copy = bandwidth()
+    clock = "thread CPU time" if torch.get_num_threads() == 1 else "wall"
+    print(f"threads={torch.get_num_threads()} clock={clock} kernels={native.describe()}")
+    print(f"read bandwidth {read:.1f} GB/s, copy {copy:.1f} GB/s (read + write)")
+    print(f"{'case':22s} {'KV MB':>7s} {'min ms':>8s} {'med ms':>8s} {'x30 ms':>7s} {'GB/s':>6s} {'floor ms':>9s} "
+          f"{'% floor':>8s}")
+    for batch in args.batch:
+        for context in args.context:
+            for fmt in FORMATS:
+                best, med, nbytes = kv_case(batch, context, fmt, args.repeats)
+                floor = nbytes / (read * 1e9)
+                print(f"b{batch} ctx{context} {fmt:9s} {nbytes / 1e6:7.2f} {best * 1e3:8.3f} {med * 1e3:8.3f} "
+                      f"{best * LAYERS * 1e3:7.2f} {nbytes / best / 1e9:6.1f} {floor * 1e3:9.3f} {100 * floor / best:7.0f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""bfloat16 weights on the CPU (``--dtype bfloat16``): csrc/bf16matmul.c against its plain-C build
+(bit for bit: the same float operations in the same order), against torch's float32 matmul of the
+widened weights, batch invariance, and a tiny random Llama in bfloat16 against transformers in
+float32 on the same bfloat16-rounded weights."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_tiny_model
+from paged_session import PagedSession, greedy
+
+from treadle.kernels import native
+from treadle.layers.attention.cpu import CPUBackend
+from treadle.layers.linear import Linear
+from treadle.loaders import load_model
+from treadle.quantization.bfloat16_cpu import BFloat16CPUMethod
+
+pytestmark = [pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)"),
+              pytest.mark.usefixtures("one_thread")]
+SHAPES = [(1, 37, 64), (5, 64, 72), (16, 130, 576)]  # N not a multiple of the 4-row tile; K = 72: no 32s
+
+
+def rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def operands(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return rand(m, k, seed=1), rand(n, k, seed=2).to(torch.bfloat16), rand(n, seed=3)
+
+
+@pytest.mark.parametrize("variant", [v.name for v in native.VARIANTS])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_variant_matches_plain_c_and_torch(variant: str, m: int, n: int, k: int) -> None:
+    if native.missing_features(variant):
+        pytest.skip(f"{variant}: this CPU lacks {' '.join(native.missing_features(variant))}")
+    x, w, b = operands(m, n, k)
+    got = native.bf16_matmul(x, w, b, variant=variant)
+    ref = native.bf16_matmul(x, w, b, plain=True)
+    oracle = F.linear(x.double(), w.double(), b.double()).float()
+    if variant == "avx512-bf16" and k % 32 == 0:  # vdpbf16ps: x rounded to bfloat16, another order
+        oracle = F.linear(x.bfloat16().double(), w.double(), b.double()).float()
+        torch.testing.assert_close(got, oracle, rtol=0, atol=1e-5 * float(oracle.abs().max()))
+        return
+    assert torch.equal(got, ref)  # the same fused multiply-adds in the same order
+    torch.testing.assert_close(got, F.linear(x, w.float(), b), rtol=0, atol=1e-5 * float(oracle.abs().max()))
+    torch.testing.assert_close(got, oracle, rtol=0, atol=1e-5 * float(oracle.abs().max()))
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["simd", "plain"])
+def test_rows_do_not_depend_on_the_batch(plain: bool) -> None:
+    """M = 1 widens weights in registers, M = 16 widens each tile once: the same sums either way."""
+    x, w, b = operands(16, 130, 576)
+    batch = native.bf16_matmul(x, w, b, plain=plain)
+    for i in range(16):
+        assert torch.equal(native.bf16_matmul(x[i : i + 1], w, b, plain=plain), batch[i : i + 1])
+    assert torch.equal(native.bf16_matmul(x[3:6], w, b, plain=plain), batch[3:6])
+
+
+def test_bfloat16_in_and_out_round_like_torch() -> None:
+    x, w, b = operands(5, 64, 128)
+    xb = x.bfloat16()
+    y = native.bf16_matmul(xb, w, b)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, native.bf16_matmul(xb.float(), w, b, out_dtype=torch.float32).bfloat16())
+    assert native.bf16_matmul(xb, w, b, out_dtype=torch.float32).dtype == torch.float32
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-bf16"), seed=5)
+
+
+def test_float_layers_of_a_bfloat16_model_use_the_kernel(tiny_bf16: Path) -> None:
+    lm = load_model(str(tiny_bf16), CPUBackend(), dtype="bfloat16")
+    methods = {name: m.method for name, m in lm.model.named_modules() if isinstance(m, Linear)}
+    assert methods and all(isinstance(m, BFloat16CPUMethod) for m in methods.values())
+    assert methods["lm_head"].float_out and not methods["layers.0.mlp.down_proj"].float_out
+    f32 = load_model(str(tiny_bf16), CPUBackend(), dtype="float32")
+    assert not any(isinstance(m.method, BFloat16CPUMethod) for m in f32.model.modules() if isinstance(m, Linear))
+
+
+def test_greedy_matches_transformers_float32_on_the_rounded_weights(tiny_bf16: Path) -> None:
+    """Oracle: transformers in float32 with every weight rounded to bfloat16 (what the model
+    holds). Treadle's bfloat16 model also rounds activations to bfloat16 between layers, so
+    logits agree to bfloat16 precision and greedy tokens are identical on these prompts."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_bf16, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.bfloat16().float())
+    lm = load_model(str(tiny_bf16), CPUBackend(), dtype="bfloat16")
+    prompts = [[5, 17, 33, 2, 90, 41, 7], [60, 3, 3, 28, 71, 19, 44, 12, 8, 50, 23]]
+    ours = greedy(lm, prompts, 8)
+    for prompt, got in zip(prompts, ours):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        assert got == out[0, len(prompt):].tolist()
+    logits = PagedSession(lm, 1, 16).feed([prompts[1]])[0].float()
+    with torch.no_grad():
+        expect = hf(torch.tensor([prompts[1]])).logits[0]
+    assert float((logits - expect).abs().max()) < 0.05 * float(expect.abs().max())
+
+
+def test_a_sequence_gets_the_same_logits_alone_and_in_a_batch(tiny_bf16: Path) -> None:
+    lm = load_model(str(tiny_bf16), CPUBackend(), dtype="bfloat16")
+    prompts = [[5, 17, 33, 2], [60, 3, 3, 28, 71, 19], [9, 9, 40]]
+    batch = PagedSession(lm, 3, 12)
+    together = [batch.feed(prompts), batch.feed([[7], [8], [9]])]
+    for i, p in enumerate(prompts):
+        alone = PagedSession(lm, 1, 12)
+        assert torch.equal(alone.feed([p])[0], together[0][i])  # prefill
+        assert torch.equal(alone.feed([[7 + i]])[0], together[1][i])  # a decode step
