@@ -6,9 +6,9 @@ import math
 import pytest
 
 from treadle.bench.metrics import KVWaste, RequestRecord, Spread, parse_goodput, peak_concurrency, summarize
+from treadle.bench.passages import CHAT_QUESTIONS
 from treadle.bench.roofline import MachinePeaks, ModelShape, Roofline
 from treadle.bench.serve_client import Traffic
-from treadle.bench.passages import CHAT_QUESTIONS
 from treadle.bench.workloads import LengthRange, WorkloadSpec, make_workload
 
 
