@@ -6,6 +6,7 @@ import math
 import pytest
 
 from treadle.bench.metrics import KVWaste, RequestRecord, Spread, parse_goodput, peak_concurrency, summarize
+from treadle.bench.passages import CHAT_QUESTIONS
 from treadle.bench.roofline import MachinePeaks, ModelShape, Roofline
 from treadle.bench.serve_client import Traffic
 from treadle.bench.workloads import LengthRange, WorkloadSpec, make_workload
@@ -105,6 +106,19 @@ def test_workloads_seeded_and_shaped():
     assert [(r.prompt_len, r.output_len) for r in mixed] == [(8, 40), (300, 2), (8, 40), (300, 2)]
     with pytest.raises(ValueError):
         LengthRange.parse("10:5")
+
+
+def test_chat_text_workload_is_chat_turns_of_fixed_output_length():
+    from treadle.loaders import open_model_source
+
+    tok = open_model_source("smollm2-135m-instruct").tokenizer  # has a chat template
+    spec = WorkloadSpec("chat-text", 5, output_len=LengthRange(16, 40))
+    reqs = make_workload(spec, 512, tokenizer=tok)
+    assert reqs == make_workload(spec, 512, tokenizer=tok) and len(reqs) == 5
+    assert {r.output_len for r in reqs} == {40} and all(r.prompt_len > 5 for r in reqs)
+    assert len(make_workload(spec, 512, tokenizer=tok, token_salt=-1)) == len(CHAT_QUESTIONS)
+    with pytest.raises(ValueError, match="tokenizer"):
+        make_workload(spec, 512)
 
 
 def test_roofline_bounds():

@@ -39,6 +39,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 VARIANTS = {
     "k4": {},
     "k1": {"speculative_config": {**NGRAM, "num_speculative_tokens": 1}},
+    "k12": {"speculative_config": {**NGRAM, "num_speculative_tokens": 12}},  # 13-row verifies: still decode rows
     "small-budget": {"max_num_batched_tokens": 8},  # drafts cut by the budget, chunks beside verifies
     "preemption": {"num_kv_blocks": 12, "max_num_batched_tokens": 32},
     "reference-backend": {"attention_backend": "reference"},

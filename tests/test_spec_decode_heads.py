@@ -17,7 +17,15 @@ from treadle.layers.attention import StepInputBuilder
 from treadle.layers.attention.selector import select_backend
 from treadle.loaders import load_model
 from treadle.loaders.resolve import resolve_model
-from treadle.spec_decode.head_format import EagleLayerShape, HeadConfig, TargetFingerprint, save_head
+from treadle.spec_decode.head_format import (
+    DRAFT_VOCAB,
+    EagleLayerShape,
+    HeadConfig,
+    TargetFingerprint,
+    load_head,
+    save_head,
+)
+from treadle.spec_decode.head_proposers import DraftVocab
 from treadle.spec_decode.heads import EagleLayer, EagleTrainLayer, MedusaHeads
 from treadle.worker.model_runner import allocate_kv_cache
 
@@ -183,3 +191,25 @@ def test_bad_heads_are_one_line_errors(tiny_llama: Path, tmp_path: Path) -> None
     assert "method" in _one_line_error(model="stories260k", speculative_config=spec("eagle", tmp_path / "junk"))
     assert main(["train-draft-head", "stories260k", str(tmp_path / "x"), "--method", "eagle",
                  "--prompts", str(tmp_path / "missing.txt")]) == 2
+
+
+def test_draft_vocab_restricts_drafts_and_is_checked(tmp_path: Path) -> None:
+    """A head's ``draft_vocab``: drafts are the argmax over those lm_head rows only (greedy output
+    unchanged); ids outside the vocabulary are a one-line error."""
+    lm = load_model("stories260k", select_backend("reference", torch.device("cpu")))
+    feats = torch.randn(6, lm.config.hidden_size)
+    full = DraftVocab(lm.model).argmax(feats)
+    ids = torch.tensor(sorted(set(full) | {7, 9, 100}), dtype=torch.int32)
+    assert DraftVocab(lm.model, ids).argmax(feats) == full  # the subset holds every argmax
+    few = torch.tensor([7, 9], dtype=torch.int32)
+    assert set(DraftVocab(lm.model, few).argmax(feats)) <= {7, 9}
+    stories_eagle = resolve_model("stories260k") / "draft-heads" / "eagle"
+    cfg, tensors = load_head(stories_eagle, lm.config, "eagle")
+    head = tmp_path / "eagle"
+    save_head(head, cfg, {**tensors, DRAFT_VOCAB: torch.arange(3, 300, dtype=torch.int32)})
+    prompts = token_prompts("stories260k", 2)
+    plain, _ = run("stories260k", prompts, GREEDY)
+    out, llm = run("stories260k", prompts, GREEDY, speculative_config=spec("eagle", head))
+    assert out == plain and llm.get_stats()["spec_decode"]["drafts"] > 0
+    save_head(head, cfg, {**tensors, DRAFT_VOCAB: torch.tensor([1, 512], dtype=torch.int32)})
+    assert "draft_vocab" in _one_line_error(model="stories260k", speculative_config=spec("eagle", head))

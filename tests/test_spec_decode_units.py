@@ -23,6 +23,7 @@ from treadle.layers.attention.cpu import CPUBackend
 from treadle.sampling_params import SamplingParams
 from treadle.spec_decode.fallback import FallbackController
 from treadle.spec_decode.ngram import NgramProposer
+from treadle.spec_decode.proposer import DraftLength, ProposerStep, RequestProgress
 from treadle.spec_decode.rejection_sampler import verify
 from treadle.worker.sampler import Sampler, SamplingRow
 
@@ -68,6 +69,34 @@ def test_ngram_proposes_the_continuation_of_the_latest_match() -> None:
     assert p.lookup([1, 2, 3, 1, 2], max_drafts=1) == [3]
     assert p.lookup([1, 2, 9, 1, 2]) == [9, 1, 2]
     assert NgramProposer(3, 3, 3).lookup([1, 2, 9, 1, 2]) == []  # a 2-gram is below the minimum
+
+
+def _progress(rid: str, tokens: list[int], drafts: int = 0, accepted: int = 0) -> RequestProgress:
+    return RequestProgress(rid, tokens, [0], len(tokens) - 1 - drafts, accepted + 1, 0, True, 16, drafts, accepted)
+
+
+def test_draft_length_follows_the_last_verify() -> None:
+    length = DraftLength(8, start=4)
+    assert length.of(_progress("a", [1, 2])) == 4  # nothing verified yet: the start
+    assert length.of(_progress("a", [1, 2], drafts=4, accepted=4)) == 8  # all accepted: twice as many
+    assert length.of(_progress("a", [1, 2], drafts=8, accepted=8)) == 8  # at most K
+    assert length.of(_progress("a", [1, 2], drafts=8, accepted=2)) == 3  # rejected at 3: propose 3
+    assert length.of(_progress("a", [1, 2])) == 3  # a plain step changes nothing
+    assert length.of(_progress("a", [1, 2], drafts=3, accepted=0)) == 1
+    assert length.of(_progress("b", [1, 2])) == 4  # per request
+    length.forget(["a"])
+    assert length.of(_progress("a", [1, 2])) == 4
+
+
+def test_ngram_proposer_drafts_as_many_as_recent_verifies_earn() -> None:
+    p = NgramProposer(6, 1, 3)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    step = lambda drafts, accepted: ProposerStep([_progress("r", tokens, drafts, accepted)], None)  # noqa: E731
+    assert p.propose(step(0, 0)) == {"r": [3, 4, 5, 6]}  # the start: 4
+    assert p.propose(step(4, 4)) == {"r": [3, 4, 5, 6, 7, 8]}  # all accepted: up to K = 6
+    assert p.propose(step(6, 1)) == {"r": [3, 4]}  # rejected at the second
+    p.finish(["r"])
+    assert p.propose(step(0, 0)) == {"r": [3, 4, 5, 6]}
 
 
 # -- scheduler: lookahead slots and rollback ------------------------------------------------
@@ -327,6 +356,21 @@ def test_fallback_predicts_a_large_batch_from_the_step_cost_model() -> None:
         c.stats.record_verify(4, 1)
     assert c._predicted_to_pay(1) is True
     assert not c.speculate_batch(32) and c.stats.num_batch_fallbacks == 1 and c.stats.num_probes == 0
+
+
+def test_a_noisy_measured_win_does_not_override_the_step_cost_model() -> None:
+    """Steps cost 2 ms + 10 ms per row (compute-bound): at 32 requests, drafts of 4 with 3
+    accepted give 128 tokens in 1.6 s against 32 in 0.32 s, yet one lucky speculating step
+    measured faster than one slow plain step; the controller goes with the model."""
+    c = FallbackController(enabled=True, probe_every=8)
+    for rows in (32, 160, 64, 100):
+        c.observe_step(32, False, 32, 0.002 + 0.010 * rows, rows)
+    for _ in range(4):
+        c.stats.record_verify(4, 3)
+    assert c._predicted_to_pay(32) is False
+    c.observe_step(32, True, 128, 0.5)  # measured: 256 tokens / s speculating ...
+    c.observe_step(32, False, 32, 0.4)  # ... 80 plain (load from elsewhere)
+    assert not c.will_speculate("r", 32) and not c.speculate_batch(32)
 
 
 def test_fallback_probes_less_often_while_the_decision_holds() -> None:

@@ -102,7 +102,7 @@ def _offline_setup(args: argparse.Namespace, max_concurrency: int) -> tuple[Offl
     spec = workload_spec(args)
     max_len = args.max_model_len or min(cfg.max_position_embeddings,
                                         max_total_len(make_workload(spec, cfg.vocab_size, tokenizer=tok,
-                                                                     token_salt=-1 if spec.kind == "grounded" else 0)))
+                                                                     token_salt=-1 if spec.kind in ("grounded", "chat-text") else 0)))
     kw["max_model_len"] = max_len
     given = args.max_num_seqs if args.max_num_seqs != EngineArgs.max_num_seqs else 0
     kw["max_num_seqs"] = max(given, max_concurrency)

@@ -40,3 +40,20 @@ INSTRUCTIONS = (
     "Copy the following text, but write every number as digits:\n\n{passage}",
     "Rewrite the following passage exactly as it is, then stop:\n\n{passage}",
 )
+
+# the ``chat-text`` workload: everyday assistant questions (written for Treadle; none of them,
+# nor their topics, is in benchmarks/prompts/smollm2_chat_train.txt, the draft-head training file)
+CHAT_QUESTIONS = (
+    "What is the difference between a virus and a bacterium?",
+    "Explain how a refrigerator keeps food cold.",
+    "Give me three tips for learning a new language.",
+    "Why do leaves change colour in autumn?",
+    "Write a short thank-you note to a neighbour who watered my plants.",
+    "How does a bicycle stay upright when it moves?",
+    "What are the main causes of traffic jams in big cities?",
+    "Describe how to plant tomatoes in a small garden.",
+    "What is a healthy way to prepare for an exam?",
+    "Explain what a budget is and why families make one.",
+    "How do bees make honey? Keep it short.",
+    "Write a short story about a robot who learns to paint.",
+)

@@ -17,6 +17,8 @@
   (``passages.py``; needs the model's tokenizer and chat template); the output
   length is the passage's length in tokens (clipped to ``output_len``), so most
   of the answer is in the prompt: what n-gram speculation exploits.
+- ``chat-text``: real chat turns (``passages.CHAT_QUESTIONS``, through the chat template;
+  needs the tokenizer), ``output_len`` tokens each: what a draft head is for.
 
 Token ids are uniform over ``[low_token, vocab_size)``, skipping the low ids
 where most tokenizers keep their special tokens.
@@ -28,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from treadle.bench.passages import INSTRUCTIONS, PASSAGES
+from treadle.bench.passages import CHAT_QUESTIONS, INSTRUCTIONS, PASSAGES
 
-WORKLOADS = ("fixed", "random", "chat", "shared-prefix", "grounded", "mixed")
+WORKLOADS = ("fixed", "random", "chat", "shared-prefix", "grounded", "mixed", "chat-text")
 
 CHAT_PROMPT = (180.0, 0.9, 8, 1024)  # median, sigma, min, max
 CHAT_OUTPUT = (120.0, 0.7, 8, 512)
@@ -116,6 +118,18 @@ def grounded_workload(spec: WorkloadSpec, tokenizer: Any, token_salt: int = 0) -
                              INSTRUCTIONS[int(rng.integers(len(INSTRUCTIONS)))]) for _ in range(spec.num_prompts)]
 
 
+def chat_text_workload(spec: WorkloadSpec, tokenizer: Any, token_salt: int = 0) -> list[BenchRequest]:
+    """Chat turns from ``CHAT_QUESTIONS``, picked by (seed, salt, index); ``token_salt=-1``:
+    every question once (for sizing max_model_len)."""
+    if tokenizer is None:
+        raise ValueError("the chat-text workload needs the model's tokenizer")
+    rng = np.random.default_rng([spec.seed, max(0, token_salt)])
+    picks = (range(len(CHAT_QUESTIONS)) if token_salt == -1
+             else [int(rng.integers(len(CHAT_QUESTIONS))) for _ in range(spec.num_prompts)])
+    chat = [tokenizer.apply_chat_template([{"role": "user", "content": CHAT_QUESTIONS[i]}]) for i in picks]
+    return [BenchRequest(tokenizer.encode(text, add_special_tokens=False), spec.output_len.hi) for text in chat]
+
+
 def make_workload(
     spec: WorkloadSpec, vocab_size: int, max_total_len: int | None = None, token_salt: int = 0,
     tokenizer: Any = None,
@@ -128,6 +142,8 @@ def make_workload(
         raise ValueError(f"unknown workload {spec.kind!r}; choose one of {', '.join(WORKLOADS)}")
     if spec.kind == "grounded":
         return grounded_workload(spec, tokenizer, token_salt)
+    if spec.kind == "chat-text":
+        return chat_text_workload(spec, tokenizer, token_salt)
     rng = np.random.default_rng(spec.seed)
     tok_rng = np.random.default_rng([spec.seed, token_salt])
     n = spec.num_prompts

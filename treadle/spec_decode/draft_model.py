@@ -67,6 +67,7 @@ class DraftModelProposer(Proposer):
         super().__init__(num_speculative_tokens)
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         self.max_positions, self.shares_target_kv = max_positions, shares_target_kv
+        self.owns_kv = not shares_target_kv  # its own KV catches up on every step
         self.device = torch.device(device)
         self.inputs = StepInputBuilder(block_size, 0, self.device)
 

@@ -13,6 +13,9 @@ proposers read it): a directory with
                                 named as Hugging Face does (layers.0.self_attn.q_proj.weight ...,
                                 layers.0.input_layernorm.weight ...)
                         medusa: heads.{k}.weight [H, H], heads.{k}.bias [H], k = 0 .. K-1
+                        either, optional: draft_vocab [n] int32, the token ids the head was
+                                trained over (a large vocabulary's label set): drafts are the
+                                argmax over these lm_head rows only (a fraction of the cost)
 
 A head reuses the target's embedding, final norm, lm_head and RoPE settings, so it holds none
 of them. Loading checks the fingerprint's architecture, hidden size, vocabulary size and
@@ -34,6 +37,7 @@ from treadle.config import ModelConfig, TreadleError
 
 FORMAT, VERSION = "treadle-draft-head", 1
 HEAD_METHODS = ("eagle", "medusa")
+DRAFT_VOCAB = "draft_vocab"  # optional tensor: token ids the drafts are chosen among
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,8 @@ class HeadConfig:
 def save_head(out_dir: Path, config: HeadConfig, tensors: dict[str, torch.Tensor]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
-    save_file({k: v.detach().contiguous().float() for k, v in tensors.items()}, str(out_dir / "model.safetensors"))
+    save_file({k: v.detach().contiguous() if k == DRAFT_VOCAB else v.detach().contiguous().float()
+               for k, v in tensors.items()}, str(out_dir / "model.safetensors"))
 
 
 def read_head_config(head_dir: Path | str) -> HeadConfig:
@@ -130,7 +135,8 @@ def read_head_config(head_dir: Path | str) -> HeadConfig:
 
 
 def load_head(head_dir: Path | str, target: ModelConfig, method: str) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
-    """The head's config and float32 tensors, checked against the target and the method asked for."""
+    """The head's config and tensors (float32; ``draft_vocab`` int32), checked against the
+    target and the method asked for."""
     path = Path(head_dir)
     config = read_head_config(path)
     if config.method != method:
@@ -145,4 +151,9 @@ def load_head(head_dir: Path | str, target: ModelConfig, method: str) -> tuple[H
         tensors = load_file(str(weights))
     except Exception as e:  # noqa: BLE001 (safetensors raises several types for a bad file)
         raise TreadleError(f"draft head {path}: model.safetensors is not readable ({e})") from None
+    vocab = tensors.get(DRAFT_VOCAB)
+    if vocab is not None and (vocab.dtype.is_floating_point or vocab.dim() != 1 or vocab.numel() == 0
+                              or int(vocab.min()) < 0 or int(vocab.max()) >= target.vocab_size):
+        raise TreadleError(f"draft head {path}: {DRAFT_VOCAB} must be a non-empty list of token ids "
+                           f"below the vocabulary size {target.vocab_size}")
     return config, tensors

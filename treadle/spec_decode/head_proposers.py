@@ -12,12 +12,14 @@ position the target has verified, and the token after the last one is the new to
     catch-up   one flat forward over every request:  (h_j, x_{j+1}) at index j, j in [s, s+v)
                (a request without a new token, e.g. a prompt chunk: only j with x_{j+1} known)
                -> g at index s+v-1 -> d1 = argmax lm_head(g)
-    chain      K-1 one-row forwards: (g, d_i) at index s+v-1+i -> the next g, d_{i+1}
+    chain      up to K-1 one-row forwards: (g, d_i) at index s+v-1+i -> the next g, d_{i+1}
+               (as many as the request's last verify earned: ``DraftLength``)
                (indices >= s+v are scratch, in the scheduler's lookahead slots: rewritten by
                the next step's catch-up before anyone attends to them)
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -25,19 +27,39 @@ import torch
 from treadle.layers.attention import StepInputBuilder
 from treadle.models.llama import KVCache, LlamaForCausalLM
 from treadle.spec_decode.heads import EagleLayer, MedusaHeads
-from treadle.spec_decode.proposer import Proposer, ProposerStep, RequestProgress
+from treadle.spec_decode.proposer import DraftLength, Proposer, ProposerStep, RequestProgress
 
 
-def _argmax_tokens(target: LlamaForCausalLM, features: torch.Tensor) -> list[int]:
-    logits = target.compute_logits(features)
-    assert logits is not None, "speculation runs on one rank"
-    return [int(t) for t in logits.argmax(-1).tolist()]
+class DraftVocab:
+    """Where a head's drafts are the argmax of its feature: over the target's whole lm_head, or
+    (``ids``: the head file's ``draft_vocab``) over the float rows of those tokens only. With
+    SmolLM2's 49152 tokens the whole lm_head is most of a draft's cost (a chain of K drafts
+    would cost about as much as a target step); a few thousand rows cost a tenth of it. A draft
+    outside the subset is never proposed: that costs acceptance, never exactness."""
+
+    def __init__(self, target: LlamaForCausalLM, ids: torch.Tensor | None = None) -> None:
+        self.target = target
+        self.ids: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
+        if ids is not None:
+            head = target.embed_tokens if target.lm_head is None else target.lm_head
+            self.ids = ids.to(torch.long).to(target.norm.weight.device)
+            self.rows = head.method.embedding(head, self.ids, torch.float32)  # [n, H]
+
+    def argmax(self, features: torch.Tensor) -> list[int]:
+        if self.rows is None or self.ids is None:
+            logits = self.target.compute_logits(features)
+            assert logits is not None, "speculation runs on one rank"
+            return [int(t) for t in logits.argmax(-1).tolist()]
+        return self.ids[(features.float() @ self.rows.T).argmax(-1)].tolist()
 
 
 class MedusaProposer(Proposer):
-    def __init__(self, num_speculative_tokens: int, heads: MedusaHeads, target: LlamaForCausalLM) -> None:
+    def __init__(self, num_speculative_tokens: int, heads: MedusaHeads, target: LlamaForCausalLM,
+                 vocab: DraftVocab | None = None) -> None:
         super().__init__(num_speculative_tokens)
         self.heads, self.target = heads, target
+        self.vocab = vocab if vocab is not None else DraftVocab(target)
 
     @torch.inference_mode()
     def propose(self, step: ProposerStep) -> dict[str, list[int]]:
@@ -47,7 +69,7 @@ class MedusaProposer(Proposer):
         index = torch.tensor([r.flat_start + r.num_verified - 1 for r in rows], device=step.hidden.device)
         feats = self.heads(step.hidden.index_select(0, index).float())[: self.k]  # [K, n, H]
         k, n, h = feats.shape
-        tokens = _argmax_tokens(self.target, feats.reshape(k * n, h).to(self.target.dtype))
+        tokens = self.vocab.argmax(feats.reshape(k * n, h).to(self.target.dtype))
         return {r.request_id: tokens[i::n] for i, r in enumerate(rows)}
 
 
@@ -58,11 +80,15 @@ class _Run(NamedTuple):
 
 
 class EagleProposer(Proposer):
+    owns_kv = True
+
     def __init__(self, num_speculative_tokens: int, layer: EagleLayer, kv_cache: KVCache, block_size: int,
-                 max_positions: int, device: torch.device | str = "cpu") -> None:
+                 max_positions: int, device: torch.device | str = "cpu", vocab: DraftVocab | None = None) -> None:
         """``kv_cache``: the layer's (k, v) over the target's block ids."""
         super().__init__(num_speculative_tokens)
         self.layer, self.kv_cache, self.max_positions = layer, kv_cache, max_positions
+        self.vocab = vocab if vocab is not None else DraftVocab(layer.target[0])
+        self.length = DraftLength(num_speculative_tokens)
         self.backend = layer.target[0].backend
         self.device = torch.device(device)
         self.inputs = StepInputBuilder(block_size, 0, self.device)
@@ -90,6 +116,9 @@ class EagleProposer(Proposer):
         hidden = step.hidden.index_select(0, torch.cat(rows).to(step.hidden.device))
         return runs, self._forward(runs, tokens, hidden)
 
+    def finish(self, request_ids: Iterable[str]) -> None:
+        self.length.forget(request_ids)
+
     @torch.inference_mode()
     def propose(self, step: ProposerStep) -> dict[str, list[int]]:
         if step.hidden is None:
@@ -106,16 +135,18 @@ class EagleProposer(Proposer):
             return {}
         feat = feats.index_select(0, last[live])
         runs = [runs[i] for i in live]
-        first = _argmax_tokens(self.layer.target[0], feat)
+        first = self.vocab.argmax(feat)
         drafts = {r.request.request_id: [t] for r, t in zip(runs, first)}
+        lengths = [self.length.of(r.request) for r in runs]
         for i in range(1, self.k):
-            keep = [j for j, r in enumerate(runs) if r.end + i <= min(r.request.num_slots, self.max_positions)]
+            keep = [j for j, r in enumerate(runs)
+                    if i < lengths[j] and r.end + i <= min(r.request.num_slots, self.max_positions)]
             if not keep:
                 break
-            runs, feat = [runs[j] for j in keep], feat[keep]
+            runs, feat, lengths = [runs[j] for j in keep], feat[keep], [lengths[j] for j in keep]
             index_runs = [_Run(r.request, r.end - 1 + i, r.end + i) for r in runs]
             ids = [drafts[r.request.request_id][-1] for r in runs]
             feat = self._forward(index_runs, ids, feat)
-            for r, t in zip(runs, _argmax_tokens(self.layer.target[0], feat)):
+            for r, t in zip(runs, self.vocab.argmax(feat)):
                 drafts[r.request.request_id].append(t)
         return drafts

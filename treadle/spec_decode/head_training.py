@@ -30,7 +30,7 @@ from treadle.config import ModelConfig
 from treadle.layers.attention import StepInputBuilder
 from treadle.layers.norm import rms_norm_plain
 from treadle.models.llama import LlamaForCausalLM
-from treadle.spec_decode.head_format import EagleLayerShape
+from treadle.spec_decode.head_format import DRAFT_VOCAB, EagleLayerShape
 from treadle.spec_decode.heads import EagleTrainLayer, MedusaHeads
 
 
@@ -151,8 +151,10 @@ def eagle_loss(layer: EagleTrainLayer, target: FrozenTarget, batch: _Batch, unro
 def train_head(cfg: ModelConfig, target: FrozenTarget, tokens: list[list[int]], hiddens: list[torch.Tensor],
                labels: list[torch.Tensor], settings: TrainSettings,
                progress: Callable[[int, float, float], None] | None = None) -> dict[str, torch.Tensor]:
-    """Train a head; returns its tensors (the file's names). ``progress(step, loss, acc)``
+    """Train a head; returns its tensors (the file's names; with a large vocabulary also
+    ``draft_vocab``, the token ids it was trained over). ``progress(step, loss, acc)``
     is called after every step (acc: the first draft's accuracy on the step's batch)."""
+    rows = None
     if cfg.vocab_size > settings.max_train_vocab:  # a large vocabulary: most rows never occur as labels
         rows = torch.unique(torch.cat(labels))
         remap = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
@@ -192,4 +194,7 @@ def train_head(cfg: ModelConfig, target: FrozenTarget, tokens: list[list[int]], 
         sched.step()
         if progress is not None:
             progress(step, float(loss.detach()), acc)
-    return {k: v.detach() for k, v in module.state_dict().items()}
+    out = {k: v.detach() for k, v in module.state_dict().items()}
+    if rows is not None:  # the head was trained to choose among these: the proposer's draft vocabulary
+        out[DRAFT_VOCAB] = rows.to(torch.int32)
+    return out

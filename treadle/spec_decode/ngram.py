@@ -1,23 +1,28 @@
 """The n-gram proposer (prompt lookup): match the last n tokens of a request (n from
 ``prompt_lookup_max`` down to ``prompt_lookup_min``) against its earlier prompt and output
-tokens, and propose the K tokens that followed the latest match."""
+tokens, and propose the tokens that followed the latest match: up to K, as many as the
+request's recent verifies say are worth a verify row (``DraftLength``)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from treadle.spec_decode.proposer import Proposer, ProposerStep
+from treadle.spec_decode.proposer import DraftLength, Proposer, ProposerStep
 
 
 class NgramProposer(Proposer):
     def __init__(self, num_speculative_tokens: int, lookup_min: int, lookup_max: int) -> None:
         super().__init__(num_speculative_tokens)
         self.lookup_min, self.lookup_max = lookup_min, lookup_max
+        self.length = DraftLength(num_speculative_tokens)
 
     def propose(self, step: ProposerStep) -> dict[str, list[int]]:
-        return {r.request_id: self.lookup(r.token_ids) for r in step.requests if r.wants_drafts}
+        return {r.request_id: self.lookup(r.token_ids, self.length.of(r)) for r in step.requests if r.wants_drafts}
+
+    def finish(self, request_ids: Iterable[str]) -> None:
+        self.length.forget(request_ids)
 
     def lookup(self, tokens: Sequence[int], max_drafts: int | None = None) -> list[int]:
         """Up to ``min(K, max_drafts)`` draft tokens continuing ``tokens`` (prompt + output);

@@ -45,6 +45,8 @@ class RequestProgress:
     flat_start: int  # their rows in the step's flat batch: [flat_start, flat_start + num_verified)
     wants_drafts: bool  # got new tokens this step and may speculate next step
     num_slots: int  # positions with an allocated KV slot: drafting writes only below it
+    num_drafts: int = 0  # drafts verified this step (0: a plain decode or a prompt chunk)
+    num_accepted: int = 0  # of them accepted
 
 
 @dataclass
@@ -57,6 +59,10 @@ class ProposerStep:
 
 class Proposer(ABC):
     """Drafts K tokens per request. Built once per worker (``spec_decode.build_proposer``)."""
+
+    # True: the proposer keeps state (draft KV) over every verified position, so it sees every
+    # step; False: the runner skips ``propose`` on steps where no request wants drafts.
+    owns_kv: bool = False
 
     def __init__(self, num_speculative_tokens: int) -> None:
         self.k = num_speculative_tokens
@@ -76,3 +82,27 @@ class Proposer(ABC):
     def finish(self, request_ids: Iterable[str]) -> None:  # noqa: B027 - optional hook
         """The requests finished or were aborted: drop any per-request state (KV needs nothing:
         their blocks go back to the pool with the target's)."""
+
+
+class DraftLength:
+    """Per request, how many drafts to propose next (1..K), from its last verify: after all d
+    drafts were accepted, 2d (at most K); after a rejection at position a + 1, a + 1 (the
+    drafts past the first rejection were rows the target computed for nothing). A verify row
+    costs a sizeable part of a plain step on a compute-bound CPU, so long chains pay only while
+    they are accepted (grounded text: long runs copied from the prompt, short ones after edits)."""
+
+    def __init__(self, k: int, start: int = 4) -> None:
+        self.k, self.start = k, min(k, start)
+        self._next: dict[str, int] = {}
+
+    def of(self, r: RequestProgress) -> int:
+        """The draft count for ``r``'s next step, updated by this step's verify (if any)."""
+        n = self._next.get(r.request_id, self.start)
+        if r.num_drafts:
+            n = min(self.k, 2 * r.num_drafts) if r.num_accepted == r.num_drafts else r.num_accepted + 1
+            self._next[r.request_id] = n
+        return n
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._next.pop(rid, None)

@@ -230,7 +230,8 @@ class ModelRunner:
                     result.logprobs[rid] = [lp]
         if batch.verify_rows and hidden is not None:  # speculation runs on one rank (resolver)
             self._verify(hidden, batch.verify_rows, result)
-        if self.proposer is not None and hidden is not None:
+        if self.proposer is not None and hidden is not None and (
+                self.proposer.owns_kv or any(s.propose for s in sched.scheduled)):
             result.draft_token_ids = self.proposer.propose(self._proposer_step(sched, hidden, result))
         return result
 
@@ -243,8 +244,10 @@ class ModelRunner:
             verified = n if sampled is None else n - len(s.draft_token_ids) + len(sampled) - 1
             # a constrained request gets no drafts: it decodes one masked token per step
             wants = sampled is not None and s.propose and (self.grammars is None or not self.grammars.constrains(rid))
+            drafts = len(s.draft_token_ids) if sampled is not None else 0
             progress.append(RequestProgress(rid, state.all_token_ids, s.block_ids, s.num_computed_tokens, verified,
-                                            cursor, wants, len(s.block_ids) * self.block_size))
+                                            cursor, wants, len(s.block_ids) * self.block_size, drafts,
+                                            len(sampled) - 1 if drafts and sampled else 0))
             cursor += n
         return ProposerStep(progress, hidden)
 

@@ -10,8 +10,8 @@ from treadle.layers.attention.kv_quant import cache_dtype
 from treadle.loaders import load_model
 from treadle.models.llama import KVCache, LlamaForCausalLM
 from treadle.spec_decode.draft_model import DraftModelProposer, LayerSkipDraft
-from treadle.spec_decode.head_format import HEAD_METHODS, eagle_layer_config, load_head
-from treadle.spec_decode.head_proposers import EagleProposer, MedusaProposer
+from treadle.spec_decode.head_format import DRAFT_VOCAB, HEAD_METHODS, eagle_layer_config, load_head
+from treadle.spec_decode.head_proposers import DraftVocab, EagleProposer, MedusaProposer
 from treadle.spec_decode.heads import EagleLayer, MedusaHeads
 from treadle.spec_decode.ngram import NgramProposer
 from treadle.spec_decode.proposer import Proposer
@@ -50,11 +50,12 @@ def _head_proposer(spec: SpeculativeConfig, target: LlamaForCausalLM, cache: Cac
     assert spec.model is not None
     config, tensors = load_head(spec.model, target.config, spec.method)
     k = spec.num_speculative_tokens
+    vocab = DraftVocab(target, tensors.pop(DRAFT_VOCAB, None))
     if config.layer is None:  # medusa
         heads = MedusaHeads(target.config.hidden_size, config.num_speculative_tokens)
         heads.load_state_dict(tensors)
-        return MedusaProposer(k, heads.to(device).eval(), target)
+        return MedusaProposer(k, heads.to(device).eval(), target, vocab)
     layer = EagleLayer(target, config.layer, tensors)
     kv = allocate_kv_cache(eagle_layer_config(target.config, config.layer), cache.num_blocks, cache.block_size,
                            cache_dtype(cache.kv_cache_dtype), device)
-    return EagleProposer(k, layer, kv[0], cache.block_size, target.config.max_position_embeddings, device)
+    return EagleProposer(k, layer, kv[0], cache.block_size, target.config.max_position_embeddings, device, vocab)

@@ -56,7 +56,7 @@ from treadle.layers.attention.backend import AttentionBackend, AttentionSpec
 from treadle.layers.attention.kv_quant import dequantize, is_quantized, quantize, read_cache, write_quantized
 from treadle.layers.attention.metadata import AttentionMetadata, DecodeKernelArgs, StepPlan
 
-DECODE_ROWS_MAX = 8  # queries this short run as decode rows (speculative verifies)
+DECODE_ROWS_MAX = 16  # queries this short run as decode rows (speculative verifies)
 _SPLIT_MIN_TOKENS = 256  # decode contexts up to this long are not split
 _WORK_PER_THREAD = 4  # split so that (seqs x KV heads x chunks) >= this many per thread
 
