@@ -345,6 +345,18 @@ def test_verify_rows_mixed_with_prompt_chunks_and_decodes(backend_cls: type) -> 
                                atol=2e-5, rtol=1e-4)
 
 
+
+def test_fallback_switches_off_a_request_that_accepts_nothing_even_when_timing_is_noise() -> None:
+    """On a busy machine a verify step can be measured faster than a plain one; a request that
+    accepts nothing must still stop (the cost ratio is at least MIN_COST_RATIO)."""
+    c = FallbackController(enabled=True, probe_every=4)
+    c.speculate_batch(1)
+    c.observe_step(1, True, 1, 0.08)  # noise: the verify step looked cheaper than the plain one
+    c.observe_step(1, False, 1, 0.10)
+    for _ in range(12):  # the acceptance EMA starts optimistic (1.0) and must fall below 0.1
+        c.observe_verify("r", 1, 0)
+    assert c.stats.num_request_fallbacks >= 1 and not c.speculate_request("r")
+
 def test_fallback_predicts_a_large_batch_from_the_step_cost_model() -> None:
     """Steps cost 10 ms + 2 ms per row; drafts of 4 with 1 accepted per verify pay at batch 1
     (2 tokens in 20 ms vs 1 in 12) but not at 32 (64 tokens in 330 ms vs 32 in 74): the

@@ -17,7 +17,8 @@ measured throughput, per batch size bucket (powers of two):
                when that model predicts it pays or cannot predict yet
 
 and per request: a request whose accepted drafts per verify (EMA) is below what a verify
-costs over a plain decode at its bucket (``cost ratio - 1``) stops speculating for
+costs over a plain decode at its bucket (``cost ratio - 1``, the ratio at least
+``MIN_COST_RATIO``) stops speculating for
 ``probe_every`` steps, then probes again. Every step is timed for the step-cost model, steps
 carrying prompt chunks too (their prompt rows are a separate term, so the model is fitted during
 the prompt phase, before the first decode-only step); only decode-only steps give a bucket its
@@ -31,6 +32,9 @@ from treadle.spec_decode.metrics import SpecDecodeStats
 
 EMA = 0.2  # weight of a new measurement
 DEFAULT_COST_RATIO = 1.1  # verify / plain step time before both are measured
+# a verify step runs more rows than the plain step plus the proposer: a measured ratio below
+# this is timing noise on a busy machine, and must not keep a request that accepts nothing on
+MIN_COST_RATIO = 1.1
 
 
 def bucket_of(batch_size: int) -> int:
@@ -224,7 +228,7 @@ class FallbackController:
             return
         st = self._requests.setdefault(request_id, _RequestState())
         st.accepted = _ema(st.accepted, num_accepted)
-        ratio = self._cost_ratio(batch_size)
+        ratio = max(self._cost_ratio(batch_size), MIN_COST_RATIO)
         if st.accepted < ratio - 1.0:
             st.off_until = self._step + self.probe_every
             self.stats.num_request_fallbacks += 1
