@@ -12,6 +12,14 @@ rank has its heads.
 
     python benchmarks/kv_transfer.py --tokens 512 2048 --requests 8 --rounds 3
     python benchmarks/kv_transfer.py --shape llama3-8b-bf16 --tokens 512 --tp 2 1
+
+With ``--model``, the handover of real requests instead: a producer engine (its own process, one
+thread) computes each prompt (max_tokens 1, do_remote_decode); two consumer engines in this
+process (one thread), layer-wise start on and off, take turns receiving a request with the
+producer's kv_transfer_params. The figure is the time from the consumer's ``add_request`` to its
+first output token (pull + the last prompt token's step), medians per prompt length.
+
+    python benchmarks/kv_transfer.py --model smollm2-135m-instruct --tokens 256 1024 --requests 4
 """
 from __future__ import annotations
 
@@ -92,6 +100,93 @@ def pull_all(cfg: KVTransferConfig, shape: Any, tokens: int, num_reqs: int, tp: 
         proc.join(10)
 
 
+ENGINE_KW: dict[str, Any] = dict(max_model_len=2048, num_kv_blocks=512, block_size=16, max_num_batched_tokens=2048)
+
+
+def producer_engine(model: str, port: int, conn: Any) -> None:
+    """Compute each prompt sent down ``conn`` and answer its kv_transfer_params; meanwhile
+    keep stepping while blocks are held (as an engine-core process does), so pulls are served."""
+    from treadle.engine.llm_engine import LLMEngine
+    from treadle.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)
+    kv = {"kv_connector": "tcp", "kv_role": "kv_producer", "kv_port": port, "producer_block_timeout_s": 600}
+    engine = LLMEngine.from_args(model, kv_transfer_config=kv, **ENGINE_KW)
+    conn.send("ready")
+    n = 0
+    while True:
+        if conn.poll(0.002):
+            ids = conn.recv()
+            if ids is None:
+                break
+            n += 1
+            params = SamplingParams(max_tokens=1, temperature=0, kv_transfer_params={"do_remote_decode": True})
+            engine.add_request(f"p{n}", {"prompt_token_ids": ids}, params)
+            final = None
+            while final is None:
+                final = next((o for o in engine.step() if o.finished), None)
+            conn.send(final.kv_transfer_params)
+        elif engine.scheduler.has_pending_transfers():
+            engine.step()
+    engine.shutdown()
+
+
+def first_token_s(engine: Any, rid: str, ids: list[int], params: dict[str, Any]) -> float:
+    """Seconds from add_request to the first output token; then the request is run out."""
+    from treadle.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    engine.add_request(rid, {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, temperature=0,
+                                                                      kv_transfer_params=params))
+    took = None
+    while took is None:
+        if any(o.outputs[0].token_ids for o in engine.step()):
+            took = time.perf_counter() - start
+    deadline = time.monotonic() + 30
+    while (engine.has_unfinished_requests() or engine.scheduler.has_pending_transfers()) and \
+            time.monotonic() < deadline:
+        engine.step()
+    assert engine.scheduler.stats()["num_recomputes"] == 0, "a transfer failed: the figure would be a recompute"
+    return took
+
+
+def handover(model: str, token_counts: list[int], reps: int) -> None:
+    from treadle.engine.llm_engine import LLMEngine
+
+    torch.set_num_threads(1)
+    port = 47900
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=producer_engine, args=(model, port, child), daemon=True)
+    proc.start()
+    consumers = {on: LLMEngine.from_args(model, kv_transfer_config={"kv_connector": "tcp", "kv_role": "kv_consumer",
+                                                                     "layerwise_start": on}, **ENGINE_KW)
+                 for on in (True, False)}
+    gen = torch.Generator().manual_seed(0)
+    vocab = consumers[True].config.model.vocab_size
+    try:
+        assert parent.poll(600), "the producer did not start"
+        parent.recv()
+        print(f"model {model}; {reps} requests per row and mode; medians")
+        print("| tokens | layer-wise off: handover p50 (ms) | layer-wise on: handover p50 (ms) | on / off |")
+        print("|---:|---:|---:|---:|")
+        for tokens in token_counts:
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for r in range(reps):
+                for on in ((True, False) if r % 2 else (False, True)):  # alternate which goes first
+                    ids = torch.randint(3, vocab, (tokens,), generator=gen).tolist()
+                    parent.send(ids)
+                    assert parent.poll(300), "the producer did not answer (see its traceback above)"
+                    times[on].append(first_token_s(consumers[on], f"{tokens}-{r}-{on}", ids, parent.recv()))
+            off, on_ = statistics.median(times[False]), statistics.median(times[True])
+            print(f"| {tokens} | {off * 1e3:.1f} | {on_ * 1e3:.1f} | {on_ / off:.2f} |")
+    finally:
+        parent.send(None)
+        proc.join(30)
+        for engine in consumers.values():
+            engine.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=SHAPES, default="smollm2-135m")
@@ -100,7 +195,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tp", type=int, nargs=2, default=[1, 1], metavar=("PRODUCER", "CONSUMER"),
                     help="tensor-parallel sizes of the producer and the consumer")
+    ap.add_argument("--model", default=None, help="handover of real requests, layer-wise start on vs off")
     args = ap.parse_args()
+    if args.model:
+        handover(args.model, args.tokens, args.requests)
+        return
     shape = SHAPES[args.shape]
     layers, heads, dim, dtype = shape
     bytes_per_token = 2 * layers * heads * dim * torch.empty(0, dtype=dtype).element_size()
@@ -114,7 +213,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name in results:
                 port += args.tp[0]
-                cfg = KVTransferConfig(name, "kv_producer", "127.0.0.1", port, "bench", 30.0, 600.0)
+                cfg = KVTransferConfig(name, "kv_producer", "127.0.0.1", port, "bench", 30.0, 600.0, False)
                 results[name] += pull_all(cfg, shape, tokens, args.requests, tuple(args.tp))  # type: ignore[arg-type]
         mb = -(-tokens // BLOCK) * BLOCK * bytes_per_token / 1e6
         for name, times in results.items():

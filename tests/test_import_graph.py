@@ -33,6 +33,7 @@ LAYERS: dict[str, float] = {
     "treadle.worker.sampler": 5.4,  # the sampler (the verifier reuses its processing)
     "treadle.spec_decode": 5.6,  # proposers and the verifier (rejection sampler), used by the runner
     "treadle.kv_transfer.metadata": 1.6,  # the KV connector's plain data (on SchedulerOutput / ModelRunnerOutput)
+    "treadle.kv_transfer.release": 1.6,  # the release message (torch-free: the router sends it too)
     "treadle.kv_transfer.scheduler": 2.5,  # the connector's scheduler side: a Scheduler with remote-KV hooks
     "treadle.kv_transfer": 5.8,  # the connector's worker side and the tcp / shm connectors
     "treadle.worker": 6,  # model runner, fused-layer planner, CUDA graphs
@@ -48,6 +49,7 @@ LAYERS: dict[str, float] = {
 }
 TORCH_FREE = ("treadle.core", "treadle.config", "treadle.sampling_params", "treadle.spec_decode.fallback",
               "treadle.spec_decode.metrics", "treadle.kv_transfer.metadata", "treadle.kv_transfer.scheduler",
+              "treadle.kv_transfer.release",
               "treadle.router")
 
 

@@ -107,7 +107,7 @@ def test_a_load_fails_everywhere_once_every_rank_ended_it() -> None:
 # -- the data path between connectors of different TP sizes -----------------------------------------
 def connectors(role: str, connector: str, port: int, k: int, tp: int, caches: list) -> list[KVConnectorWorker]:
     cfg = KVTransferConfig(connector, role, "127.0.0.1", port, "e", transfer_timeout_s=10.0,
-                           producer_block_timeout_s=30.0)
+                           producer_block_timeout_s=30.0, layerwise_start=False)
     return [create_connector(cfg, caches[r], RankPlacement(k, tp, r)) for r in range(tp)]
 
 
@@ -120,8 +120,8 @@ def shard(full: list, k: int, tp: int, rank: int) -> list:
 def reports(conn: KVConnectorWorker, deadline: float) -> KVConnectorOutput:
     while time.monotonic() < deadline:
         out = conn.get_finished(0.05)
-        if out is not None:
-            return out
+        if out is not None and (out.finished_loading or out.failed_loading or out.finished_sending):
+            return out  # (a load's "started" report comes first)
     raise AssertionError("no transfer report in time")
 
 
@@ -286,7 +286,10 @@ def corrupting_relay(front_port: int, back: str, stop: threading.Event, corrupt_
         while not stop.is_set():
             for sock, _ in poller.poll(20):
                 if sock is front:
-                    identity, frame = front.recv_multipart()
+                    msg = front.recv_multipart()
+                    if len(msg) != 2:  # the consumer's release after the failed pull: not relayed
+                        continue
+                    identity, frame = msg
                     dealer = ctx.socket(zmq.DEALER)
                     dealer.setsockopt(zmq.LINGER, 0)
                     dealer.connect(back)

@@ -3,7 +3,9 @@ thread each), driven directly (no router): a producer (kv_producer) and a consum
 (kv_consumer) give the greedy output of a colocated instance through the openai client,
 streaming and not, for both connectors; a failed or slow transfer is recomputed (counted);
 unpulled producer blocks are freed after the timeout; a client that leaves while its KV is
-being pulled frees the consumer's blocks; GET /load reports each instance's role."""
+being pulled frees the consumer's blocks; a client that leaves between prefill and decode, or a
+decode step that never starts behind the router, frees the producer's blocks at once (its
+timeout set far beyond the test); GET /load reports each instance's role."""
 from __future__ import annotations
 
 import contextlib
@@ -17,10 +19,13 @@ import httpx
 import openai
 import pytest
 import zmq
+from router_harness import router, running
 from server_harness import (
     ENGINE_KW,
     MODEL_NAME,
+    HookedEngineFactory,
     ServerThread,
+    StepControl,
     engine_idle,
     metric_values,
     stories_with_chat_template,
@@ -35,17 +40,22 @@ PROMPT = "Once upon a time there was a little girl named Lily. She loved to play
 PRODUCER_TIMEOUT_S = 5.0  # long enough for a pull on a busy 2-core machine
 
 
-def start(model_dir: Path, kv: dict[str, Any] | None) -> EngineCoreClient:
-    """An engine-core process (one torch thread) for ``model_dir``."""
-    kw = {**ENGINE_KW, "kv_transfer_config": kv}
-    return EngineCoreClient(str(model_dir), functools.partial(LLMEngine.from_args, str(model_dir), **kw), threads=1)
+def start(model_dir: Path, kv: dict[str, Any] | None, control: StepControl | None = None,
+          **engine_kw: Any) -> EngineCoreClient:
+    """An engine-core process (one torch thread) for ``model_dir``; ``control``: its steps can be slowed."""
+    kw = {**ENGINE_KW, "kv_transfer_config": kv, **engine_kw}
+    factory = LLMEngine.from_args if control is None else HookedEngineFactory(control)
+    return EngineCoreClient(str(model_dir), functools.partial(factory, str(model_dir), **kw), threads=1)
 
 
 @contextlib.contextmanager
-def instances(model_dir: Path, *kvs: dict[str, Any] | None) -> Iterator[list[str]]:
-    """Servers (uvicorn thread + engine-core process each), started side by side; yields URLs."""
+def instances(model_dir: Path, *kvs: dict[str, Any] | None,
+              options: list[dict[str, Any]] | None = None) -> Iterator[list[str]]:
+    """Servers (uvicorn thread + engine-core process each), started side by side; yields URLs.
+    ``options``: per server, more keyword arguments of ``start``."""
+    opts = options or [{} for _ in kvs]
     with ThreadPoolExecutor(len(kvs)) as pool:
-        futures = [pool.submit(start, model_dir, kv) for kv in kvs]
+        futures = [pool.submit(start, model_dir, kv, **opt) for kv, opt in zip(kvs, opts, strict=True)]
     llms = [f.result() for f in futures if f.exception() is None]
     try:
         if len(llms) < len(kvs):
@@ -175,3 +185,56 @@ def test_load_endpoint(pd: tuple[str, str, str]) -> None:
         load = httpx.get(f"{url}/load", timeout=10).json()
         assert set(load) == {"waiting_prompt_tokens", "running", "waiting", "kv_usage", "role"}
         assert load["role"] == role and load["running"] == 0 and load["waiting_prompt_tokens"] == 0
+
+
+# -- a client that leaves between prefill and decode ------------------------------------------------
+LONG_TIMEOUT_S = 600.0  # the producer's own timeout never fires during these tests
+CONSUMER_MAX_LEN = 128  # smaller than the producer's: a long max_tokens is a 400 at the decode step only
+
+
+@pytest.fixture(scope="module")
+def held(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str, StepControl]]:
+    """(producer, consumer, router URL, the producer's step control): tcp, the producer holding
+    blocks for LONG_TIMEOUT_S, a `treadle router` subprocess in front of both."""
+    control = StepControl()
+    kvs = ({"kv_connector": "tcp", "kv_role": "kv_producer", "producer_block_timeout_s": LONG_TIMEOUT_S},
+           {"kv_connector": "tcp", "kv_role": "kv_consumer", "transfer_timeout_s": 60.0})
+    with instances(model_dir, *kvs, options=[{"control": control}, {"max_model_len": CONSUMER_MAX_LEN}]) as urls:
+        front = router(tmp_path_factory.mktemp("router"), "router", "--prefill", urls[0], "--decode", urls[1],
+                       "--poll-interval", "0.2")
+        with running(front):
+            yield urls[0], urls[1], front.url, control
+
+
+def test_client_leaving_between_prefill_and_decode_frees_the_producer_at_once(held) -> None:
+    """The consumer's pull waits for the producer (its steps slowed, the KV is not servable
+    yet) when the client leaves: the consumer cancels the pull and releases the producer's KV."""
+    producer, consumer, _, control = held
+    released, pulled = counter(producer, "released"), counter(producer, "pulled")
+    control.set_step_delay(1.0)  # each producer step starts 1 s late: the KV is servable 1 s after the answer
+    try:
+        params = prefill(producer)
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "kv_transfer_params": params}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{consumer}/v1/completions", json=body, timeout=0.3)
+        wait_until(lambda: engine_idle(producer), 20, "the producer's blocks freed (its timeout is 600 s)")
+    finally:
+        control.set_step_delay(0.0)
+    assert counter(producer, "released") == released + 1 and counter(producer, "pulled") == pulled
+    assert metric_values(producer)["treadle:kv_transfer_held_requests"] == 0
+    wait_until(lambda: engine_idle(consumer), 10, "consumer idle, every block free")
+
+
+def test_router_releases_the_producer_when_no_decode_step_starts(held) -> None:
+    """The decode instance refuses the request (max_tokens past its max_model_len) after the
+    producer computed the prompt: the router tells the producer to free it."""
+    producer, consumer, front, _ = held
+    released = counter(producer, "released")
+    with pytest.raises(openai.BadRequestError):
+        client(front).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=CONSUMER_MAX_LEN, temperature=0)
+    wait_until(lambda: engine_idle(producer), 20, "the producer's blocks freed (its timeout is 600 s)")
+    assert counter(producer, "released") == released + 1
+    assert metric_values(front).get("treadle:router_kv_releases_total") == 1
+    # a request both can take still goes through, and its KV is pulled
+    assert complete(front, max_tokens=8) == complete(consumer, max_tokens=8)
+    wait_until(lambda: engine_idle(producer) and engine_idle(consumer), 20, "both sides idle")

@@ -213,6 +213,9 @@ class KVTransferConfig:
     engine_id: str
     transfer_timeout_s: float  # consumer: a pull slower than this fails (the prompt is recomputed)
     producer_block_timeout_s: float  # producer: blocks nobody pulled are freed after this
+    # consumer: a request runs in the step its load starts, each layer waiting for its KV to land
+    # (False: it runs once its whole load is in)
+    layerwise_start: bool
 
     @property
     def is_producer(self) -> bool:

@@ -204,6 +204,9 @@ class Scheduler:
             if remote is not None:
                 if not remote:
                     break
+                if req.status is RequestStatus.RUNNING:  # layer-wise start: runs now, its KV arriving
+                    scheduled[req.request_id] = n = min(req.num_tokens - req.num_computed_tokens, budget)
+                    budget -= n
                 continue
             cached = self.kv.match_prefix(req)
             remaining = req.num_tokens - len(cached) * self.kv.block_size
@@ -328,7 +331,8 @@ class Scheduler:
     # -- hooks of a KV connector (kv_transfer/scheduler.py); without one, plain local compute ----
     def _start_remote_load(self, req: Request) -> bool | None:
         """None: ``req`` (at the head of the queue) computes its prompt here; True: it was taken
-        off the queue to wait for remote KV; False: it must wait (no blocks yet)."""
+        off the queue to wait for remote KV (or, RUNNING, to run in this step while its KV
+        arrives layer by layer); False: it must wait (no blocks yet)."""
         return None
 
     def _connector_metadata(self) -> KVConnectorMetadata | None:

@@ -69,7 +69,7 @@ class EngineArgs:
     kv_transfer_config: dict[str, Any] | str | None = _arg(
         None, 'prefill/decode disaggregation as JSON, e.g. \'{"kv_connector": "tcp", "kv_role": "kv_producer"}\' '
               '(keys: kv_connector tcp|shm, kv_role kv_producer|kv_consumer|kv_both, kv_ip, kv_port, '
-              'transfer_timeout_s, producer_block_timeout_s)', type=str)
+              'transfer_timeout_s, producer_block_timeout_s, layerwise_start)', type=str)
     skip_tokenizer_init: bool = _arg(False, "load no tokenizer: prompts are token ids and outputs carry token "
                                             "ids only (no text, stop strings, chat or structured output)")
 
@@ -84,7 +84,7 @@ SPECULATIVE_DEFAULTS: dict[str, Any] = {
 # the keys of ``kv_transfer_config`` and their defaults (kv_port 0: a free port is picked)
 KV_TRANSFER_DEFAULTS: dict[str, Any] = {
     "kv_connector": "tcp", "kv_role": None, "kv_ip": "127.0.0.1", "kv_port": 0, "engine_id": None,
-    "transfer_timeout_s": 10.0, "producer_block_timeout_s": 60.0,
+    "transfer_timeout_s": 10.0, "producer_block_timeout_s": 60.0, "layerwise_start": True,
 }
 
 

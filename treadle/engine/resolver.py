@@ -206,10 +206,13 @@ def resolve_kv_transfer(raw: dict[str, Any] | str | None) -> KVTransferConfig | 
     for key in ("transfer_timeout_s", "producer_block_timeout_s"):
         if not isinstance(kv[key], (int, float)) or isinstance(kv[key], bool) or not kv[key] > 0:
             raise TreadleError(f"kv_transfer_config {key} must be a positive number of seconds")
+    if not isinstance(kv["layerwise_start"], bool):
+        raise TreadleError("kv_transfer_config layerwise_start must be true or false")
     return KVTransferConfig(connector=kv["kv_connector"], role=kv["kv_role"], ip=str(kv["kv_ip"]), port=port,
                             engine_id=str(kv["engine_id"] or ""),
                             transfer_timeout_s=float(kv["transfer_timeout_s"]),
-                            producer_block_timeout_s=float(kv["producer_block_timeout_s"]))
+                            producer_block_timeout_s=float(kv["producer_block_timeout_s"]),
+                            layerwise_start=kv["layerwise_start"])
 
 
 def _check_ranges(args: EngineArgs) -> None:

@@ -64,8 +64,10 @@ class Worker:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if self.kv_connector is None:
             return self.runner.execute(sched)
-        self.kv_connector.start_step(sched.kv_connector_metadata)
-        out = self.runner.execute(sched)
+        meta = sched.kv_connector_metadata
+        self.kv_connector.start_step(meta)
+        # layer-wise start: some KV of this step is still arriving; the model waits for each layer
+        out = self.runner.execute(sched, self.kv_connector.wait_for_layer_load if meta and meta.streaming else None)
         # an empty step (only transfers pending) waits a little for one to end instead of spinning
         out.kv_connector_output = self.kv_connector.get_finished(IDLE_TRANSFER_WAIT_S if sched.is_empty else 0.0)
         return out

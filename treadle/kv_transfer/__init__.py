@@ -13,9 +13,10 @@ The contract is split as the engine is (guide principle 10):
   prompt tokens are available remotely, the blocks to allocate for them, the per-step
   ``KVConnectorMetadata`` (``metadata.py``: loads, saves, releases) sent to the workers on the
   ``SchedulerOutput``, and the producer's blocks on finish/abort (held until pulled or
-  ``producer_block_timeout_s``; an aborted request's are freed at once);
-- worker side (``worker.py``, ``KVConnectorWorker``): start loading, wait for a layer, save a
-  layer, finished transfers and failed ones (reported per request in ``KVConnectorOutput`` on
+  ``producer_block_timeout_s``, or released at once by a consumer or the router that will not
+  pull them, ``release.py``; an aborted request's are freed at once);
+- worker side (``worker.py``, ``KVConnectorWorker``): start loading, wait for a layer (layer-wise
+  start: the model waits per layer, ``progress.py``), save a layer, finished transfers and failed ones (reported per request in ``KVConnectorOutput`` on
   the ``ModelRunnerOutput``; the scheduler recomputes those prompts).
 
 Tensor parallelism (any sizes on either side): every rank runs the worker side over the KV heads

@@ -11,7 +11,9 @@ it is done with it (``tcp.py``), perhaps in different steps::
 
 A load is finished once every rank finished it, and failed (first reason kept) once every rank
 ended it and any failed: only then is no rank still writing its blocks, so the scheduler may
-recompute into them. Held blocks count as sent once every rank stopped reading them.
+recompute into them; it has started (layer-wise start) once every rank reported it started.
+Held blocks count as sent once every rank stopped reading them, and as released (not pulled)
+if any rank stopped because of a release message.
 """
 from __future__ import annotations
 
@@ -22,14 +24,16 @@ class KVOutputAggregator:
     def __init__(self, num_ranks: int) -> None:
         self.num_ranks = num_ranks
         self._loads: dict[str, tuple[int, str | None]] = {}  # request -> (ranks ended, first failure)
-        self._sends: dict[str, int] = {}  # request -> ranks that stopped serving it
+        self._sends: dict[str, tuple[int, bool]] = {}  # request -> (ranks that stopped serving it, any released)
+        self._starts: dict[str, int] = {}  # request -> ranks whose pull started
         self._merged = KVConnectorOutput()  # complete, not yet handed out
 
     def merge(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput | None:
         """One step's reports of every rank -> the instance's (None when nothing ended)."""
         self.add(outputs)
         merged, self._merged = self._merged, KVConnectorOutput()
-        ended = merged.finished_loading or merged.failed_loading or merged.finished_sending
+        ended = (merged.finished_loading or merged.failed_loading or merged.finished_sending
+                 or merged.released_unpulled or merged.started_loading)
         return merged if ended or merged.num_bytes_received else None
 
     def add(self, outputs: list[KVConnectorOutput | None]) -> None:
@@ -40,18 +44,25 @@ class KVOutputAggregator:
             if out is None:
                 continue
             merged.num_bytes_received += out.num_bytes_received
+            for rid in out.started_loading:
+                self._starts[rid] = self._starts.get(rid, 0) + 1
+                if self._starts[rid] == self.num_ranks:
+                    del self._starts[rid]
+                    merged.started_loading.append(rid)
             for rid in out.finished_loading:
                 self._end_load(merged, rid, None)
             for rid, why in out.failed_loading.items():
                 self._end_load(merged, rid, why)
-            for rid in out.finished_sending:
-                count = self._sends.pop(rid, 0) + 1
-                if count == self.num_ranks:
-                    merged.finished_sending.append(rid)
+            for rid, released in [(r, False) for r in out.finished_sending] + [(r, True) for r in out.released_unpulled]:
+                count, any_released = self._sends.pop(rid, (0, False))
+                count, any_released = count + 1, any_released or released
+                if count < self.num_ranks:
+                    self._sends[rid] = (count, any_released)
                 else:
-                    self._sends[rid] = count
+                    (merged.released_unpulled if any_released else merged.finished_sending).append(rid)
 
     def _end_load(self, merged: KVConnectorOutput, rid: str, why: str | None) -> None:
+        self._starts.pop(rid, None)  # a rank that failed before starting never reports it
         count, failure = self._loads.pop(rid, (0, None))
         count, failure = count + 1, failure or why
         if count < self.num_ranks:

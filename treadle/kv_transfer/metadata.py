@@ -24,25 +24,45 @@ class LoadSpec:
 
 
 @dataclass
+class RemoteRelease:
+    """Consumer: ``request_id`` will not use (or stopped using) the KV the producer at
+    ``remote_host:remote_port`` holds for ``remote_request_id`` (aborted before its pull
+    finished, or its load failed): the producer may free it now, and a pull of ``request_id``
+    still in flight here is cancelled."""
+
+    request_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int = 1  # the producer's ranks serve on remote_port + r: each gets the release
+
+
+@dataclass
 class KVConnectorMetadata:
     """Scheduler side -> worker side, once per step, before the step runs."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: dict[str, list[int]] = field(default_factory=dict)  # producer: request id -> held block ids
     releases: list[str] = field(default_factory=list)  # producer: stop serving these (blocks freed after)
+    remote_releases: list[RemoteRelease] = field(default_factory=list)  # consumer: tell producers to free
+    # consumer, layer-wise start: requests of this step whose loads are still landing; the model waits
+    # for each layer of their KV before running that layer (``KVConnectorWorker.wait_for_layer_load``)
+    streaming: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.releases)
+        return not (self.loads or self.saves or self.releases or self.remote_releases or self.streaming)
 
 
 @dataclass
 class KVConnectorOutput:
     """Worker side -> scheduler side, after each step: transfers that ended since the last one."""
 
+    started_loading: list[str] = field(default_factory=list)  # the producer answered; layers are on the wire
     finished_loading: list[str] = field(default_factory=list)
     failed_loading: dict[str, str] = field(default_factory=dict)  # request id -> why (its blocks are recomputed)
-    finished_sending: list[str] = field(default_factory=list)  # producer: pulled (or released); the blocks may be freed
+    finished_sending: list[str] = field(default_factory=list)  # producer: pulled (or released here); the blocks may be freed
+    released_unpulled: list[str] = field(default_factory=list)  # producer: a consumer / router let go; free
     num_bytes_received: int = 0
 
 

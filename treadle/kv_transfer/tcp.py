@@ -9,12 +9,18 @@ the lock that ``start_step``'s releases take, each layer's blocks (the asked sli
 rank's heads) out and sends them. Once every consumer rank that pulls from this rank
 (``heads.py``) has pulled, the request leaves the servable table and is reported sent (its
 blocks may be freed: the frames are copies); a request released before that is reported too,
-so every rank reports every held request once (the executor merges the ranks' reports).
+so every rank reports every held request once (the executor merges the ranks' reports). A
+release message (``release.py``, from a consumer or the router, sent to every rank) stops
+serving its requests and reports them ``released_unpulled``; one that comes before the
+request's save drops the save when it comes.
 
 Consumer: each LoadSpec is pulled on a small thread pool: one DEALER socket per producer rank
 this rank pulls from (``heads.py``), all asked at once, layer i read from each before layer
 i + 1, one deadline (``transfer_timeout_s``) for the whole transfer; every frame's length and
-checksum and the header's layout are checked before the layer is written.
+checksum and the header's layout are checked before the layer is written. Once every producer
+rank answered, the load is reported ``started``; each layer, once written from every rank, is
+marked landed (``progress.py``: layer-wise start waits on it). A pull whose request is aborted
+meanwhile (``remote_releases``) stops at its next wait, and the producer is sent a release.
 """
 from __future__ import annotations
 
@@ -34,6 +40,8 @@ import zmq
 from treadle.config import KVTransferConfig
 from treadle.kv_transfer.heads import HeadSlice, RankPlacement, check_tp_size, num_pullers, pull_plan
 from treadle.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, LoadSpec
+from treadle.kv_transfer.progress import LoadProgress
+from treadle.kv_transfer.release import decode_release, send_release
 from treadle.kv_transfer.wire import (
     KVLayout,
     LayerHeader,
@@ -61,6 +69,8 @@ class TcpConnector(KVConnectorWorker):
         self._servable: dict[str, list[int]] = {}
         self._pulled: dict[str, set[int]] = {}  # servable request -> consumer ranks that pulled it
         self._released: deque[str] = deque(maxlen=4096)
+        self._pulls = LoadProgress()  # consumer: pulls in flight, their landed layers and cancel flags
+        self._streaming: list[str] = []  # consumer: this step's requests whose KV may still be arriving
         self._ended: queue.SimpleQueue[tuple[str, str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -79,19 +89,39 @@ class TcpConnector(KVConnectorWorker):
         if meta is None:
             return
         with self._lock:
-            self._servable.update(meta.saves)
+            for rid, blocks in meta.saves.items():
+                if rid in self._released:  # a consumer or the router released it first
+                    self._end("released", rid, None)
+                else:
+                    self._servable[rid] = blocks
             for rid in meta.releases:
                 self._released.append(rid)
                 self._pulled.pop(rid, None)
                 if self._servable.pop(rid, None) is not None:
                     self._end("sent", rid, None)  # never fully pulled: this rank is done with it too
+        for rel in meta.remote_releases:
+            cancel = self._pulls.cancel_flag(rel.request_id)
+            if cancel is not None:
+                cancel.set()
+            if self.placement.tp_rank == 0:  # one rank tells every producer rank
+                send_release(self.ctx, rel.remote_host, rel.remote_port, [rel.remote_request_id], rel.remote_tp_size)
         for spec in meta.loads:
             if self._pool is None:
                 self._end("failed", spec.request_id, "this instance is not a kv_consumer")
             else:
+                self._pulls.start(spec.request_id, self.config.transfer_timeout_s)
                 self._pool.submit(self._pull, spec)
+        self._streaming = list(meta.streaming)
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        for rid in self._pulls.wait(self._streaming, layer):
+            logger.warning("request %s: layer %d of its KV did not arrive; its step is discarded", rid, layer)
+            self._streaming.remove(rid)
 
     def get_finished(self, wait_s: float = 0.0) -> KVConnectorOutput | None:
+        if self._streaming:  # the model waited for all their layers: let them report how they ended
+            self._pulls.wait_ended(self._streaming)
+            self._streaming = []
         if wait_s > 0 and self._ended.empty():
             self._wake.wait(wait_s)
         self._wake.clear()
@@ -108,6 +138,10 @@ class TcpConnector(KVConnectorWorker):
                 out.num_bytes_received += value
             elif kind == "failed":
                 out.failed_loading[rid] = value
+            elif kind == "started":
+                out.started_loading.append(rid)
+            elif kind == "released":
+                out.released_unpulled.append(rid)
             else:
                 out.finished_sending.append(rid)
         return out if ended else None
@@ -133,7 +167,12 @@ class TcpConnector(KVConnectorWorker):
         try:
             while not self._stop.is_set():
                 if sock.poll(POLL_MS):
-                    identity, frame = sock.recv_multipart()[:2]
+                    parts = sock.recv_multipart()
+                    released = decode_release(parts)
+                    if released is not None:
+                        self._release_remote(released)
+                        continue
+                    identity, frame = parts[:2]
                     try:
                         parked.append((identity, decoder.decode(frame), time.monotonic() + PARK_S))
                     except msgspec.DecodeError:
@@ -141,6 +180,17 @@ class TcpConnector(KVConnectorWorker):
                 parked = [p for p in parked if not self._try_serve(sock, *p)]
         finally:
             sock.close(0)
+
+    def _release_remote(self, request_ids: list[str]) -> None:
+        """A release message: stop serving these (a pull parked for one is then refused)."""
+        with self._lock:
+            for rid in request_ids:
+                if rid in self._released:
+                    continue
+                self._released.append(rid)
+                self._pulled.pop(rid, None)
+                if self._servable.pop(rid, None) is not None:
+                    self._end("released", rid, None)
 
     def _try_serve(self, sock: zmq.Socket, identity: bytes, req: PullRequest, park_until: float) -> bool:
         """Serve ``req`` if it can be; True when it is answered (served or refused)."""
@@ -209,9 +259,12 @@ class TcpConnector(KVConnectorWorker):
             self._end("loaded", spec.request_id, self._transfer(spec))
         except Exception as e:  # noqa: BLE001 - any failure means: recompute
             self._end("failed", spec.request_id, f"{type(e).__name__}: {e}")
+        finally:
+            self._pulls.ended(spec.request_id)
 
     def _transfer(self, spec: LoadSpec) -> int:
         deadline = time.monotonic() + self.config.transfer_timeout_s
+        cancel = self._pulls.cancel_flag(spec.request_id) or threading.Event()
         me, n = self.placement, len(spec.local_block_ids)
         plan = pull_plan(me.num_kv_heads, spec.remote_tp_size, me.tp_size)[me.tp_rank]
         pulls: list[tuple[zmq.Socket, HeadSlice, str]] = []
@@ -226,30 +279,34 @@ class TcpConnector(KVConnectorWorker):
                     spec.remote_request_id, self.layout, n, target, spec.remote_tp_size, me.tp_size,
                     me.tp_rank, part.src_head, part.num_heads)))
             for sock, _, _ in pulls:
-                head = msgspec.msgpack.decode(_recv(sock, deadline)[0], type=PullHeader)
+                head = msgspec.msgpack.decode(_recv(sock, deadline, cancel)[0], type=PullHeader)
                 if not head.ok:
                     raise TransferError(head.error)
                 if head.layout != self.layout or head.num_blocks != n:
                     raise TransferError(f"the producer sent {head.num_blocks} blocks of {head.layout}")
+            self._end("started", spec.request_id, None)
             idx = torch.tensor(spec.local_block_ids, dtype=torch.long, device=self.kv[0][0].device)
             moving = [p for p in pulls if p[1].num_heads]
-            for _ in range(self.layout.num_layers):  # layer by layer, written as each arrives
+            for layer in range(self.layout.num_layers):  # layer by layer, written as each arrives
                 for sock, part, target in moving:
                     nbytes = n * self.layout.block_bytes(part.num_heads)
-                    self._write_layer(idx, part, *self.receive_layer(_recv(sock, deadline), nbytes, target))
+                    layer = self._write_layer(idx, part, *self.receive_layer(_recv(sock, deadline, cancel), nbytes,
+                                                                             target))
+                self._pulls.landed(spec.request_id, layer)
             return 2 * self.layout.num_layers * n * sum(self.layout.block_bytes(p.num_heads) for p in plan)
         finally:
             for sock, _, _ in pulls:
                 sock.close(0)
             self.close_target()
 
-    def _write_layer(self, idx: torch.Tensor, part: HeadSlice, layer: int, kb: memoryview, vb: memoryview) -> None:
+    def _write_layer(self, idx: torch.Tensor, part: HeadSlice, layer: int, kb: memoryview, vb: memoryview) -> int:
         """Copy one layer's received blocks (``part``'s heads) into the cache (keeps no view of
-        the buffers)."""
+        the buffers); the layer."""
         with torch.no_grad():
             for cache, data in zip(self.kv[layer], (kb, vb)):
                 heads = cache.narrow(2, part.dst_head, part.num_heads)
                 heads.index_copy_(0, idx, _tensor(data, self.layout, len(idx), part.num_heads).to(cache.device))
+        return layer
 
     def open_target(self, spec: LoadSpec, part: HeadSlice) -> str:
         """Where the producer writes ``part`` (shm: a segment's name); tcp: in the frames ("")."""
@@ -268,10 +325,13 @@ class TcpConnector(KVConnectorWorker):
         return head.layer, kb, vb
 
 
-def _recv(sock: zmq.Socket, deadline: float) -> list[Any]:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1):
-        raise TransferError("timed out waiting for the producer")
+def _recv(sock: zmq.Socket, deadline: float, cancel: threading.Event) -> list[Any]:
+    """The next message, polled in slices so that a cancelled pull stops within POLL_MS."""
+    while not cancel.is_set() and not sock.poll(POLL_MS):
+        if time.monotonic() >= deadline:
+            raise TransferError("timed out waiting for the producer")
+    if cancel.is_set():
+        raise TransferError("cancelled (the request was aborted, or the model stopped waiting for it)")
     return sock.recv_multipart(copy=False)
 
 

@@ -2,8 +2,8 @@
 
     Worker.execute(sched):
         connector.start_step(sched.kv_connector_metadata)  # start loads, serve / stop serving blocks
-        runner.execute(sched)        # a model that streams layers calls wait_for_layer_load(i)
-                                     # before layer i's attention and save_kv_layer(i) after it
+        runner.execute(sched, hook)  # hook = wait_for_layer_load when meta.streaming (layer-wise
+                                     # start): the model calls it before each layer runs
         output.kv_connector_output = connector.get_finished(wait_s)   # transfers that ended
 
 Every method runs on the worker's step thread; a connector does its transfers on its own
@@ -32,8 +32,12 @@ class KVConnectorWorker(ABC):
         scheduler side reuses them from the next step on)."""
 
     def wait_for_layer_load(self, layer: int) -> None:  # noqa: B027 - optional hook
-        """Block until every load in flight has written ``layer``. A connector whose scheduler
-        side runs a request only once its whole load finished (tcp, shm) has nothing to do."""
+        """Layer-wise start: block until every load of this step's ``meta.streaming`` requests
+        has written ``layer``. A load that fails first, or misses its deadline
+        (``transfer_timeout_s``), is cancelled and its pull stopped before this returns (no write
+        into its blocks after the step), and it is reported failed by ``get_finished``: the
+        scheduler side then discards that request's step output and recomputes its prompt.
+        Called only on steps with streaming requests; the default (no layer-wise) does nothing."""
 
     def save_kv_layer(self, layer: int) -> None:  # noqa: B027 - optional hook
         """After ``layer`` computed this step's KV: a push connector (an RDMA write into the

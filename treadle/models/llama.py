@@ -190,6 +190,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             x, residual = carry
         for i in self.stage:
+            if meta.wait_for_layer is not None:  # P/D layer-wise start: layer i's KV must have landed
+                meta.wait_for_layer(i)
             x, residual = self.layers[i](positions, x, residual, kv_caches[i], meta)
         if not self.parallel.is_last_stage:
             assert residual is not None

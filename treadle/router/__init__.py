@@ -20,5 +20,7 @@ Two modes, one code path:
   produced anything yet is retried on another instance).
 - ``app.py``: the FastAPI app (routes, errors, /health, /metrics).
 
-The router imports neither torch nor the engine: it only speaks HTTP.
+The router imports neither torch nor the engine: it speaks HTTP, plus one ZeroMQ message, the
+KV connector's release (``treadle.kv_transfer.release``), sent to a producer whose prompt KV
+no decode instance will pull.
 """

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import httpx
+import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -37,8 +38,9 @@ def build_app(config: RouterConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        zmq_ctx = zmq.Context()
         async with httpx.AsyncClient(limits=limits) as client, httpx.AsyncClient() as poll_client:
-            app.state.forwarder = Forwarder(config, pool, metrics, client)
+            app.state.forwarder = Forwarder(config, pool, metrics, client, zmq_ctx)
             await pool.poll_all(poll_client)
             poller = asyncio.create_task(pool.run(poll_client))
             try:
@@ -46,6 +48,7 @@ def build_app(config: RouterConfig) -> FastAPI:
             finally:
                 poller.cancel()
                 await asyncio.gather(poller, return_exceptions=True)
+                zmq_ctx.destroy(linger=0)
 
     app = FastAPI(title="Treadle router", version=treadle.__version__, docs_url=None, redoc_url=None,
                   lifespan=lifespan)
@@ -135,11 +138,24 @@ async def _with_kv(forwarder: Forwarder, job: Job) -> Job:
 
 
 async def _answer(forwarder: Forwarder, job: Job) -> Response:
-    return await forwarder.generate(await _with_kv(forwarder, job))
+    job = await _with_kv(forwarder, job)
+    try:
+        resp = await forwarder.generate(job)
+    except BaseException:  # the client left, or no decode instance answered: nobody will pull
+        forwarder.release_kv(job)
+        raise
+    if resp.status_code != 200:
+        forwarder.release_kv(job)
+    return resp
 
 
 async def _start_stream(forwarder: Forwarder, job: Job) -> OpenStream:
-    return await forwarder.open_stream(await _with_kv(forwarder, job))
+    job = await _with_kv(forwarder, job)
+    try:
+        return await forwarder.open_stream(job)
+    except BaseException:  # the client left before the first event, or no decode instance took it
+        forwarder.release_kv(job)
+        raise
 
 
 async def _stream_events(forwarder: Forwarder, stream: OpenStream) -> AsyncIterator[str]:

@@ -12,6 +12,13 @@ retried; a failure after it ends the stream with an error event and ``data: [DON
             │ every prefill instance failed
             └──> generating step without KV (the decode instance computes the prompt)
 ```
+
+When the generating step of a request that carries a producer's ``kv_transfer_params`` ends
+without an answer (the client left, every decode instance failed, a 4xx), the producer is sent
+the connector's release message (``treadle.kv_transfer.release``, ZeroMQ to the ``remote_host``
+and ``remote_port`` of those params), so it frees the prompt's blocks now rather than at its
+``producer_block_timeout_s``. That is the router's only non-HTTP word; releasing a request a
+decode instance already pulled does nothing.
 """
 from __future__ import annotations
 
@@ -22,8 +29,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
+import zmq
 from starlette.responses import Response
 
+from treadle.kv_transfer.metadata import RemotePrefill
+from treadle.kv_transfer.release import send_release
 from treadle.router.config import Role, RouterConfig
 from treadle.router.instances import Instance, InstancePool, describe
 from treadle.router.metrics import RouterMetrics
@@ -118,8 +128,9 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 class Forwarder:
     def __init__(self, config: RouterConfig, pool: InstancePool, metrics: RouterMetrics,
-                 client: httpx.AsyncClient) -> None:
+                 client: httpx.AsyncClient, zmq_ctx: zmq.Context) -> None:
         self.config, self.pool, self.metrics, self.client = config, pool, metrics, client
+        self.zmq_ctx = zmq_ctx  # for release messages to producers
         self.prefix = PrefixIndex()
         self.turn = 0
         self.timeout = httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s)
@@ -235,6 +246,14 @@ class Forwarder:
             raise Relay.of(resp)
         params = resp.json().get("kv_transfer_params")
         return params if isinstance(params, dict) else None
+
+    def release_kv(self, job: Job) -> None:
+        """P/D: the generating step of ``job`` did not answer; tell the producer holding its
+        prompt's KV (if any) to free it. Non-blocking."""
+        remote = RemotePrefill.parse(job.body.get("kv_transfer_params"))
+        if remote is not None:
+            send_release(self.zmq_ctx, remote.host, remote.port, [remote.request_id], remote.tp_size)
+            self.metrics.kv_releases.inc()
 
     async def generate(self, job: Job) -> Response:
         """A non-streaming answer."""

@@ -1,5 +1,5 @@
 """The router's Prometheus metrics, in its own registry: upstream requests per instance
-and outcome, retries, routing decisions, prefill fall-backs, errors after a stream began,
+and outcome, retries, routing decisions, prefill fall-backs, KV releases, errors after a stream began,
 and (read at scrape time) each instance's health and in-flight count."""
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ class RouterMetrics:
                                          registry=reg)
         self.stream_errors = Counter("treadle:router_stream_errors", "Streams that failed after their first event "
                                      "(the client got an error event).", registry=reg)
+        self.kv_releases = Counter("treadle:router_kv_releases", "Producers told to free a prompt's KV because "
+                                   "its decode step never started (the client left, or no decode instance took it).",
+                                   registry=reg)
         reg.register(_InstanceCollector(pool))
 
     def render(self) -> bytes:

@@ -25,6 +25,7 @@ _KV_TRANSFER_COUNTERS = (
     ("received_bytes", "num_bytes_received", "Consumer: KV bytes received."),
     ("pulled", "num_pulled", "Producer: held KV taken by a consumer."),
     ("expired", "num_expired", "Producer: held KV freed after producer_block_timeout_s, never pulled."),
+    ("released", "num_released", "Producer: held KV freed unpulled when a consumer or the router released it."),
 )
 
 

@@ -14,6 +14,7 @@ waits on a collective for another step's tokens (the engine's batch queue needs 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -172,7 +173,7 @@ class ModelRunner:
         """Run the model over a prepared step (a captured CUDA graph when one fits). Under
         pipeline parallelism a stage receives the previous stage's carry and sends its own to
         the next; only the last stage returns hidden states (None elsewhere)."""
-        if self.graphs is not None and self.graphs.can_run(batch.meta):
+        if self.graphs is not None and batch.meta.wait_for_layer is None and self.graphs.can_run(batch.meta):
             return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         par = self.parallel
         if batch.micro is not None:
@@ -207,11 +208,15 @@ class ModelRunner:
                 self.requests[s.request_id].output_token_ids.extend(s.new_token_ids)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, wait_for_layer: Callable[[int], None] | None = None) -> ModelRunnerOutput:
+        """``wait_for_layer`` (P/D layer-wise start): called before each layer runs, on a step
+        one of whose requests still receives its KV (no CUDA graph, no micro-batches then)."""
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput(sampled={})
         batch = self._prepare(sched)
+        if wait_for_layer is not None:
+            batch.meta.wait_for_layer, batch.micro = wait_for_layer, None
         hidden = self.forward(batch)
         result = ModelRunnerOutput(sampled={})
         if hidden is not None and batch.prompt_rows:

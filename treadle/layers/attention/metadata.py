@@ -21,7 +21,7 @@ globals. The attention backend's per-step plan (``AttentionBackend.plan``) rides
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -59,6 +59,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     plan: StepPlan | None = None  # the backend's, set by the runner from AttentionBackend.plan
+    # P/D layer-wise start: the model calls it with i before layer i runs (some KV still arriving)
+    wait_for_layer: Callable[[int], None] | None = None
 
     @property
     def num_seqs(self) -> int:
