@@ -67,18 +67,6 @@ void tq_q8_free(tq_q8acts a) {
 
 static inline int has_min(int t) { return t != TQ_Q8_0; }
 
-/* A row's block scales d[nb] and minimums m[nbp] (zero past nb), from the block headers. */
-static void row_scales(int t, const uint8_t *row, int64_t nb, float *d, float *m) {
-    const int ub = unit_bytes(t);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *u = row + b * ub;
-        d[b] = half_to_float(u);
-        m[b] = t == TQ_Q4_1 || t == TQ_Q5_1 ? half_to_float(u + 2)
-             : t == TQ_Q4_0 ? -8.0f * d[b] : t == TQ_Q5_0 ? -16.0f * d[b] : 0.0f;
-    }
-    for (int64_t b = nb; b < padded(nb); b++) m[b] = 0.0f;
-}
-
 /* the sum of 8 lanes in tq.h hsum's order */
 static inline float hsum8(const float a[8]) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
@@ -109,22 +97,36 @@ static inline __attribute__((always_inline)) __m256i block_bytes(int t, const ui
     memcpy(&qh, qs - 4, 4);
     return _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(16)));
 }
-#else
-/* block_ints without the Q4_0 / Q5_0 bias: the unsigned q */
-static inline void block_q(int t, const uint8_t *u, int q[QK]) {
-    block_ints(t, u, 0, q);
-    const int bias = t == TQ_Q4_0 ? 8 : t == TQ_Q5_0 ? 16 : 0;
-    for (int j = 0; j < QK; j++) q[j] += bias;
-}
 #endif
 
-/* NW (<= 2) weight rows x NX (<= MR8) activation rows: out[i * ostride + r]. d, m: the rows'
- * scales (row r at r * nb, r * nbp). */
-static inline __attribute__((always_inline)) void tile8(int t, const uint8_t *row, int64_t rbytes, int64_t nb,
-                                                         const float *d, const float *m, tq_q8acts x, int64_t K,
-                                                         const int NW, const int NX, const float *bias, float *out,
-                                                         int64_t ostride) {
+/* A row unpacked once for all its activation rows: q[nb * 32] the blocks' q as bytes (unsigned
+ * for Q4/Q5, without the Q4_0 / Q5_0 bias; int8 for Q8_0), d[nb] the scales, m[nbp] the
+ * minimums (-8 d for Q4_0, -16 d for Q5_0; zero past nb). */
+static inline __attribute__((always_inline)) void unpack_row(int t, const uint8_t *row, int64_t nb, int64_t nbp,
+                                                              uint8_t *q, float *d, float *m) {
     const int ub = unit_bytes(t);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *u = row + b * ub;
+#ifdef TQ_AVX2
+        _mm256_storeu_si256((__m256i *)(q + b * QK), block_bytes(t, u));
+#else
+        int v[QK];
+        block_ints(t, u, 0, v);
+        const int bias = t == TQ_Q4_0 ? 8 : t == TQ_Q5_0 ? 16 : 0;
+        for (int j = 0; j < QK; j++) q[b * QK + j] = (uint8_t)(v[j] + bias);
+#endif
+        d[b] = half_to_float(u);
+        m[b] = t == TQ_Q4_1 || t == TQ_Q5_1 ? half_to_float(u + 2)
+             : t == TQ_Q4_0 ? -8.0f * d[b] : t == TQ_Q5_0 ? -16.0f * d[b] : 0.0f;
+    }
+    for (int64_t b = nb; b < nbp; b++) m[b] = 0.0f;
+}
+
+/* NW (<= 2) weight rows x NX (<= MR8) activation rows: out[i * ostride + r]. q, d, m: the rows
+ * unpacked (unpack_row; row r at r * K, r * nb, r * nbp). */
+static inline __attribute__((always_inline)) void tile8(int t, const uint8_t *q, int64_t nb, const float *d,
+                                                         const float *m, tq_q8acts x, int64_t K, const int NW,
+                                                         const int NX, const float *bias, float *out, int64_t ostride) {
 #ifdef TQ_AVX2
 #ifndef TQ_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
@@ -136,7 +138,7 @@ static inline __attribute__((always_inline)) void tile8(int t, const uint8_t *ro
         __m256i w[2], sgn[2];
         __m256 dw[2];
         for (int r = 0; r < NW; r++) {
-            sgn[r] = block_bytes(t, row + r * rbytes + b * ub);
+            sgn[r] = _mm256_loadu_si256((const __m256i *)(q + r * K + b * QK));
             w[r] = t == TQ_Q8_0 ? _mm256_sign_epi8(sgn[r], sgn[r]) : sgn[r]; /* |q| for Q8_0 */
             dw[r] = _mm256_broadcast_ss(d + r * nb + b);
         }
@@ -157,15 +159,16 @@ static inline __attribute__((always_inline)) void tile8(int t, const uint8_t *ro
 #else
     float acc[MR8][2][8] = {{{0.0f}}};
     for (int64_t b = 0; b < nb; b++) {
-        int q[2][QK];
-        for (int r = 0; r < NW; r++) block_q(t, row + r * rbytes + b * ub, q[r]);
         for (int i = 0; i < NX; i++) {
             const int8_t *xq = x.q + i * K + b * QK;
             for (int r = 0; r < NW; r++) {
                 const float sc = d[r * nb + b] * x.d[i * nb + b];
                 for (int k = 0; k < 8; k++) {
                     int s = 0;
-                    for (int j = 4 * k; j < 4 * k + 4; j++) s += q[r][j] * xq[j];
+                    for (int j = 4 * k; j < 4 * k + 4; j++) {
+                        const uint8_t v = q[r * K + b * QK + j];
+                        s += (t == TQ_Q8_0 ? (int)(int8_t)v : (int)v) * xq[j];
+                    }
                     acc[i][r][k] = fmaf((float)s, sc, acc[i][r][k]);
                 }
             }
@@ -184,15 +187,16 @@ static inline __attribute__((always_inline)) void tile8(int t, const uint8_t *ro
         }
 }
 
-#define TILE8(NW, NX) tile8(t, row, rbytes, nb, d, m, xm, K, NW, NX, bias, out, ldy)
+#define TILE8(NW, NX) tile8(t, q, nb, d, m, xm, K, NW, NX, bias, out, ldy)
 
 /* Weight rows n, n + 1 (nw of them) times every activation row; t a constant after inlining. */
 static inline __attribute__((always_inline)) void row_pair8(const int t, const uint8_t *row, tq_q8acts x, float *y,
                                                              int64_t ldy, const float *bias, int nw, int64_t M,
                                                              int64_t K) {
     const int64_t nb = K / QK, rbytes = row_bytes(t, K);
+    uint8_t q[2 * TQ_Q8_MAX_K];
     float d[2 * MAX_NB], m[2 * MAX_NB];
-    for (int r = 0; r < nw; r++) row_scales(t, row + r * rbytes, nb, d + r * nb, m + r * x.nbp);
+    for (int r = 0; r < nw; r++) unpack_row(t, row + r * rbytes, nb, x.nbp, q + r * K, d + r * nb, m + r * x.nbp);
     for (int64_t m0 = 0; m0 < M; m0 += MR8) {
         const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * x.nbp, x.nbp};
         float *out = y + m0 * ldy;

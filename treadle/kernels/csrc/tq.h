@@ -45,7 +45,7 @@ void tq_dequantize(int qtype, const uint8_t *w, int64_t N, int64_t K, float *out
 void tq_bf16_matmul(const uint16_t *w, const void *x, int x_bf16, void *y, int y_bf16, const float *bias, int64_t M,
                     int64_t N, int64_t K);
 /* q8act.c: tq_matmul's 8-bit activation path */
-#define TQ_Q8_MAX_K 32768
+#define TQ_Q8_MAX_K 16384 /* longer rows take 16-bit activations (q8act.c's stack buffers) */
 typedef struct { /* activation rows as int8 blocks of 32 */
     const int8_t *q; /* [M, K] */
     const float *d, *s; /* [M, K/32] scales; [M, nbp] scale * sum(q), zero past K/32 */
