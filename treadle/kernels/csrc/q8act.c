@@ -15,9 +15,9 @@
  *
  * Summation order, fixed whatever the tile or the batch: for each (weight row, activation row),
  * 8 float lanes, lane k taking the integer sum of elements 4k .. 4k+3 of each block times
- * (d_b * xd_b), one fused multiply-add per block; the lanes summed as tq.h's hsum does; then the
- * minimum terms as a dot product of the row's m_b with xs_b in 8 lanes over blocks (zero-padded to
- * a multiple of 8), summed the same way; then the bias. The plain-C build (TQ_PLAIN_C) computes
+ * (d_b * xd_b), one fused multiply-add per block; then, in the same lanes, the minimum terms
+ * m_b * xs_b, block b in lane b % 8 (zero-padded to a multiple of 8 blocks); the lanes summed as
+ * tq.h's hsum does; then the bias. The plain-C build (TQ_PLAIN_C) computes
  * exactly these operations, so it and the SIMD builds agree bit for bit, and a row's result does
  * not depend on the batch it is in. Tiles: 2 weight rows x up to 4 activation rows share each
  * loaded weight block and activation block (8 accumulators); threads split the weight rows.
@@ -70,19 +70,6 @@ static inline int has_min(int t) { return t != TQ_Q8_0; }
 /* the sum of 8 lanes in tq.h hsum's order */
 static inline float hsum8(const float a[8]) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-}
-
-/* sum_b m[b] xs[b] over nbp (a multiple of 8) blocks, lane b % 8 */
-static inline float min_dot(const float *m, const float *xs, int64_t nbp) {
-#ifdef TQ_AVX2
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nbp; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(xs + b), acc);
-    return hsum(acc);
-#else
-    float acc[8] = {0.0f};
-    for (int64_t b = 0; b < nbp; b++) acc[b % 8] = fmaf(m[b], xs[b], acc[b % 8]);
-    return hsum8(acc);
-#endif
 }
 
 #ifdef TQ_AVX2
@@ -175,14 +162,19 @@ static inline __attribute__((always_inline)) void tile8(int t, const uint8_t *q,
         }
     }
 #endif
-    for (int i = 0; i < NX; i++)
+    for (int i = 0; i < NX; i++) /* then the minimum terms, block b in lane b % 8, then the lanes' sum */
         for (int r = 0; r < NW; r++) {
+            const float *mr = m + r * x.nbp, *xs = x.s + i * x.nbp;
 #ifdef TQ_AVX2
-            float o = hsum(acc[i][r]);
+            if (has_min(t))
+                for (int64_t b = 0; b < x.nbp; b += 8)
+                    acc[i][r] = _mm256_fmadd_ps(_mm256_loadu_ps(mr + b), _mm256_loadu_ps(xs + b), acc[i][r]);
+            const float o = hsum(acc[i][r]);
 #else
-            float o = hsum8(acc[i][r]);
+            if (has_min(t))
+                for (int64_t b = 0; b < x.nbp; b++) acc[i][r][b % 8] = fmaf(mr[b], xs[b], acc[i][r][b % 8]);
+            const float o = hsum8(acc[i][r]);
 #endif
-            if (has_min(t)) o += min_dot(m + r * x.nbp, x.s + i * x.nbp, x.nbp);
             out[i * ostride + r] = bias ? o + bias[r] : o;
         }
 }
