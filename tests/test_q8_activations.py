@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from gguf_files import random_blocks
 
+from treadle.config import TreadleError
 from treadle.kernels import native
 from treadle.quantization.gguf_native import dequantize_blocks
 
@@ -96,5 +97,5 @@ def test_bad_activation_bits_is_one_clear_error(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(ValueError, match="8 or 16"):
         native.layout((("Q4_1", 4),), act_bits=4)
     monkeypatch.setenv("TREADLE_ACTIVATION_BITS", "12")
-    with pytest.raises(ValueError, match="TREADLE_ACTIVATION_BITS"):
+    with pytest.raises(TreadleError, match="TREADLE_ACTIVATION_BITS"):
         native.layout((("Q4_1", 4),))

@@ -22,6 +22,8 @@
  * row's result does not depend on the batch it is in. Threads split the weight rows (OpenMP,
  * the libgomp and thread count torch uses); tiles of 2 weight rows x up to 4 activation rows
  * share each expanded weight block and each loaded activation block.
+ * With the layout's act_bits 8 (TREADLE_ACTIVATION_BITS, the default), segments of Q4_0, Q4_1,
+ * Q5_0, Q5_1, Q8_0 take q8act.c's 8-bit activations instead (faster; llama.cpp's rounding).
  * Built once per variant (native.py VARIANTS, chosen at load by CPU features): AVX2/FMA/F16C
  * paths, plus vpdpwssd in the avx512-vnni build, or plain C (-DTQ_PLAIN_C, the reference build the
  * tests compare against).
