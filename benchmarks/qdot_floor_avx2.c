@@ -1,7 +1,9 @@
 /* The floor of the 16-bit integer dot product the GGUF matmul (treadle/kernels/csrc/qmatmul.c)
  * runs per weight block of 32 and activation row, on this CPU: the tile's exact instruction mix
  * (2 x vpmaddwd + vpaddd + vcvtdq2ps + vmulps + vfmadd, 2 weight rows x 4 activation rows, all
- * in L1 and registers, no unpacking, no minimum terms), and the integer and float halves alone.
+ * in L1 and registers, no unpacking, no minimum terms), and the integer and float halves alone;
+ * then the 8-bit activation path's mix (csrc/q8act.c: vpmaddubsw + vpmaddwd with ones + vcvtdq2ps +
+ * vmulps + vfmadd, same tile) and its integer half.
  *
  *   gcc -O3 -mavx2 -mfma benchmarks/qdot_floor_avx2.c -o /tmp/qdot && /tmp/qdot
  *
@@ -69,9 +71,54 @@ static double run(int mode) {
     return dt / (ITERS * NB * 8.0) * 1e9;
 }
 
+static int8_t x8[4 * NB * 32] __attribute__((aligned(64)));
+static uint8_t w8[2 * NB * 32] __attribute__((aligned(64)));
+
+/* the 8-bit path; int_only: the integer half (maddubs, madd, add); a constant in each caller */
+static inline __attribute__((always_inline)) double run8_(const int int_only) {
+    __m256 acc[4][2];
+    for (int i = 0; i < 4; i++)
+        for (int r = 0; r < 2; r++) acc[i][r] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    const double t = now();
+    for (long it = 0; it < ITERS; it++) {
+        for (int b = 0; b < NB; b++) {
+            __m256i wv[2];
+            __m256 d[2];
+            for (int r = 0; r < 2; r++) {
+                wv[r] = _mm256_load_si256((const __m256i *)(w8 + (r * NB + b) * 32));
+                d[r] = _mm256_broadcast_ss(wd + r * NB + b);
+            }
+            for (int i = 0; i < 4; i++) {
+                const __m256 vx = _mm256_broadcast_ss(xd + i * NB + b);
+                const __m256i xv = _mm256_load_si256((const __m256i *)(x8 + (i * NB + b) * 32));
+                for (int r = 0; r < 2; r++) {
+                    const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[r], xv), ones);
+                    acc[i][r] = int_only ? _mm256_castsi256_ps(_mm256_add_epi32(s, _mm256_castps_si256(acc[i][r])))
+                                         : _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d[r], vx), acc[i][r]);
+                }
+            }
+        }
+        __asm__ volatile("" ::: "memory");
+    }
+    const double dt = now() - t;
+    float sink = 0.0f, o[8];
+    for (int i = 0; i < 4; i++)
+        for (int r = 0; r < 2; r++) {
+            _mm256_storeu_ps(o, acc[i][r]);
+            sink += o[0];
+        }
+    if (sink == 12345.0f) puts("");
+    return dt / (ITERS * NB * 8.0) * 1e9;
+}
+
+static __attribute__((noinline)) double run8(int int_only) { return int_only ? run8_(1) : run8_(0); }
+
 int main(void) {
     for (int i = 0; i < 4 * NB * 32; i++) x[i] = (int16_t)(i % 7);
     for (int i = 0; i < 2 * NB * 32; i++) w[i] = (int16_t)(i % 5);
+    for (int i = 0; i < 4 * NB * 32; i++) x8[i] = (int8_t)(i % 7 - 3);
+    for (int i = 0; i < 2 * NB * 32; i++) w8[i] = (uint8_t)(i % 15);
     for (int i = 0; i < 4 * NB; i++) xd[i] = 1.0f;
     for (int i = 0; i < 2 * NB; i++) wd[i] = 1.0f;
     const char *names[3] = {"whole block dot", "integer half (2 vpmaddwd + 2 vpaddd)", "float half (vpaddd, cvt, mul, fma)"};
@@ -82,6 +129,15 @@ int main(void) {
             best = ns < best ? ns : best;
         }
         printf("%-40s %.3f ns per block of 32 and activation row\n", names[mode], best);
+    }
+    const char *names8[2] = {"8-bit: whole block dot", "8-bit: integer half (maddubs, madd, add)"};
+    for (int mode = 0; mode < 2; mode++) {
+        double best = 1e9;
+        for (int k = 0; k < 5; k++) {
+            const double ns = run8(mode);
+            best = ns < best ? ns : best;
+        }
+        printf("%-40s %.3f ns per block of 32 and activation row\n", names8[mode], best);
     }
     return 0;
 }

@@ -1,5 +1,6 @@
-"""The GGUF matmul on SmolLM2-135M's shapes at batch 1 / 4 / 16, this tree's kernels against a
-git ref's (default ``main``), side by side in one process, interleaved call by call.
+"""The GGUF matmul on SmolLM2-135M's shapes at batch 1 / 4 / 16, this tree's kernels with 16-bit
+and with 8-bit activations (csrc/q8act.c) against a git ref's (default ``main``; ``--ref none``:
+this tree only), side by side in one process, interleaved call by call.
 
     .venv/bin/python benchmarks/qmatmul_batch_cpu.py [--ref main] [--threads 1]
 
@@ -51,10 +52,10 @@ def build_ref(ref: str, out: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(target))
 
 
-def caller(lib: ctypes.CDLL, qtype: str, n: int, k: int, w: torch.Tensor, x: torch.Tensor):  # noqa: ANN201
+def caller(lib: ctypes.CDLL, bits: int, qtype: str, n: int, k: int, w: torch.Tensor, x: torch.Tensor):  # noqa: ANN201
     fn = lib.tq_matmul
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
-    lay = native.layout(((qtype, n),))
+    lay = native.layout(((qtype, n),), bits)  # a ref without act_bits reads the fields before it
     y = torch.empty(x.shape[0], n)
     args = (ctypes.addressof(lay), w.data_ptr(), x.data_ptr(), y.data_ptr(), None, x.shape[0], n, k)
     return lambda: fn(*args) or y  # holds y (the kernel writes into it)
@@ -69,7 +70,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {args.ref: build_ref(args.ref, Path(tmp)), "this tree": native.library()}
+        this = native.library()
+        libs = {"this tree a16": (this, 16), "this tree a8": (this, 8)}
+        if args.ref != "none":
+            libs = {args.ref: (build_ref(args.ref, Path(tmp)), 16), **libs}
         print(f"threads {args.threads}, median ms per call ({'thread CPU' if args.threads == 1 else 'wall'} time)")
         print("| shape | build | " + " | ".join(f"M={m}" for m in BATCHES) + " |")
         print("|---|---|" + "---|" * len(BATCHES))
@@ -79,7 +83,7 @@ def main() -> None:
             times: dict[str, dict[int, float]] = {name: {} for name in libs}
             for m in BATCHES:
                 x = torch.randn(m, k)
-                fns = {name: caller(lib, qtype, n, k, w, x) for name, lib in libs.items()}
+                fns = {name: caller(lib, bits, qtype, n, k, w, x) for name, (lib, bits) in libs.items()}
                 samples: dict[str, list[float]] = {name: [] for name in libs}
                 for fn in fns.values():
                     fn()

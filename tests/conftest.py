@@ -58,6 +58,14 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides)
     return path
 
 
+@pytest.fixture
+def sixteen_bit_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GGUF kernels with 16-bit activations (``TREADLE_ACTIVATION_BITS=16``), for tests whose
+    oracle is the dequantized weights times 16-bit-rounded activations (the 8-bit default trades
+    accuracy for speed: tests/test_q8_activations.py, test_quantized_models.py)."""
+    monkeypatch.setenv("TREADLE_ACTIVATION_BITS", "16")
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread: tiny models run faster on one, and on a shared 2-core machine

@@ -14,7 +14,8 @@ from treadle.quantization.gguf_native import NATIVE_TYPES, dequantize_blocks
 
 K = 512  # two K-quant super-blocks per row
 N = 37  # odd: a segment's last row goes alone
-pytestmark = pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)")
+pytestmark = [pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)"),
+              pytest.mark.usefixtures("sixteen_bit_activations")]  # the 8-bit path: test_q8_activations.py
 VARIANTS = pytest.mark.parametrize("variant", [v.name for v in native.VARIANTS])
 
 

@@ -28,7 +28,7 @@ from treadle.quantization.gguf_native import GGUFBlockMethod
 from treadle.worker.fused_layers import fuse_decoder_layers
 
 pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.usefixtures("one_thread", "sixteen_bit_activations"),
     pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)"),
 ]
 

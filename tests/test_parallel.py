@@ -163,9 +163,12 @@ def test_token_split_cuts_a_request_in_two() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("sixteen_bit_activations")
 def test_smollm2_gguf_blocks_at_tp3_and_pp2_are_token_identical() -> None:
     """The real Q4_1 GGUF file: 9 heads / 3 KV heads over 3 ranks, every linear layer and the
-    tied embedding kept as blocks, cut only at 32-input block boundaries; and in two stages."""
+    tied embedding kept as blocks, cut only at 32-input block boundaries; and in two stages.
+    16-bit activations: with 8-bit ones the ranks' different float summation order flips some
+    int8 roundings downstream, and logprobs move by more than this test's 2e-3."""
     kw = dict(max_tokens=8, logprobs=2)
     params = SamplingParams(temperature=0.0, ignore_eos=True, **kw)
     prompts = ["The capital of France is", "Write a haiku about the sea:"]

@@ -18,7 +18,7 @@ from treadle.quantization.gguf_native import GGUFBlockMethod
 from treadle.quantization.int4_checkpoint import PermutedInputMethod
 from treadle.quantization.w8a8 import W8A8Method
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "sixteen_bit_activations")  # int4 layers run as Q4_1 blocks
 
 PROMPTS = [[5, 17, 99, 3, 42, 8], [200, 7, 7, 61]]
 NEW_TOKENS = 12

@@ -153,6 +153,7 @@ def test_gguf_kernel_dequantize_equals_gguf_package(qtype: str, plain: bool) -> 
 @needs_kernels
 @BUILDS
 @pytest.mark.parametrize("qtypes", [*NATIVE_TYPES, *MIXES], ids=str)
+@pytest.mark.usefixtures("sixteen_bit_activations")
 def test_gguf_native_matches_dequantized_linear(qtypes: str | tuple[str, ...], plain: bool) -> None:
     layer, w_deq = block_layer(qtypes, seed=50, plain=plain)
     for rows in (1, 3, 4, 9):  # the kernel's row-count cases
@@ -254,6 +255,7 @@ def test_weight_only_factory_names(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.usefixtures("sixteen_bit_activations")
 def test_float_shards_become_gguf_blocks_on_arrival(qtype: str) -> None:
     shards = [rand(n, IN, seed=80 + i) for i, n in enumerate(SHARDS)]
     layer = load_linear(GGUFBlockMethod(qtype), shards)

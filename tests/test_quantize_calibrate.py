@@ -177,6 +177,7 @@ def test_eval_perplexity_on_stories260k(capsys: pytest.CaptureFixture[str]) -> N
 
 
 @pytest.mark.parametrize(("method", "bits"), [("smoothquant", 8), ("gptq", 4), ("awq", 4)])
+@pytest.mark.usefixtures("sixteen_bit_activations")  # int4 layers run as Q4_1 blocks
 def test_treadle_runs_our_checkpoints_like_transformers(tiny: Path, tmp_path: Path, method: str, bits: int) -> None:
     """Treadle's compressed-tensors loader (W8A8 int8 kernel, int4 path) on what we wrote:
     the same greedy tokens as transformers on the same checkpoint."""

@@ -54,6 +54,7 @@ BLOCKS = {"int8": "Q8_0", "int4-g32": "Q4_1"} if native.available() else {}
         ("int4-g64", Int4WeightOnlyMethod),
     ],
 )
+@pytest.mark.usefixtures("sixteen_bit_activations")
 def test_weight_only_modes_on_tiny_llama(tiny_llama: Path, mode: str, cls: type) -> None:
     quant = load_model(str(tiny_llama), CPUBackend(), quantization=mode)
     methods = {name: m.method for name, m in quant.model.named_modules() if isinstance(m, Linear)}
@@ -71,6 +72,7 @@ def test_weight_only_modes_on_tiny_llama(tiny_llama: Path, mode: str, cls: type)
 
 @pytest.mark.parametrize("mode", ["int8", "int4-g64"])
 @pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+@pytest.mark.usefixtures("sixteen_bit_activations")
 def test_weight_only_modes_on_layout_variants(tmp_path: Path, arch: str, mode: str) -> None:
     """Qwen3 (o_proj input = heads x head_dim, not hidden) and Phi-3 (packed checkpoint tensors
     quantized whole): the layout gives the widths and shards the methods see."""
@@ -101,6 +103,7 @@ def smollm2_pair() -> tuple[LoadedModel, LoadedModel]:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("sixteen_bit_activations")
 def test_smollm2_q4_1_native_greedy_equals_dequantized(smollm2_pair: tuple[LoadedModel, LoadedModel]) -> None:
     ref, native = smollm2_pair
     linears = [m for m in native.model.modules() if isinstance(m, Linear)]
@@ -113,6 +116,7 @@ def test_smollm2_q4_1_native_greedy_equals_dequantized(smollm2_pair: tuple[Loade
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("sixteen_bit_activations")
 def test_smollm2_q4_1_native_logit_error(smollm2_pair: tuple[LoadedModel, LoadedModel]) -> None:
     """16-bit-rounded activations into the matmuls: logits within 0.2% of their range of
     the dequantized float32 reference (0.03% observed), same argmax at every position."""
@@ -120,3 +124,26 @@ def test_smollm2_q4_1_native_logit_error(smollm2_pair: tuple[LoadedModel, Loaded
     expect, got = prompt_logits(ref, PROMPTS[1]), prompt_logits(native, PROMPTS[1])
     assert float((got - expect).abs().max()) < 0.002 * float(expect.abs().max())
     assert bool((got.argmax(-1) == expect.argmax(-1)).all())
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_eight_bit_activations_trade_little_accuracy(
+        smollm2_pair: tuple[LoadedModel, LoadedModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    """8-bit activations (the default) do not keep greedy output equal to the dequantized model
+    (SmolLM2 diverges within 32 tokens on 4 of 6 short prompts); what they keep: perplexity on the
+    first 1,024 tokens of the evaluation text within 0.5 % of the 16-bit path's (+0.18 % observed;
+    +0.24 % on the whole text, docs/benchmarks.md) and the same argmax at >= 93 % of positions
+    (96.5 % observed)."""
+    from treadle.bench.perplexity import window_logits
+    from treadle.entrypoints.eval import DEFAULT_TEXT
+
+    _, lm = smollm2_pair
+    ids = lm.tokenizer.encode(DEFAULT_TEXT.read_text())[:1024]
+    targets = torch.tensor(ids[1:])
+    logits = {}
+    for bits in ("16", "8"):
+        monkeypatch.setenv("TREADLE_ACTIVATION_BITS", bits)
+        logits[bits] = torch.cat(window_logits(lm, ids, 512, 511))
+    ppl = {b: float(torch.exp(torch.nn.functional.cross_entropy(v, targets))) for b, v in logits.items()}
+    assert ppl["8"] != ppl["16"] and abs(ppl["8"] / ppl["16"] - 1) < 0.005
+    assert float((logits["8"].argmax(-1) == logits["16"].argmax(-1)).float().mean()) >= 0.93

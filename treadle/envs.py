@@ -19,6 +19,8 @@ class EnvVar:
 VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("TREADLE_CACHE_DIR", None, "where compiled C kernels are cached (default ~/.cache/treadle)"),
     EnvVar("TREADLE_NATIVE_KERNELS", "1", "0: never compile or use Treadle's C kernels (torch fallbacks)"),
+    EnvVar("TREADLE_ACTIVATION_BITS", "8", "8 or 16: how the C kernels round activations for GGUF Q4_0/Q4_1/Q5_0/"
+                                           "Q5_1/Q8_0 weights (int8 or int16 per block of 32; K-quants: 16)"),
     EnvVar("CC", None, "the C compiler for Treadle's kernels (default: gcc, else cc)"),
     EnvVar("TREADLE_FUSED_OPS", "1", "0: RMSNorm+residual and RoPE run as separate torch ops, not fused"),
     EnvVar("TREADLE_API_KEY", None, "default for `treadle serve --api-key`"),
@@ -61,6 +63,15 @@ def cache_dir() -> str:
 
 def native_kernels() -> bool:
     return get_flag("TREADLE_NATIVE_KERNELS")
+
+
+def activation_bits() -> int:
+    value = get("TREADLE_ACTIVATION_BITS")
+    if value not in ("8", "16"):
+        from treadle.config import TreadleError
+
+        raise TreadleError(f"TREADLE_ACTIVATION_BITS={value!r}: the GGUF kernels' activations take 8 or 16 bits")
+    return int(value)
 
 
 def fused_ops() -> bool:

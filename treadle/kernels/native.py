@@ -191,23 +191,32 @@ Segments = tuple[tuple[str, int], ...]  # a weight's rows as (block type, row co
 
 
 class Layout(ctypes.Structure):
-    """csrc/tq.h's ``tq_layout``: the segments of one weight."""
+    """csrc/tq.h's ``tq_layout``: the segments of one weight, and the activations' bits (16, or 8 for
+    the block types csrc/q8act.c reads)."""
 
-    _fields_ = [("count", ctypes.c_int32), ("qtype", ctypes.c_int32 * MAX_SEGMENTS), ("rows", ctypes.c_int64 * MAX_SEGMENTS)]
+    _fields_ = [("count", ctypes.c_int32), ("qtype", ctypes.c_int32 * MAX_SEGMENTS),
+                ("rows", ctypes.c_int64 * MAX_SEGMENTS), ("act_bits", ctypes.c_int32)]
+
+
+def layout(segments: Segments, act_bits: int | None = None) -> Layout:
+    """The C description of ``segments`` (built once per distinct layout); ``act_bits`` defaults
+    to ``TREADLE_ACTIVATION_BITS``."""
+    return _layout(segments, act_bits or envs.activation_bits())
 
 
 @cache
-def layout(segments: Segments) -> Layout:
-    """The C description of ``segments`` (built once per distinct layout)."""
+def _layout(segments: Segments, act_bits: int) -> Layout:
     if not 0 < len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"a weight has 1 to {MAX_SEGMENTS} segments, not {len(segments)}")
-    return Layout(len(segments), tuple(QTYPES[t] for t, _ in segments), tuple(n for _, n in segments))
+    if act_bits not in (8, 16):
+        raise ValueError(f"activations take 8 or 16 bits, not {act_bits}")
+    return Layout(len(segments), tuple(QTYPES[t] for t, _ in segments), tuple(n for _, n in segments), act_bits)
 
 
 def qmatmul(segments: Segments, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
-            plain: bool = False, variant: str | None = None) -> torch.Tensor:
+            plain: bool = False, variant: str | None = None, act_bits: int | None = None) -> torch.Tensor:
     """x [..., K] float32 @ W^T -> [..., N] float32, W the GGUF blocks ``weight`` (uint8, the
-    segments' rows back to back)."""
+    segments' rows back to back); activations rounded to ``act_bits`` per block of 32 (layout)."""
     k = x.shape[-1]
     flat = x.reshape(-1, k)
     if flat.dtype != torch.float32 or not flat.is_contiguous():
@@ -215,7 +224,7 @@ def qmatmul(segments: Segments, weight: torch.Tensor, x: torch.Tensor, bias: tor
     n = sum(rows for _, rows in segments)
     y = torch.empty(flat.shape[0], n, dtype=torch.float32)
     kernel("tq_matmul", "PPPPPIII", plain, variant)(
-        ctypes.addressof(layout(segments)), weight.data_ptr(), flat.data_ptr(), y.data_ptr(),
+        ctypes.addressof(layout(segments, act_bits)), weight.data_ptr(), flat.data_ptr(), y.data_ptr(),
         None if bias is None else bias.data_ptr(), flat.shape[0], n, k,
     )
     return y.view(*x.shape[:-1], n)

@@ -22,6 +22,8 @@
  * row's result does not depend on the batch it is in. Threads split the weight rows (OpenMP,
  * the libgomp and thread count torch uses); tiles of 2 weight rows x up to 4 activation rows
  * share each expanded weight block and each loaded activation block.
+ * With the layout's act_bits 8 (TREADLE_ACTIVATION_BITS, the default), segments of Q4_0, Q4_1,
+ * Q5_0, Q5_1, Q8_0 take q8act.c's 8-bit activations instead (faster; llama.cpp's rounding).
  * Built once per variant (native.py VARIANTS, chosen at load by CPU features): AVX2/FMA/F16C
  * paths, plus vpdpwssd in the avx512-vnni build, or plain C (-DTQ_PLAIN_C, the reference build the
  * tests compare against).
@@ -210,22 +212,39 @@ static void weight_rows(int qtype, const uint8_t *w, qacts x, float *y, int64_t 
 }
 
 /* y [M, N] = x [M, K] @ W^T (+ bias), W's N rows in the layout's segments. K must be a multiple
- * of each segment type's block (32, or 256 for the K-quants). */
+ * of each segment type's block (32, or 256 for the K-quants). With act_bits 8, the segments of
+ * the types q8act.c reads take 8-bit activations, the others 16-bit ones (each quantized once). */
 void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float *y, const float *bias, int64_t M,
                int64_t N, int64_t K) {
     const int64_t nb = K / QK;
-    int16_t *xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
-    float *xf = (float *)malloc((size_t)(4 * M * nb) * sizeof(float)); /* xd | xs | xh (2 per block) */
-    quantize_rows(x, M, K, xq, xf, xf + M * nb, xf + 2 * M * nb);
-    const qacts xa = {xq, xf, xf + M * nb, xf + 2 * M * nb};
+    int use8[TQ_MAX_SEGMENTS], any16 = 0, any8 = 0;
+    for (int s = 0; s < layout->count; s++) {
+        use8[s] = layout->act_bits == 8 && K <= TQ_Q8_MAX_K && tq_q8_type(layout->qtype[s]);
+        any8 |= use8[s];
+        any16 |= !use8[s];
+    }
+    int16_t *xq = NULL;
+    float *xf = NULL;
+    qacts xa = {0};
+    if (any16) {
+        xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
+        xf = (float *)malloc((size_t)(4 * M * nb) * sizeof(float)); /* xd | xs | xh (2 per block) */
+        quantize_rows(x, M, K, xq, xf, xf + M * nb, xf + 2 * M * nb);
+        xa = (qacts){xq, xf, xf + M * nb, xf + 2 * M * nb};
+    }
+    const tq_q8acts x8 = any8 ? tq_q8_quantize(x, M, K) : (tq_q8acts){0};
     int64_t n0 = 0;
     for (int s = 0; s < layout->count; s++) {
         const int qtype = layout->qtype[s];
         const int64_t rows = layout->rows[s];
-        weight_rows(qtype, w, xa, y + n0, N, bias ? bias + n0 : NULL, M, rows, K);
+        if (use8[s])
+            tq_q8_rows(qtype, w, x8, y + n0, N, bias ? bias + n0 : NULL, M, rows, K);
+        else
+            weight_rows(qtype, w, xa, y + n0, N, bias ? bias + n0 : NULL, M, rows, K);
         w += rows * row_bytes(qtype, K);
         n0 += rows;
     }
+    if (any8) tq_q8_free(x8);
     free(xq);
     free(xf);
 }

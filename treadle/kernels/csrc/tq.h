@@ -35,6 +35,7 @@ typedef struct {
     int32_t count;
     int32_t qtype[TQ_MAX_SEGMENTS]; /* GGML type numbers (qblocks.h) */
     int64_t rows[TQ_MAX_SEGMENTS];
+    int32_t act_bits; /* 16, or 8: the types q8act.c reads (tq_q8_type) take 8-bit activations */
 } tq_layout;
 void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float *y, const float *bias, int64_t M,
                int64_t N, int64_t K);
@@ -43,6 +44,18 @@ void tq_dequantize(int qtype, const uint8_t *w, int64_t N, int64_t K, float *out
 /* bf16matmul.c */
 void tq_bf16_matmul(const uint16_t *w, const void *x, int x_bf16, void *y, int y_bf16, const float *bias, int64_t M,
                     int64_t N, int64_t K);
+/* q8act.c: tq_matmul's 8-bit activation path */
+#define TQ_Q8_MAX_K 16384 /* longer rows take 16-bit activations (q8act.c's stack buffers) */
+typedef struct { /* activation rows as int8 blocks of 32 */
+    const int8_t *q; /* [M, K] */
+    const float *d, *s; /* [M, K/32] scales; [M, nbp] scale * sum(q), zero past K/32 */
+    int64_t nbp; /* K/32 rounded up to a multiple of 8 */
+} tq_q8acts;
+int tq_q8_type(int qtype);
+tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K);
+void tq_q8_free(tq_q8acts a);
+void tq_q8_rows(int qtype, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
+                int64_t N, int64_t K);
 /* ops.c */
 void tq_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t hidden,
                  int64_t x_stride, float eps);

@@ -1,0 +1,101 @@
+"""The 8-bit activation path of the GGUF matmul (``csrc/q8act.c``, a layout's ``act_bits`` 8):
+every runnable SIMD variant equals the plain-C reference bit for bit (exact integer sums, one
+fixed float order), equals the dequantized weights times the int8-rounded activations up to
+float32 summation, and a row's result does not depend on its batch. K-quant segments of the
+same weight keep 16-bit activations."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf_files import random_blocks
+
+from treadle.config import TreadleError
+from treadle.kernels import native
+from treadle.quantization.gguf_native import dequantize_blocks
+
+K = 576  # 18 blocks: the minimum terms' 8-lane sums have a padded tail (SmolLM2's hidden size)
+N = 37  # odd: a segment's last row goes alone
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+pytestmark = pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)")
+VARIANTS = pytest.mark.parametrize("variant", [v.name for v in native.VARIANTS])
+
+
+def runnable(variant: str) -> str:
+    missing = native.missing_features(variant)
+    if missing:
+        pytest.skip(f"{variant}: this CPU lacks {' '.join(missing)}")
+    return variant
+
+
+def q8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the 8-bit path rounds activations: int8 per block of 32."""
+    b = x.reshape(*x.shape[:-1], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(b * torch.where(d > 0, 1.0 / d, torch.zeros_like(d))) * d).reshape(x.shape)
+
+
+def rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@VARIANTS
+@pytest.mark.parametrize("qtype", TYPES)
+def test_variant_equals_reference_bitwise_and_the_oracle(variant: str, qtype: str) -> None:
+    runnable(variant)
+    blocks = random_blocks(qtype, N, K, seed=21)
+    w, seg = blocks.data.reshape(-1), ((qtype, N),)
+    bias = rand(N, seed=22)
+    for rows in (1, 5, 16):
+        x = rand(rows, K, seed=23 + rows)
+        y = native.qmatmul(seg, w, x, bias, variant=variant, act_bits=8)
+        assert torch.equal(y, native.qmatmul(seg, w, x, bias, plain=True, act_bits=8))
+        oracle = F.linear(q8(x), dequantize_blocks(blocks), bias)
+        torch.testing.assert_close(y, oracle, rtol=0, atol=float(oracle.abs().max()) * 1e-5)
+
+
+@VARIANTS
+@pytest.mark.parametrize("qtype", TYPES)
+def test_rows_are_bitwise_equal_whatever_the_batch(variant: str, qtype: str) -> None:
+    runnable(variant)
+    blocks = random_blocks(qtype, N, K, seed=31)
+    w, seg = blocks.data.reshape(-1), ((qtype, N),)
+    x = rand(16, K, seed=32)
+    batch = native.qmatmul(seg, w, x, variant=variant, act_bits=8)
+    for i in range(16):
+        assert torch.equal(native.qmatmul(seg, w, x[i : i + 1], variant=variant, act_bits=8)[0], batch[i])
+    for m in (3, 6):  # tiles of 4 rows with a ragged last one
+        assert torch.equal(native.qmatmul(seg, w, x[:m], variant=variant, act_bits=8), batch[:m])
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(33))
+    assert torch.equal(native.qmatmul(seg, w, x[perm], variant=variant, act_bits=8), batch[perm])
+
+
+def test_mixed_layout_keeps_16_bit_activations_for_k_quants() -> None:
+    """A fused weight of Q4_1 rows then Q6_K rows: the Q4_1 rows equal the 8-bit path's, the
+    Q6_K rows the 16-bit path's."""
+    k = 512
+    a, b = random_blocks("Q4_1", 6, k, seed=41), random_blocks("Q6_K", 5, k, seed=42)
+    w = torch.cat([a.data.reshape(-1), b.data.reshape(-1)])
+    x = rand(3, k, seed=43)
+    y = native.qmatmul((("Q4_1", 6), ("Q6_K", 5)), w, x, act_bits=8)
+    assert torch.equal(y[:, :6], native.qmatmul((("Q4_1", 6),), a.data.reshape(-1), x, act_bits=8))
+    assert torch.equal(y[:, 6:], native.qmatmul((("Q6_K", 5),), b.data.reshape(-1), x, act_bits=16))
+
+
+def test_the_two_paths_differ_only_by_the_activations_rounding() -> None:
+    blocks = random_blocks("Q4_1", N, K, seed=51)
+    x = rand(4, K, seed=52)
+    y8 = native.qmatmul((("Q4_1", N),), blocks.data.reshape(-1), x, act_bits=8)
+    y16 = native.qmatmul((("Q4_1", N),), blocks.data.reshape(-1), x, act_bits=16)
+    exact = F.linear(x, dequantize_blocks(blocks))
+    assert not torch.equal(y8, y16)
+    assert float((y8 - exact).abs().max()) > float((y16 - exact).abs().max())
+    torch.testing.assert_close(y8, exact, rtol=0, atol=float(exact.abs().max()) * 0.03)
+
+
+def test_bad_activation_bits_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="8 or 16"):
+        native.layout((("Q4_1", 4),), act_bits=4)
+    monkeypatch.setenv("TREADLE_ACTIVATION_BITS", "12")
+    with pytest.raises(TreadleError, match="TREADLE_ACTIVATION_BITS"):
+        native.layout((("Q4_1", 4),))
