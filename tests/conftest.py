@@ -61,8 +61,9 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides)
 @pytest.fixture
 def sixteen_bit_activations(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GGUF kernels with 16-bit activations (``TREADLE_ACTIVATION_BITS=16``), for tests whose
-    oracle is the dequantized weights times 16-bit-rounded activations (the 8-bit default trades
-    accuracy for speed: tests/test_q8_activations.py, test_quantized_models.py)."""
+    oracle is the dequantized weights times 16-bit-rounded activations (the default; pinned so
+    that ``TREADLE_ACTIVATION_BITS=8`` in the environment, which trades accuracy for speed, cannot
+    change them: tests/test_q8_activations.py, test_quantized_models.py)."""
     monkeypatch.setenv("TREADLE_ACTIVATION_BITS", "16")
 
 

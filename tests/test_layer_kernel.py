@@ -16,7 +16,7 @@ from paged_session import PagedSession
 from treadle import LLM, SamplingParams
 from treadle.kernels import native
 from treadle.kernels.layer import DecoderLayerKernel
-from treadle.layers.attention.cpu import CPUBackend
+from treadle.layers.attention.cpu import DECODE_ROWS_MAX, CPUBackend
 from treadle.layers.fused_decoder import FusedDecoderLayer
 from treadle.loaders import LoadedModel, open_model_source
 from treadle.models.registry import model_class
@@ -84,7 +84,7 @@ def test_fused_layer_equals_module_path(tmp_path: Path, monkeypatch: pytest.Monk
     fused, modules = gguf_block_model(path, qtype), gguf_block_model(path, qtype)
     assert fuse_decoder_layers(fused.model) == fused.config.num_layers
     calls = count_calls(monkeypatch)
-    prompts = [[5, 9, 13, 2, 7], [3] * 11, [8, 4]]
+    prompts = [[5, 9, 13, 2, 7], [3] * (DECODE_ROWS_MAX + 3), [8, 4]]  # one prompt too long for decode rows
     got = decode_logits(fused, prompts, 9)
     assert len(calls) == 9 * fused.config.num_layers  # every decode step, every layer (prefill: module path)
     for a, b in zip(got, decode_logits(modules, prompts, 9)):

@@ -19,7 +19,7 @@ class EnvVar:
 VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("TREADLE_CACHE_DIR", None, "where compiled C kernels are cached (default ~/.cache/treadle)"),
     EnvVar("TREADLE_NATIVE_KERNELS", "1", "0: never compile or use Treadle's C kernels (torch fallbacks)"),
-    EnvVar("TREADLE_ACTIVATION_BITS", "8", "8 or 16: how the C kernels round activations for GGUF Q4_0/Q4_1/Q5_0/"
+    EnvVar("TREADLE_ACTIVATION_BITS", "16", "8 or 16: how the C kernels round activations for GGUF Q4_0/Q4_1/Q5_0/"
                                            "Q5_1/Q8_0 weights (int8 or int16 per block of 32; K-quants: 16)"),
     EnvVar("CC", None, "the C compiler for Treadle's kernels (default: gcc, else cc)"),
     EnvVar("TREADLE_FUSED_OPS", "1", "0: RMSNorm+residual and RoPE run as separate torch ops, not fused"),
