@@ -134,4 +134,5 @@ def test_w8a8_vnni_path_is_compiled_into_the_vnni_build() -> None:
         return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120).stdout
 
     assert "vpdpbusd" in assembly("avx512-vnni")
+    assert "vpdpbusd" in assembly("avx-vnni")  # the VEX form (Intel CPUs without AVX-512)
     assert "vpdpbusd" not in assembly("avx2")

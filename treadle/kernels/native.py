@@ -58,6 +58,7 @@ VARIANTS = (  # best first; "plain" (the reference) runs everywhere
             (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")),
     Variant("avx512-vnni", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
                             "-mtune=native"), (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+    Variant("avx-vnni", ("-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-mtune=native"), (*_AVX2, "avx_vnni")),
     Variant("avx2", ("-mavx2", "-mfma", "-mf16c", "-mtune=native"), _AVX2),
     Variant("plain", ("-march=native", "-DTQ_PLAIN_C"), ()),
 )

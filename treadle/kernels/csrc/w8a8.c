@@ -25,6 +25,9 @@
  * included, whenever the true sum fits in int32 (the bound above). The K tail is a masked
  * load: masked lanes read w = 0 and add nothing.
  *
+ * The AVX-VNNI path (the avx-vnni build: VEX-encoded vpdpbusd on 256 bits, Intel CPUs without
+ * AVX-512) is the same identity 32 bytes at a time, the K tail added in scalar u8 form.
+ *
  * The plain-C path (also built with -DTQ_PLAIN_C for the tests) is the same sum in int32.
  * All give identical bits, as does the plain torch reference in treadle/quantization/w8a8.py.
  * Threads split the weight rows, so a row's result does not depend on the batch it is in.
@@ -36,6 +39,8 @@
 
 #if defined(TQ_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define TQ_W8A8_VNNI 1
+#elif defined(TQ_AVX2) && defined(__AVXVNNI__)
+#define TQ_W8A8_AVXVNNI 1
 #endif
 
 void tq_w8a8_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs) {
@@ -79,6 +84,30 @@ static void dot_rows_vnni(const int8_t *x, int64_t K, int rows, const int8_t *w,
 }
 #endif
 
+#ifdef TQ_W8A8_AVXVNNI
+/* as dot_rows_vnni, 32 bytes a step with the VEX form; the tail in the same offset form */
+static void dot_rows_avxvnni(const int8_t *x, int64_t K, int rows, const int8_t *w, int32_t wsum, int32_t *acc) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    const int64_t K32 = K & ~(int64_t)31;
+    for (int64_t k = 0; k < K32; k += 32) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k));
+        for (int r = 0; r < rows; r++) {
+            const __m256i xu = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(x + r * K + k)), flip);
+            s[r] = _mm256_dpbusd_avx_epi32(s[r], xu, wv);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s[r]), _mm256_extracti128_si256(s[r], 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+        uint32_t total = (uint32_t)_mm_cvtsi128_si32(h);
+        for (int64_t k = K32; k < K; k++) total += (uint32_t)((int32_t)x[r * K + k] + 128) * (uint32_t)(int32_t)w[k];
+        acc[r] = (int32_t)(total - 128u * (uint32_t)wsum); /* wrapping, as the lanes do */
+    }
+}
+#endif
+
 #ifdef TQ_AVX2
 static inline int32_t hsum_i32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -103,7 +132,7 @@ static void dot_rows_avx2(const int8_t *x, int64_t K, int rows, const int8_t *w,
 }
 #endif
 
-/* wsum[n] = sum_k w[n, k] (read only by the VNNI path) */
+/* wsum[n] = sum_k w[n, k] (read only by the VNNI paths) */
 void tq_w8a8_matmul(const int8_t *xq, const float *xs, const int8_t *w, const float *ws, const int32_t *wsum,
                     const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
 #pragma omp parallel for schedule(static) if (N * M >= 256)
@@ -114,6 +143,8 @@ void tq_w8a8_matmul(const int8_t *xq, const float *xs, const int8_t *w, const fl
             int32_t acc[4];
 #if defined(TQ_W8A8_VNNI)
             dot_rows_vnni(xq + m0 * K, K, rows, wr, wsum[n], acc);
+#elif defined(TQ_W8A8_AVXVNNI)
+            dot_rows_avxvnni(xq + m0 * K, K, rows, wr, wsum[n], acc);
 #elif defined(TQ_AVX2)
             dot_rows_avx2(xq + m0 * K, K, rows, wr, acc);
 #else
