@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf_files import random_blocks
+from kernel_variants import VARIANTS, rand, runnable
 
 from treadle.kernels import native
 from treadle.quantization.gguf_native import NATIVE_TYPES, dequantize_blocks
@@ -16,14 +17,6 @@ K = 512  # two K-quant super-blocks per row
 N = 37  # odd: a segment's last row goes alone
 pytestmark = [pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)"),
               pytest.mark.usefixtures("sixteen_bit_activations")]  # the 8-bit path: test_q8_activations.py
-VARIANTS = pytest.mark.parametrize("variant", [v.name for v in native.VARIANTS])
-
-
-def runnable(variant: str) -> str:
-    missing = native.missing_features(variant)
-    if missing:
-        pytest.skip(f"{variant}: this CPU lacks {' '.join(missing)}")
-    return variant
 
 
 def q16(x: torch.Tensor) -> torch.Tensor:
@@ -31,10 +24,6 @@ def q16(x: torch.Tensor) -> torch.Tensor:
     b = x.reshape(*x.shape[:-1], -1, 32)
     d = b.abs().amax(-1, keepdim=True) / 32767
     return (torch.round(b * torch.where(d > 0, 1.0 / d, torch.zeros_like(d))) * d).reshape(x.shape)
-
-
-def rand(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 @VARIANTS

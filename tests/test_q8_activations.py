@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf_files import random_blocks
+from kernel_variants import VARIANTS, rand, runnable
 
 from treadle.config import TreadleError
 from treadle.kernels import native
@@ -18,14 +19,6 @@ K = 576  # 18 blocks: the minimum terms' 8-lane sums have a padded tail (SmolLM2
 N = 37  # odd: a segment's last row goes alone
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)")
-VARIANTS = pytest.mark.parametrize("variant", [v.name for v in native.VARIANTS])
-
-
-def runnable(variant: str) -> str:
-    missing = native.missing_features(variant)
-    if missing:
-        pytest.skip(f"{variant}: this CPU lacks {' '.join(missing)}")
-    return variant
 
 
 def q8(x: torch.Tensor) -> torch.Tensor:
@@ -33,10 +26,6 @@ def q8(x: torch.Tensor) -> torch.Tensor:
     b = x.reshape(*x.shape[:-1], -1, 32)
     d = b.abs().amax(-1, keepdim=True) / 127
     return (torch.round(b * torch.where(d > 0, 1.0 / d, torch.zeros_like(d))) * d).reshape(x.shape)
-
-
-def rand(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 @VARIANTS
