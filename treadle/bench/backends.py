@@ -1,7 +1,8 @@
 """Offline backends run side by side on one workload: Treadle (continuous
 batching, chunked prefill; with ``--speculative-config`` it speculates, ``treadle-nospec``
 is the same engine without), Treadle in static batches, Hugging Face
-transformers generate() and llama.cpp (through llama-cpp-python, in llamacpp.py).
+transformers generate() and llama.cpp (through llama-cpp-python, in llamacpp.py; its
+prompt-lookup decoding, batch 1 only, in llamacpp_lookup.py).
 
 Every backend runs greedy decoding with EOS ignored, so each request yields
 exactly its ``output_len`` tokens, and reports a RequestRecord per request
@@ -25,7 +26,7 @@ from treadle.bench.workloads import BenchRequest
 
 Progress = Callable[[int], Any] | None  # called with the number of requests just finished
 
-BACKENDS = ("treadle", "treadle-nospec", "static", "hf", "llamacpp")
+BACKENDS = ("treadle", "treadle-nospec", "static", "hf", "llamacpp", "llamacpp-lookup", "llamacpp-hl")
 
 
 class Backend(Protocol):
@@ -190,5 +191,10 @@ def make_backend(name: str, engine_kwargs: dict[str, Any], n_ctx: int) -> Backen
         from treadle.bench.llamacpp import LlamaCppBackend
 
         return LlamaCppBackend(engine_kwargs["model"], n_ctx)
+    if base in ("llamacpp-lookup", "llamacpp-hl"):
+        from treadle.bench.llamacpp_lookup import LlamaCppLookupBackend
+
+        return LlamaCppLookupBackend(engine_kwargs["model"], n_ctx, engine_kwargs.get("speculative_config"),
+                                     lookup=base == "llamacpp-lookup")
     raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)} "
                      "(treadle/static take +QUANT and @MODEL)")

@@ -15,7 +15,7 @@ from treadle.entrypoints.engine_args import DEFAULT_MODEL, add_engine_args, engi
 if TYPE_CHECKING:
     from treadle.bench.offline import OfflineSetup
 
-BACKENDS = ("treadle", "treadle-nospec", "static", "hf", "llamacpp")  # torch, transformers, httpx load only when a command runs
+BACKENDS = ("treadle", "treadle-nospec", "static", "hf", "llamacpp", "llamacpp-lookup", "llamacpp-hl")  # torch, transformers, httpx load only when a command runs
 
 
 def int_list(text: str) -> list[int]:

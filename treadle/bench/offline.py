@@ -54,7 +54,7 @@ def build_backends(names: Sequence[str], engine_kwargs: dict[str, Any], n_ctx: i
 def roofline_for(setup: OfflineSetup, backend: Backend, dtype_bytes: int) -> Roofline | None:
     if setup.peaks is None or backend.weight_bytes is None:
         return None
-    kv_elem = 2 if backend.name == "llamacpp" else dtype_bytes  # llama.cpp keeps an f16 KV cache
+    kv_elem = 2 if backend.name.startswith("llamacpp") else dtype_bytes  # llama.cpp keeps an f16 KV cache
     shape = ModelShape(setup.shape.linear_params, setup.shape.num_layers, setup.shape.q_width,
                        setup.shape.kv_bytes_per_token // 4 * kv_elem, setup.shape.lm_head_params)
     return Roofline(setup.peaks, shape, backend.weight_bytes)
@@ -91,7 +91,10 @@ def warm_up(backends: Sequence[Backend], vocab_size: int) -> None:
     spec = WorkloadSpec("fixed", 2, input_len=LengthRange(16, 16), output_len=LengthRange(4, 4), seed=12345)
     reqs = make_workload(spec, vocab_size)
     for b in backends:
-        b.run(reqs, 2)
+        if getattr(b, "batch1_only", False):  # llamacpp-lookup: one sequence at a time
+            b.run(reqs[:1], 1)
+        else:
+            b.run(reqs, 2)
 
 
 def run_throughput(setup: OfflineSetup, concurrencies: Sequence[int], repeats: int, dtype_bytes: int) -> None:
