@@ -444,3 +444,23 @@ def test_step_cost_model_tells_verify_rows_from_decode_rows() -> None:
     plain, spec = c._cost.predict(8), c._cost.predict(5 * 8, 4 * 8)
     assert plain is not None and abs(plain - 0.026) < 5e-4
     assert spec is not None and abs(spec - (0.010 + 0.002 * 40 + 0.001 * 32)) < 5e-4
+
+
+def test_slow_prefill_steps_do_not_take_over_the_decode_step_cost() -> None:
+    """Batch 1 on a busy machine (the trace that switched n-gram speculation off): a plain decode
+    step 30 ms, a 5-row verify 120 ms, and between requests prefill steps of similar lengths
+    whose times are noisy (a 1.4 s "intercept" if fitted with the decode steps' a). The
+    prompt steps' own fixed cost keeps the decode predictions where the decode steps put them."""
+    c = FallbackController(enabled=True)
+    for prompt, seconds in ((135, 1.75), (108, 1.68), (117, 1.85)):
+        c.observe_step(0, False, 0, seconds, 0, prompt)
+        for i in range(120):
+            verify = i % 16 == 0
+            c.observe_step(1, verify, 4 if verify else 1, 0.120 if verify else 0.030, 5 if verify else 1, 0,
+                           4 if verify else 0)
+        plain, spec = c._cost.predict(1), c._cost.predict(5, 4)
+        assert plain is not None and abs(plain - 0.030) < 2e-3
+        assert spec is not None and abs(spec - 0.120) < 5e-3
+    for _ in range(8):
+        c.stats.record_verify(4, 3)
+    assert c._predicted_to_pay(1) is True

@@ -62,24 +62,29 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 
 
 class _RowCost:
-    """Step time as a + b * decode rows + c * draft rows + e * prompt rows, fitted by least
-    squares over decayed sums. Every step is timed, mixed prompt + decode steps too (their
-    prompt rows are a term of their own, so they teach a and b instead of being dropped); a
+    """Step time as a + b * decode rows + c * draft rows + e * prompt rows + f [prompt rows > 0],
+    fitted by least squares over decayed sums. Every step is timed, mixed prompt + decode steps
+    too (their prompt rows are terms of their own, so they teach b instead of being dropped); a
     verify row may cost more than a plain decode row (c: its extra), which only steps with
-    and without drafts can tell apart; until then a small ridge keeps c at 0."""
+    and without drafts can tell apart; until then a small ridge keeps c at 0. A step with a
+    prompt chunk has its own fixed cost f: without it, a few slow prefill steps of similar
+    lengths on a busy machine (a 1.4 s "intercept" from two noisy points) took over a, and the
+    model predicted a 1-row decode step at 0.6 s and switched batch-1 speculation off. While
+    every step so far carried a prompt chunk, a takes f's share (the first pivot), so a decode
+    step is still predicted from those steps."""
 
     DECAY = 0.98
     RIDGE = 1e-3  # on c, relative to the decode rows' scale
 
     def __init__(self) -> None:
-        self._xx = [[0.0] * 4 for _ in range(4)]  # decayed sum of x x^T, x = [1, decode, draft, prompt rows]
-        self._xy = [0.0] * 4
+        self._xx = [[0.0] * 5 for _ in range(5)]  # decayed sum of x x^T, x = [1, decode, draft, prompt rows, prompt?]
+        self._xy = [0.0] * 5
 
     def observe(self, rows: int, seconds: float, prompt_rows: int = 0, draft_rows: int = 0) -> None:
         """``rows``: decode rows, drafts included (``draft_rows`` of them)."""
-        x, d = (1.0, float(rows), float(draft_rows), float(prompt_rows)), self.DECAY
-        self._xx = [[d * self._xx[i][j] + x[i] * x[j] for j in range(4)] for i in range(4)]
-        self._xy = [d * self._xy[i] + x[i] * seconds for i in range(4)]
+        x, d = (1.0, float(rows), float(draft_rows), float(prompt_rows), float(prompt_rows > 0)), self.DECAY
+        self._xx = [[d * self._xx[i][j] + x[i] * x[j] for j in range(5)] for i in range(5)]
+        self._xy = [d * self._xy[i] + x[i] * seconds for i in range(5)]
 
     def predict(self, rows: float, draft_rows: float = 0.0) -> float | None:
         """Seconds for a decode-only step of ``rows`` tokens, ``draft_rows`` of them drafts;
