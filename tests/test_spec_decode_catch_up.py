@@ -18,6 +18,7 @@ from treadle.layers.attention.selector import select_backend
 from treadle.loaders import load_model
 from treadle.loaders.resolve import resolve_model
 from treadle.models.llama import LlamaForCausalLM
+from treadle.spec_decode.draft_model import DraftModelProposer
 from treadle.spec_decode.head_proposers import EagleProposer
 from treadle.spec_decode.proposer import CatchUp, ProposerStep, RequestProgress
 from treadle.worker.model_runner import allocate_kv_cache
@@ -111,6 +112,33 @@ def test_head_catches_up_lazily_to_what_an_always_on_head_has() -> None:
                                    atol=1e-5, rtol=1e-5)
     # the head's first drafts often are the target's next token: not a comparison of noise
     assert hits >= (NEW_TOKENS - 1 - PROBE) // 3
+    assert lazy.work.rows < on.work.rows
+
+
+def test_draft_model_runs_no_rows_for_a_request_that_does_not_draft() -> None:
+    """The same lazy catch-up in the draft-model proposer (stories260k drafting for itself, KV
+    of its own): b costs no rows until it drafts, then its drafts equal an always-on draft's."""
+    target = load_model("stories260k", select_backend("reference", torch.device("cpu")))
+    seqs = _sequences()
+    prompt_lens = {rid: len(seqs[rid]) - NEW_TOKENS for rid in "ab"}
+    hidden = {rid: _hidden(target.model, seqs[rid]) for rid in "ab"}
+
+    def draft() -> DraftModelProposer:
+        kv = allocate_kv_cache(target.config, NUM_BLOCKS, BLOCK, torch.float32, "cpu")
+        return DraftModelProposer(4, target.model, kv, target.model.backend, BLOCK, 512, False)
+
+    on, lazy = draft(), draft()
+    for i, (on_step, lazy_step) in enumerate(zip(_steps(seqs, hidden, prompt_lens, 0),
+                                                 _steps(seqs, hidden, prompt_lens, PROBE))):
+        want = on.propose(on_step)
+        rows = lazy.work.rows
+        got = lazy.propose(lazy_step)
+        a_rows = (prompt_lens["a"] + 1 if i == 0 else 2) + len(got["a"]) - 1  # catch-up (x too) + chain
+        if i < PROBE:
+            assert "b" not in got and lazy.work.rows - rows == a_rows
+        else:
+            assert got["b"] == want["b"]
+        assert got["a"] == want["a"]
     assert lazy.work.rows < on.work.rows
 
 
