@@ -11,8 +11,8 @@ import pytest
 
 from treadle.config import TreadleError
 from treadle.engine.args import EngineArgs, engine_args
-from treadle.engine.memory import CPU_DEFAULT_CAP, GiB, weight_bytes
-from treadle.engine.resolver import resolve_config
+from treadle.engine.memory import CPU_DEFAULT_CAP, GiB, bytes_per_block, weight_bytes
+from treadle.engine.resolver import draft_head_kv_config, resolve_config
 from treadle.entrypoints.engine_args import add_engine_args, engine_kwargs
 from treadle.loaders import ModelSource, open_model_source, parse_dtype
 
@@ -180,3 +180,15 @@ def test_parallel_sizes_are_checked_against_the_heads(stories: ModelSource, smol
     single = resolve(stories, PLENTY)
     # each rank holds half the KV heads of its stage's layers (5 layers: stages of 2 and 3)
     assert config.cache.bytes_per_block == single.cache.bytes_per_block // 5 * 3 // 2
+
+
+def test_eagle_blocks_count_the_head_kv_and_a_hidden_state_per_slot(stories: ModelSource) -> None:
+    """A block holds the target's KV, the EAGLE layer's KV and, for the head's lazy catch-up, the
+    target's hidden state of each of its slots."""
+    plain = resolve(stories, num_kv_blocks=1).cache
+    eagle = resolve(stories, num_kv_blocks=1, speculative_config={"method": "eagle", "num_speculative_tokens": 4})
+    head = draft_head_kv_config(eagle.speculative, stories)
+    assert head is not None
+    bs, f32 = plain.block_size, parse_dtype("float32")
+    assert eagle.cache.bytes_per_block == (plain.bytes_per_block + bytes_per_block(head, bs, f32)
+                                           + bs * stories.config.hidden_size * 4)

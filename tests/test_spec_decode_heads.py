@@ -104,7 +104,7 @@ VARIANTS = {
     "k1": {"k": 1},
     "chunked": {"max_num_batched_tokens": 8},  # drafts cut by the budget, prompt chunks beside verifies
     "preemption": {"num_kv_blocks": 7, "max_num_batched_tokens": 32},
-    "fallback-on": {"fallback": True},  # the default: the controller may drop drafts (KV catch-up goes on)
+    "fallback-on": {"fallback": True},  # the default: the controller may drop drafts (the head catches up later)
 }
 
 
@@ -141,7 +141,8 @@ def test_seeded_sampling_equals_plain(method: str) -> None:
 
 
 def test_prefix_hit_after_eagle_equals_a_cold_run() -> None:
-    """A prefix hit reuses the head's KV of the cached blocks (same block ids)."""
+    """A prefix hit: the head's first catch-up recomputes its KV over the hit, from the target's
+    hidden states the proposer kept per slot (the cached blocks' slots)."""
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     llm = LLM("stories260k", num_kv_blocks=64, block_size=4, speculative_config=spec("eagle"))
     first = llm.generate(STORIES[0], params, use_tqdm=False)[0]

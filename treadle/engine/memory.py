@@ -72,13 +72,15 @@ def plan_kv_cache(
     num_blocks: int | None,
     on_cpu: bool,
     draft: ModelConfig | None = None,
+    draft_token_bytes: int = 0,
 ) -> KVPlan:
     """How many blocks to allocate: ``num_blocks`` if given; else ``kv_cache_memory`` bytes
     (checked against ``available``); else ``memory_fraction`` of the memory left after the
     weights, capped (on the CPU) and never more than ``max_num_seqs`` full-length sequences use.
     ``draft``: a draft model whose KV shares the blocks (a block holds both models' KV).
-    ``cache_dtype``: what the cache holds (a quantized cache's rows carry their scales)."""
-    per_block = bytes_per_block(cfg, block_size, cache_dtype)
+    ``cache_dtype``: what the cache holds (a quantized cache's rows carry their scales).
+    ``draft_token_bytes``: what a proposer keeps per slot beside its KV (EAGLE: a hidden state)."""
+    per_block = bytes_per_block(cfg, block_size, cache_dtype) + block_size * draft_token_bytes
     if draft is not None:
         per_block += bytes_per_block(draft, block_size, cache_dtype)
     min_blocks = -(-max_model_len // block_size)

@@ -108,6 +108,7 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
         rank_cfg, cache_dtype(kv_dtype), scheduler.max_model_len, scheduler.max_num_seqs, available // share, weights // world,
         block_size=args.block_size, kv_cache_memory=None if kv_memory is None else kv_memory // share,
         memory_fraction=args.kv_cache_memory_fraction, num_blocks=args.num_kv_blocks, on_cpu=on_cpu, draft=draft,
+        draft_token_bytes=draft_head_token_bytes(speculative, source, dtype),
     )
     return EngineConfig(
         model=source.config,
@@ -377,6 +378,14 @@ def with_draft_head(spec: SpeculativeConfig | None, target: ModelSource) -> Spec
         raise TreadleError(f"draft head {model} has {head.num_speculative_tokens} Medusa heads; "
                            f"num_speculative_tokens {spec.num_speculative_tokens} needs as many")
     return dataclasses.replace(spec, model=model)
+
+
+def draft_head_token_bytes(spec: SpeculativeConfig | None, target: ModelSource, dtype: torch.dtype) -> int:
+    """Bytes per KV slot the EAGLE proposer keeps beside its KV: the target's hidden state (its
+    lazy catch-up, ``spec_decode/head_proposers.py``); 0 for every other method."""
+    if spec is None or spec.method != "eagle":
+        return 0
+    return target.config.hidden_size * dtype.itemsize
 
 
 def draft_head_kv_config(spec: SpeculativeConfig | None, target: ModelSource) -> ModelConfig | None:

@@ -3,10 +3,11 @@ greedily, with its KV in the target's block pool (same block ids and slot mappin
 ``proposer.py``).
 
     step t, request r (target computed positions start .. start+n-1, verified v of them,
-    sampled the new token x at position start+v):
+    sampled the new token x at position start+v), its draft KV valid below c (``CatchUp``):
 
-    catch-up   one flat forward over every request:  tokens [start, start+v) + x
-               (a non-drafting request: [start, start+v) only)   -> d1 = argmax at x's row
+    catch-up   one flat forward over the requests that draft:  tokens [c, start+v) + x
+               (a request that does not draft: nothing; its positions wait for its next
+               catch-up, ``proposer.py``)   -> d1 = argmax at x's row
     draft      K-1 single-token forwards:  d_i at position start+v+i -> d_{i+1}
                (positions past start+v are scratch: overwritten before anyone reads them)
 
@@ -17,6 +18,7 @@ scratch slots are rewritten by the target's next step before it attends to them)
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 import torch
@@ -24,7 +26,7 @@ import torch
 from treadle.distributed.vocab import vocab_embedding
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, StepInputBuilder
 from treadle.models.llama import KVCache, LlamaForCausalLM
-from treadle.spec_decode.proposer import Proposer, ProposerStep, RequestProgress
+from treadle.spec_decode.proposer import CatchUp, Proposer, ProposerStep, ProposerWork, RequestProgress
 
 
 class DraftLM(Protocol):
@@ -67,21 +69,26 @@ class DraftModelProposer(Proposer):
         super().__init__(num_speculative_tokens)
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         self.max_positions, self.shares_target_kv = max_positions, shares_target_kv
-        self.owns_kv = not shares_target_kv  # its own KV catches up on every step
+        self.owns_kv = not shares_target_kv  # its own KV: it tracks every request (lazy catch-up)
+        self.catch_up, self.work = CatchUp(), ProposerWork()
         self.device = torch.device(device)
         self.inputs = StepInputBuilder(block_size, 0, self.device)
 
     def _rows(self, step: ProposerStep) -> list[_Row]:
+        """The drafting requests, each from its first position without draft KV to x."""
         rows = []
         for r in step.requests:
+            valid = 0 if self.shares_target_kv else self.catch_up.valid(r)
             verified_end = r.start + r.num_verified
-            drafting = r.wants_drafts and len(r.token_ids) <= min(r.num_slots, self.max_positions)
-            end = len(r.token_ids) if drafting else verified_end
-            begin = verified_end if self.shares_target_kv else r.start
-            if self.shares_target_kv and not drafting:
+            if not (r.wants_drafts and len(r.token_ids) <= min(r.num_slots, self.max_positions)):
                 continue
-            rows.append(_Row(RequestProgress(**{**vars(r), "wants_drafts": drafting}), begin, end))
+            rows.append(_Row(r, verified_end if self.shares_target_kv else valid, len(r.token_ids)))
+            if not self.shares_target_kv:
+                self.catch_up.caught_up(r.request_id, verified_end)
         return rows
+
+    def finish(self, request_ids: Iterable[str]) -> None:
+        self.catch_up.forget(request_ids)
 
     def _forward(self, tokens: list[list[int]], rows: list[_Row], starts: list[int]) -> torch.Tensor:
         """Run ``tokens[i]`` at positions ``starts[i]..`` of row i; logits at each row's last token."""
@@ -91,6 +98,7 @@ class DraftModelProposer(Proposer):
         meta.plan = self.backend.plan(meta)
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device)
         hidden = self.model(ids, positions, self.kv_caches, meta)
+        self.work.add(len(ids))
         last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
         logits = self.model.compute_logits(hidden.index_select(0, last))
         assert logits is not None, "speculation runs on one rank"
@@ -102,9 +110,8 @@ class DraftModelProposer(Proposer):
         if not rows:
             return {}
         logits = self._forward([r.request.token_ids[r.begin : r.end] for r in rows], rows, [r.begin for r in rows])
-        drafts = {r.request.request_id: [int(t)] for r, t in zip(rows, logits.argmax(-1).tolist())
-                  if r.request.wants_drafts}
-        live = [r for r in rows if r.request.wants_drafts]
+        drafts = {r.request.request_id: [int(t)] for r, t in zip(rows, logits.argmax(-1).tolist())}
+        live = rows
         for i in range(1, self.k):
             # d_i sits at position len(tokens) - 1 + i; it needs a slot and a rotary position
             live = [r for r in live if len(r.request.token_ids) + i <= min(r.request.num_slots, self.max_positions)]

@@ -9,15 +9,26 @@ view of that step, and gets drafts back for the next one.
 
 Draft KV (a proposer that owns a small model: a draft model, an EAGLE head) lives in the
 **same block pool** as the target's: its own per-layer tensors, indexed by the same physical
-block ids and slot mapping (``RequestProgress.block_ids``). So allocation, prefix caching,
-rollback (``KVCacheManager.trim``) and preemption need no second allocator. The invariant a
-KV-owning proposer keeps: its KV is valid for every position the target has computed, i.e.
-each step it runs on the request's verified positions ``[start, start + num_verified)`` (prompt
-chunks too), so a full cached block carries the proposer's KV as well and a prefix hit needs
-no catch-up. Positions at or past the target's computed length are scratch: the proposer may
-write them while drafting (the scheduler reserves ``SpeculativeConfig.lookahead_slots`` slots
-past each scheduled chunk for that) but must never read them in a later step. A request whose
-``start`` went backwards was preempted (recomputed) or rolled back: nothing to do for KV.
+block ids and slot mapping (``RequestProgress.block_ids``). So allocation, rollback
+(``KVCacheManager.trim``) and preemption need no second allocator. A KV-owning proposer sees
+every step but runs its model only for the requests that draft in it (lazy catch-up,
+``CatchUp``): per request its KV is valid on positions [0, valid), valid <= the target's
+computed length, and a drafting request first runs [valid, verified end) in the step's one
+flat catch-up forward. A request that does not draft (fallback switched it or the batch off,
+a prompt chunk, a grammar) costs the proposer bookkeeping only, however many steps it stays
+off; the next draft pays for all of them in one forward (many rows in one call cost less per
+row than one call per step).
+
+    request r, its proposer KV:  [0, valid) valid | [valid, computed) missed while not drafting
+    r drafts this step:          catch-up [valid, verified end) -> valid = verified end -> drafts
+
+valid starts at 0 for a request the proposer has not seen, a prefix hit included (a cached
+block may have been computed by a request that never drafted, so its proposer KV may be
+missing: the first catch-up recomputes it over the hit), and goes back to 0 when the target
+recomputes (a step whose ``start`` is below the computed length last seen: preemption).
+Positions at or past valid are scratch: the proposer may write them while drafting (the
+scheduler reserves ``SpeculativeConfig.lookahead_slots`` slots past each scheduled chunk for
+that) and its next catch-up rewrites them before it attends to them.
 
 Drafts here are deterministic functions of the context (argmax of the draft; n-gram lookup):
 the verifier treats them as a point mass, which is exact for sampling too and keeps a seeded
@@ -60,8 +71,9 @@ class ProposerStep:
 class Proposer(ABC):
     """Drafts K tokens per request. Built once per worker (``spec_decode.build_proposer``)."""
 
-    # True: the proposer keeps state (draft KV) over every verified position, so it sees every
-    # step; False: the runner skips ``propose`` on steps where no request wants drafts.
+    # True: the proposer keeps per-position state (draft KV; EAGLE: the target's hidden states),
+    # so it sees every step; False: the runner skips ``propose`` on steps where no request wants
+    # drafts.
     owns_kv: bool = False
 
     def __init__(self, num_speculative_tokens: int) -> None:
@@ -70,7 +82,7 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, step: ProposerStep) -> dict[str, list[int]]:
         """Called after every target step with every scheduled request (prompt chunks and
-        requests that will not draft included, so a KV-owning proposer catches up on them).
+        requests that will not draft included, so a KV-owning proposer can track them).
         Returns up to K drafts for each request with ``wants_drafts`` (missing or [] means
         none); the scheduler may cut them (max tokens, model length, fallback)."""
 
@@ -82,6 +94,46 @@ class Proposer(ABC):
     def finish(self, request_ids: Iterable[str]) -> None:  # noqa: B027 - optional hook
         """The requests finished or were aborted: drop any per-request state (KV needs nothing:
         their blocks go back to the pool with the target's)."""
+
+
+@dataclass
+class ProposerWork:
+    """What a KV-owning proposer's own model ran, since it was built: forward calls and rows
+    (catch-up and chained drafts); read by tests and profiles."""
+
+    forwards: int = 0
+    rows: int = 0
+
+    def add(self, rows: int) -> None:
+        self.forwards, self.rows = self.forwards + 1, self.rows + rows
+
+
+class CatchUp:
+    """Per request, where a KV-owning proposer's own KV stops being valid (module docstring)."""
+
+    def __init__(self) -> None:
+        self._valid: dict[str, int] = {}  # its KV is valid on positions [0, valid)
+        self._computed: dict[str, int] = {}  # the target's verified end at the last step seen
+
+    def valid(self, r: RequestProgress) -> int:
+        """The first position r's proposer KV lacks; call once per step for every scheduled
+        request (it notices recomputes by comparing ``r.start`` with the last step's end)."""
+        rid = r.request_id
+        valid = self._valid.get(rid, 0)
+        if r.start < self._computed.get(rid, 0):  # preempted: its blocks may hold anything now
+            valid = 0
+        self._computed[rid] = r.start + r.num_verified
+        self._valid[rid] = valid = min(valid, r.start + r.num_verified)
+        return valid
+
+    def caught_up(self, request_id: str, end: int) -> None:
+        """The proposer ran its model on every position below ``end``."""
+        self._valid[request_id] = end
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._valid.pop(rid, None)
+            self._computed.pop(rid, None)
 
 
 class DraftLength:
