@@ -1,7 +1,8 @@
 """What a speculative verify step costs against a plain decode step: one sequence's forward
 with 1, 2, ... query rows at the end of a context (the rows a verify of K drafts runs: 1 + K),
 layers (the one-call C layer takes up to ``DECODE_ROWS_MAX`` rows) and lm_head timed apart,
-interleaved over repeats, medians.
+interleaved over repeats, medians (thread CPU time with one thread, so other jobs on a shared
+machine disturb it less; wall time with more). ``PYTHONPATH=<other checkout>`` times that tree.
 
     python benchmarks/verify_rows_cpu.py --model smollm2-135m-instruct --threads 1
 
@@ -30,6 +31,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
     rows = [int(r) for r in args.rows.split(",")]
     llm = LLM(args.model, max_model_len=args.context + max(rows) + 16, kv_cache_memory="64MiB")
     runner = llm.engine.executor.worker.runner  # type: ignore[attr-defined]
@@ -43,12 +45,12 @@ def main() -> None:
                 positions, meta = builder.build([q], [args.context + q], [table])
                 meta.plan = model.backend.plan(meta)
                 ids = torch.randint(100, model.config.vocab_size, (q,))
-                t0 = time.perf_counter()
+                t0 = clock()
                 hidden = model(ids, positions, kv, meta)
-                t1 = time.perf_counter()
+                t1 = clock()
                 model.compute_logits(hidden)
                 times[q][0].append(t1 - t0)
-                times[q][1].append(time.perf_counter() - t1)
+                times[q][1].append(clock() - t1)
     med = {q: (statistics.median(a) * 1e3, statistics.median(b) * 1e3) for q, (a, b) in times.items()}
     plain = sum(med[rows[0]])
     print(f"| rows | layers ms | lm_head ms | step / {rows[0]}-row step |\n|---|---|---|---|")

@@ -20,8 +20,16 @@
  * shares one quantized copy of x and a fused layer may mix types (tq_layout segments).
  * Every output is computed by the same code whatever M is and whichever thread takes it, so a
  * row's result does not depend on the batch it is in. Threads split the weight rows (OpenMP,
- * the libgomp and thread count torch uses); tiles of 2 weight rows x up to 4 activation rows
- * share each expanded weight block and each loaded activation block.
+ * the libgomp and thread count torch uses). Tiles of 2 weight rows x up to 4 activation rows
+ * (8 outputs, lane 2i + r) share each expanded weight block and each loaded activation block:
+ *
+ *   per block:  unit scales of rows r0, r1 -> msum[8] += m[r] * xs[i]   one vector fma (min_terms;
+ *               unpack w[r0], w[r1] (16-bit)                           xs laid out per lane once
+ *               for i < 4, r < 2: acc[i][r] += (cvt(w[r] . xq[i]) * d[r]) * xd[i]   per call: xlanes)
+ *
+ * The minimum terms (Q4_1, Q5_1, K-quants) cost one fma per block and tile instead of one scalar
+ * fma per output, and free the registers those held: gcc 12 spills 2 of the 8 accumulators of a
+ * Q4_1 tile instead of 6 (Q4_1 at M >= 4 ~1.1x faster; Q8_0 unchanged: docs/benchmarks.md, #16).
  * With the layout's act_bits 8 (TREADLE_ACTIVATION_BITS, the default), segments of Q4_0, Q4_1,
  * Q5_0, Q5_1, Q8_0 take q8act.c's 8-bit activations instead (faster; llama.cpp's rounding).
  * Built once per variant (native.py VARIANTS, chosen at load by CPU features): AVX2/FMA/F16C
@@ -35,6 +43,7 @@
 #include "qblocks.h"
 
 #define MR 4 /* activation rows per pass over a weight row */
+#define LANES (2 * MR) /* a tile's outputs, lane 2i + r: activation row i, weight row r */
 
 #ifdef TQ_AVX2
 /* lo + (the second half's 16-bit products, pairs summed): one vpdpwssd in the avx512-vnni build,
@@ -47,10 +56,23 @@ static inline __attribute__((always_inline)) __m256i block_sum(__m256i lo, __m25
     return _mm256_add_epi32(lo, _mm256_madd_epi16(w1, x1));
 #endif
 }
+
 #endif
 
-/* Activation rows -> 16-bit blocks: xq [M, K] int16; xd, xs [M, K/32]; xh [M, K/32, 2] float. */
-static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, float *xd, float *xs, float *xh) {
+typedef struct { /* a block's activation scales for a group of MR rows, each twice: lane 2i + r */
+    float s[LANES], h0[LANES], h1[LANES];
+} xlanes;
+
+typedef struct { /* one quantized activation matrix */
+    const int16_t *q;
+    const float *d, *s, *h; /* [M, K/32]; h: [M, K/32, 2] */
+    const xlanes *lanes; /* [ceil(M / MR), K/32]: the same scales, laid out for a tile's lanes */
+} qacts;
+
+/* Activation rows -> 16-bit blocks: xq [M, K] int16; xd, xs [M, K/32]; xh [M, K/32, 2] float,
+ * and the same scales again in lanes (rows past M zero). */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, float *xd, float *xs, float *xh,
+                          xlanes *lanes) {
     const int64_t nb = K / QK;
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t i = 0; i < M * nb; i++) {
@@ -69,23 +91,87 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, flo
         xs[i] = d * (float)(sum[0] + sum[1]);
         xh[2 * i] = d * (float)sum[0];
         xh[2 * i + 1] = d * (float)sum[1];
+        xlanes *l = lanes + (i / nb / MR) * nb + i % nb;
+        for (int r = 0, lane = 2 * (int)(i / nb % MR); r < 2; r++) {
+            l->s[lane + r] = xs[i];
+            l->h0[lane + r] = xh[2 * i];
+            l->h1[lane + r] = xh[2 * i + 1];
+        }
     }
 }
 
-typedef struct { /* one quantized activation matrix */
-    const int16_t *q;
-    const float *d, *s, *h;
-} qacts;
+/* The minimum terms of a block for a tile, added to msum lane 2i + r (activation row i, weight
+ * row r): m_r xs_i (or mh xh per half), each one fused multiply-add. Every lane takes the same
+ * float operations whether computed alone (NX = 1, plain C) or 8 at once, so a row's result does
+ * not depend on the tile it falls in. */
+typedef struct {
+    float d0[2], d1[2], m[2], mh0[2], mh1[2]; /* per weight row */
+} wscales;
+
+static inline __attribute__((always_inline)) void min_terms(int qtype, const wscales *w, qacts x, int64_t nb,
+                                                            int64_t b, const int NW, const int NX, float *msum) {
+    if (!min_per_block(qtype) && !min_per_half(qtype)) return;
+#ifdef TQ_AVX2
+    if (NX > 1) { /* 8 lanes at once */
+        const int r1 = NW - 1; /* NW = 1: lane 2i + 1 repeats row 0 (unused) */
+        const xlanes *l = x.lanes + b;
+#define PAIRS(v) _mm256_setr_ps(v[0], v[r1], v[0], v[r1], v[0], v[r1], v[0], v[r1])
+        __m256 ms = _mm256_load_ps(msum);
+        if (min_per_block(qtype)) ms = _mm256_fmadd_ps(PAIRS(w->m), _mm256_load_ps(l->s), ms);
+        if (min_per_half(qtype))
+            ms = _mm256_fmadd_ps(PAIRS(w->mh1), _mm256_load_ps(l->h1),
+                                 _mm256_fmadd_ps(PAIRS(w->mh0), _mm256_load_ps(l->h0), ms));
+#undef PAIRS
+        _mm256_store_ps(msum, ms);
+        return;
+    }
+#endif
+    for (int i = 0; i < NX; i++)
+        for (int r = 0; r < NW; r++) {
+            const int64_t xb = i * nb + b;
+            float *ms = msum + 2 * i + r;
+            if (min_per_block(qtype)) *ms = fmaf(w->m[r], x.s[xb], *ms);
+            if (min_per_half(qtype)) *ms = fmaf(w->mh1[r], x.h[2 * xb + 1], fmaf(w->mh0[r], x.h[2 * xb], *ms));
+        }
+}
+
+/* acc + (w . xq) * xd for one block: the exact integer dot, converted once and scaled by the
+ * block's d (d0, d1 per half of 16 for split_scales types); AVX2: in 8 lanes of partial sums. */
+#ifdef TQ_AVX2
+static inline __attribute__((always_inline)) __m256 block_dot(int qtype, const __m256i w[2], const int16_t *xq,
+                                                              float d0, float d1, const float *xd, __m256 acc) {
+    /* activations loaded per use: madd's memory operand, no registers held */
+    const __m256i lo = _mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)xq));
+    const __m256 flo = _mm256_cvtepi32_ps(split_scales(qtype) ? lo : block_sum(lo, w[1], xq));
+    __m256 t = _mm256_mul_ps(flo, _mm256_set1_ps(d0));
+    if (split_scales(qtype)) {
+        const __m256i hi = _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(xq + 16)));
+        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(d1), t);
+    }
+    return _mm256_fmadd_ps(t, _mm256_broadcast_ss(xd), acc);
+}
+#else
+static inline __attribute__((always_inline)) float block_dot(int qtype, const int q[QK], const int16_t *xq, float d0,
+                                                             float d1, const float *xd, float acc) {
+    int lo = 0, hi = 0;
+    for (int j = 0; j < 16; j++) {
+        lo += q[j] * xq[j];
+        hi += q[j + 16] * xq[j + 16];
+    }
+    const float t = split_scales(qtype) ? (float)lo * d0 + (float)hi * d1 : (float)(lo + hi) * d0;
+    return acc + t * *xd;
+}
+#endif
 
 /* A tile of NW weight rows (at most 2) times NX activation rows (at most MR):
- * out[i * ostride + r] = row r . (x row i) + bias[r]. Every output is accumulated the same
- * way whatever the tile's shape (per block: t = float(q . xq) * d, acc += t * xd; the
- * minimum terms summed apart), so results do not depend on M or on where a row falls in a tile. */
+ * out[i * ostride + r] = row r . (x row i) + bias[r]. Every output is accumulated the same way
+ * whatever the tile's shape (block_dot per block; the minimum terms apart, min_terms), so results
+ * do not depend on M or on where a row falls in a tile. */
 static inline __attribute__((always_inline)) void tile(int qtype, const uint8_t *row, int64_t rbytes, int64_t nb,
                                                         qacts x, const int NW, const int NX, const float *bias,
                                                         float *out, int64_t ostride) {
     const int G = unit_blocks(qtype), ub = unit_bytes(qtype);
-    float msum[MR][2] = {{0.0f}};
+    float msum[LANES] __attribute__((aligned(32))) = {0.0f};
 #ifdef TQ_AVX2
     __m256 acc[MR][2];
     for (int i = 0; i < NX; i++)
@@ -104,50 +190,26 @@ static inline __attribute__((always_inline)) void tile(int qtype, const uint8_t 
         }
         for (int s = 0; s < G; s++) {
             const int64_t b = u * G + s;
+            wscales ws;
+            for (int r = 0; r < NW; r++) {
+                ws.d0[r] = sc[r].d[scale_index(qtype, s, 0)];
+                ws.d1[r] = sc[r].d[scale_index(qtype, s, 1)];
+                ws.m[r] = min_per_block(qtype) ? sc[r].m[s] : 0.0f;
+                ws.mh0[r] = min_per_half(qtype) ? sc[r].mh[2 * s] : 0.0f;
+                ws.mh1[r] = min_per_half(qtype) ? sc[r].mh[2 * s + 1] : 0.0f;
+            }
+            min_terms(qtype, &ws, x, nb, b, NW, NX, msum);
 #ifdef TQ_AVX2
             __m256i w[2][2];
-            __m256 d0[2], d1[2];
-            for (int r = 0; r < NW; r++) {
-                block_weights(qtype, unit[r], s, w[r]);
-                d0[r] = _mm256_set1_ps(sc[r].d[scale_index(qtype, s, 0)]);
-                d1[r] = _mm256_set1_ps(sc[r].d[scale_index(qtype, s, 1)]);
-            }
+            for (int r = 0; r < NW; r++) block_weights(qtype, unit[r], s, w[r]);
 #else
-            int q[2][QK];
-            for (int r = 0; r < NW; r++) block_ints(qtype, unit[r], s, q[r]);
+            int w[2][QK];
+            for (int r = 0; r < NW; r++) block_ints(qtype, unit[r], s, w[r]);
 #endif
-            for (int i = 0; i < NX; i++) {
-                const int64_t xb = i * nb + b;
-                const int16_t *xq = x.q + xb * QK;
-#ifdef TQ_AVX2
-                const __m256 vx = _mm256_broadcast_ss(x.d + xb);
-#endif
-                for (int r = 0; r < NW; r++) {
-#ifdef TQ_AVX2
-                    /* activations loaded per use: madd's memory operand, no registers held (8 accumulators) */
-                    const __m256i lo = _mm256_madd_epi16(w[r][0], _mm256_loadu_si256((const __m256i *)xq));
-                    const __m256i hi = split_scales(qtype)
-                        ? _mm256_madd_epi16(w[r][1], _mm256_loadu_si256((const __m256i *)(xq + 16)))
-                        : lo;
-                    const __m256 t = split_scales(qtype)
-                        ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), d1[r], _mm256_mul_ps(_mm256_cvtepi32_ps(lo), d0[r]))
-                        : _mm256_mul_ps(_mm256_cvtepi32_ps(block_sum(lo, w[r][1], xq)), d0[r]);
-                    acc[i][r] = _mm256_fmadd_ps(t, vx, acc[i][r]);
-#else
-                    int lo = 0, hi = 0;
-                    for (int j = 0; j < 16; j++) {
-                        lo += q[r][j] * xq[j];
-                        hi += q[r][j + 16] * xq[j + 16];
-                    }
-                    const float d0 = sc[r].d[scale_index(qtype, s, 0)], d1 = sc[r].d[scale_index(qtype, s, 1)];
-                    const float t = split_scales(qtype) ? (float)lo * d0 + (float)hi * d1 : (float)(lo + hi) * d0;
-                    acc[i][r] += t * x.d[xb];
-#endif
-                    if (min_per_block(qtype)) msum[i][r] += sc[r].m[s] * x.s[xb];
-                    if (min_per_half(qtype))
-                        msum[i][r] += sc[r].mh[2 * s] * x.h[2 * xb] + sc[r].mh[2 * s + 1] * x.h[2 * xb + 1];
-                }
-            }
+            for (int i = 0; i < NX; i++)
+                for (int r = 0; r < NW; r++)
+                    acc[i][r] = block_dot(qtype, w[r], x.q + (i * nb + b) * QK, ws.d0[r], ws.d1[r], x.d + i * nb + b,
+                                          acc[i][r]);
         }
     }
     for (int i = 0; i < NX; i++)
@@ -157,7 +219,7 @@ static inline __attribute__((always_inline)) void tile(int qtype, const uint8_t 
 #else
             const float a = acc[i][r];
 #endif
-            out[i * ostride + r] = a + msum[i][r] + (bias ? bias[r] : 0.0f);
+            out[i * ostride + r] = a + msum[2 * i + r] + (bias ? bias[r] : 0.0f);
         }
 }
 
@@ -170,7 +232,7 @@ static inline __attribute__((always_inline)) void row_pair(const int qtype, cons
                                                             int64_t K) {
     const int64_t nb = K / QK, rbytes = row_bytes(qtype, K);
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        const qacts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb, x.h + 2 * m0 * nb};
+        const qacts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb, x.h + 2 * m0 * nb, x.lanes + m0 / MR * nb};
         float *out = y + m0 * ldy;
         const int nx = M - m0 < MR ? (int)(M - m0) : MR;
         if (nw == 2) { /* constant tile shapes: unrolled, in registers */
@@ -182,7 +244,7 @@ static inline __attribute__((always_inline)) void row_pair(const int qtype, cons
             }
         } else { /* a segment's odd last row: one activation row at a time (same sums, less code) */
             for (int i = 0; i < nx; i++) {
-                const qacts xi = {xm.q + i * K, xm.d + i * nb, xm.s + i * nb, xm.h + 2 * i * nb};
+                const qacts xi = {xm.q + i * K, xm.d + i * nb, xm.s + i * nb, xm.h + 2 * i * nb, NULL};
                 tile(qtype, row, rbytes, nb, xi, 1, 1, bias, out + i * ldy, ldy);
             }
         }
@@ -225,12 +287,15 @@ void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float 
     }
     int16_t *xq = NULL;
     float *xf = NULL;
+    xlanes *lanes = NULL;
     qacts xa = {0};
     if (any16) {
         xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
         xf = (float *)malloc((size_t)(4 * M * nb) * sizeof(float)); /* xd | xs | xh (2 per block) */
-        quantize_rows(x, M, K, xq, xf, xf + M * nb, xf + 2 * M * nb);
-        xa = (qacts){xq, xf, xf + M * nb, xf + 2 * M * nb};
+        lanes = (xlanes *)aligned_alloc(32, (size_t)((M + MR - 1) / MR * nb) * sizeof(xlanes));
+        memset(lanes, 0, (size_t)((M + MR - 1) / MR * nb) * sizeof(xlanes));
+        quantize_rows(x, M, K, xq, xf, xf + M * nb, xf + 2 * M * nb, lanes);
+        xa = (qacts){xq, xf, xf + M * nb, xf + 2 * M * nb, lanes};
     }
     const tq_q8acts x8 = any8 ? tq_q8_quantize(x, M, K) : (tq_q8acts){0};
     int64_t n0 = 0;
@@ -247,6 +312,7 @@ void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float 
     if (any8) tq_q8_free(x8);
     free(xq);
     free(xf);
+    free(lanes);
 }
 
 /* One row of K inputs -> K floats (exactly the gguf package's values). */
