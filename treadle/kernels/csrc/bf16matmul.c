@@ -135,9 +135,9 @@ static void rows_dpbf16(const uint16_t *w, const uint16_t *xb, int nw, int64_t M
 }
 #endif
 
-/* x: float32, or bfloat16 when x_bf16; y: float32, or bfloat16 when y_bf16 */
-void tq_bf16_matmul(const uint16_t *w, const void *x, int x_bf16, void *y, int y_bf16, const float *bias, int64_t M,
-                    int64_t N, int64_t K) {
+/* x: float32, or bfloat16 when x_bf16; y: float32, or bfloat16 when y_bf16, rows ldy elements apart */
+void tq_bf16_rows(const uint16_t *w, const void *x, int x_bf16, void *y, int y_bf16, int64_t ldy, const float *bias,
+                  int64_t M, int64_t N, int64_t K) {
     const int64_t tiles = (N + NW - 1) / NW;
 #ifdef TQ_BF16
     if (K % 32 == 0) {
@@ -150,7 +150,7 @@ void tq_bf16_matmul(const uint16_t *w, const void *x, int x_bf16, void *y, int y
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n = t * NW;
             const int nw = N - n < NW ? (int)(N - n) : NW;
-            rows_dpbf16(w + n * K, xb, nw, M, K, bias ? bias + n : NULL, y, n, y_bf16, N);
+            rows_dpbf16(w + n * K, xb, nw, M, K, bias ? bias + n : NULL, y, n, y_bf16, ldy);
         }
         if (!x_bf16) free(xb);
         return;
@@ -172,15 +172,20 @@ void tq_bf16_matmul(const uint16_t *w, const void *x, int x_bf16, void *y, int y
             const float *bn = bias ? bias + n : NULL;
             if (N - n < NW) { /* the last, short tile: one row at a time (same sums) */
                 for (int64_t r = 0; r < N - n; r++)
-                    rows(wt + r * K, 0, xf, 1, M, K, bn ? bn + r : NULL, y, n + r, y_bf16, N);
+                    rows(wt + r * K, 0, xf, 1, M, K, bn ? bn + r : NULL, y, n + r, y_bf16, ldy);
             } else if (wide) {
                 for (int64_t i = 0; i < NW * K; i++) wide[i] = bf16_to_f32(wt[i]);
-                for (int h = 0; h < NW; h += 2) rows_wide(wide + h * K, xf, M, K, bn ? bn + h : NULL, y, n + h, y_bf16, N);
+                for (int h = 0; h < NW; h += 2) rows_wide(wide + h * K, xf, M, K, bn ? bn + h : NULL, y, n + h, y_bf16, ldy);
             } else {
-                rows(wt, 0, xf, NW, M, K, bn, y, n, y_bf16, N);
+                rows(wt, 0, xf, NW, M, K, bn, y, n, y_bf16, ldy);
             }
         }
         free(wide);
     }
     free(xw);
+}
+
+void tq_bf16_matmul(const uint16_t *w, const void *x, int x_bf16, void *y, int y_bf16, const float *bias, int64_t M,
+                    int64_t N, int64_t K) {
+    tq_bf16_rows(w, x, x_bf16, y, y_bf16, N, bias, M, N, K);
 }
