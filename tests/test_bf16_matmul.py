@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_tiny_model
+from kernel_variants import VARIANTS, rand, runnable
 from paged_session import PagedSession
 
 from treadle import LLM, SamplingParams
@@ -25,19 +26,14 @@ pytestmark = [pytest.mark.skipif(not native.available(), reason="needs a C compi
 SHAPES = [(1, 37, 64), (5, 64, 72), (16, 130, 576)]  # N not a multiple of the 4-row tile; K = 72: no 32s
 
 
-def rand(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
 def operands(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return rand(m, k, seed=1), rand(n, k, seed=2).to(torch.bfloat16), rand(n, seed=3)
 
 
-@pytest.mark.parametrize("variant", [v.name for v in native.VARIANTS])
+@VARIANTS
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_variant_matches_plain_c_and_torch(variant: str, m: int, n: int, k: int) -> None:
-    if native.missing_features(variant):
-        pytest.skip(f"{variant}: this CPU lacks {' '.join(native.missing_features(variant))}")
+    runnable(variant)
     x, w, b = operands(m, n, k)
     got = native.bf16_matmul(x, w, b, variant=variant)
     ref = native.bf16_matmul(x, w, b, plain=True)
@@ -61,12 +57,11 @@ def test_rows_do_not_depend_on_the_batch(plain: bool) -> None:
     assert torch.equal(native.bf16_matmul(x[3:6], w, b, plain=plain), batch[3:6])
 
 
-@pytest.mark.parametrize("variant", [v.name for v in native.VARIANTS])
+@VARIANTS
 def test_bf16_rows_in_a_layout_are_the_kernel_bit_for_bit(variant: str) -> None:
     """tq_matmul's "BF16" segments (the C decoder layer's path) call the same kernel, rows
     written at the layout's row stride: a [q | k | v]-like weight in two segments too."""
-    if native.missing_features(variant):
-        pytest.skip(f"{variant}: this CPU lacks {' '.join(native.missing_features(variant))}")
+    runnable(variant)
     x, w, b = operands(7, 130, 576)
     want = native.bf16_matmul(x, w, b, out_dtype=torch.float32, variant=variant)
     for segments in ((("BF16", 130),), (("BF16", 64), ("BF16", 66))):
