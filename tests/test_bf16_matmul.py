@@ -15,8 +15,8 @@ from paged_session import PagedSession
 
 from treadle import LLM, SamplingParams
 from treadle.kernels import native
-from treadle.layers.fused_decoder import FusedDecoderLayer
 from treadle.layers.attention.cpu import CPUBackend
+from treadle.layers.fused_decoder import FusedDecoderLayer
 from treadle.layers.linear import Linear
 from treadle.loaders import load_model
 from treadle.quantization.bfloat16_cpu import BFloat16CPUMethod
