@@ -25,7 +25,8 @@ def scattered_block_tables(seq_lens: list[int], block_size: int, g: torch.Genera
 
 
 class PagedSession:
-    def __init__(self, lm: LoadedModel, num_seqs: int, max_len: int, block_size: int = 4, seed: int = 0) -> None:
+    def __init__(self, lm: LoadedModel, num_seqs: int, max_len: int, block_size: int = 4, seed: int = 0,
+                 cache_dtype: torch.dtype | None = None) -> None:
         cfg = lm.config
         self.model = lm.model
         self.block_size = block_size
@@ -36,7 +37,7 @@ class PagedSession:
         # sequence i owns every num_seqs-th block of a shuffled pool: scattered and interleaved
         self.tables = [order[i : num_seqs * blocks_per_seq : num_seqs] for i in range(num_seqs)]
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        dtype = lm.model.dtype  # the activations' dtype (weights may be quantized bytes)
+        dtype = cache_dtype or lm.model.dtype  # default: the activations' dtype (weights may be quantized bytes)
         self.caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
         self.lens = [0] * num_seqs
         self.inputs = StepInputBuilder(block_size)  # the runner's builder

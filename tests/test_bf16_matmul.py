@@ -10,10 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_tiny_model
-from paged_session import PagedSession, greedy
+from kernel_variants import VARIANTS, rand, runnable
+from paged_session import PagedSession
 
+from treadle import LLM, SamplingParams
 from treadle.kernels import native
 from treadle.layers.attention.cpu import CPUBackend
+from treadle.layers.fused_decoder import FusedDecoderLayer
 from treadle.layers.linear import Linear
 from treadle.loaders import load_model
 from treadle.quantization.bfloat16_cpu import BFloat16CPUMethod
@@ -23,19 +26,14 @@ pytestmark = [pytest.mark.skipif(not native.available(), reason="needs a C compi
 SHAPES = [(1, 37, 64), (5, 64, 72), (16, 130, 576)]  # N not a multiple of the 4-row tile; K = 72: no 32s
 
 
-def rand(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
 def operands(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return rand(m, k, seed=1), rand(n, k, seed=2).to(torch.bfloat16), rand(n, seed=3)
 
 
-@pytest.mark.parametrize("variant", [v.name for v in native.VARIANTS])
+@VARIANTS
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_variant_matches_plain_c_and_torch(variant: str, m: int, n: int, k: int) -> None:
-    if native.missing_features(variant):
-        pytest.skip(f"{variant}: this CPU lacks {' '.join(native.missing_features(variant))}")
+    runnable(variant)
     x, w, b = operands(m, n, k)
     got = native.bf16_matmul(x, w, b, variant=variant)
     ref = native.bf16_matmul(x, w, b, plain=True)
@@ -59,6 +57,19 @@ def test_rows_do_not_depend_on_the_batch(plain: bool) -> None:
     assert torch.equal(native.bf16_matmul(x[3:6], w, b, plain=plain), batch[3:6])
 
 
+@VARIANTS
+def test_bf16_rows_in_a_layout_are_the_kernel_bit_for_bit(variant: str) -> None:
+    """tq_matmul's "BF16" segments (the C decoder layer's path) call the same kernel, rows
+    written at the layout's row stride: a [q | k | v]-like weight in two segments too."""
+    runnable(variant)
+    x, w, b = operands(7, 130, 576)
+    want = native.bf16_matmul(x, w, b, out_dtype=torch.float32, variant=variant)
+    for segments in ((("BF16", 130),), (("BF16", 64), ("BF16", 66))):
+        assert torch.equal(native.qmatmul(segments, w, x, b, variant=variant), want)
+    assert torch.equal(native.qmatmul((("BF16", 130),), w, x, b, plain=True),
+                       native.bf16_matmul(x, w, b, out_dtype=torch.float32, plain=True))
+
+
 def test_bfloat16_in_and_out_round_like_torch() -> None:
     x, w, b = operands(5, 64, 128)
     xb = x.bfloat16()
@@ -74,37 +85,42 @@ def tiny_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_float_layers_of_a_bfloat16_model_use_the_kernel(tiny_bf16: Path) -> None:
+    """bfloat16 weights, float32 activations (and the small float32 tensors: norms, biases)."""
     lm = load_model(str(tiny_bf16), CPUBackend(), dtype="bfloat16")
-    methods = {name: m.method for name, m in lm.model.named_modules() if isinstance(m, Linear)}
-    assert methods and all(isinstance(m, BFloat16CPUMethod) for m in methods.values())
-    assert methods["lm_head"].float_out and not methods["layers.0.mlp.down_proj"].float_out
+    linears = {name: m for name, m in lm.model.named_modules() if isinstance(m, Linear)}
+    assert linears and all(isinstance(m.method, BFloat16CPUMethod) for m in linears.values())
+    assert all(m.weight.dtype is torch.bfloat16 for m in linears.values())
+    assert lm.model.dtype is torch.float32 and lm.model.norm.weight.dtype is torch.float32
     f32 = load_model(str(tiny_bf16), CPUBackend(), dtype="float32")
     assert not any(isinstance(m.method, BFloat16CPUMethod) for m in f32.model.modules() if isinstance(m, Linear))
 
 
 def test_greedy_matches_transformers_float32_on_the_rounded_weights(tiny_bf16: Path) -> None:
     """Oracle: transformers in float32 with every weight rounded to bfloat16 (what the model
-    holds). Treadle's bfloat16 model also rounds activations to bfloat16 between layers, so
-    logits agree to bfloat16 precision and greedy tokens are identical on these prompts."""
+    holds). Treadle's bfloat16 model computes in float32 too: through the engine (fused C decoder
+    layers, a bfloat16 KV cache, which rounds K and V) greedy tokens are identical; over a float32
+    cache the logits differ only by summation order."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_bf16, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.copy_(p.bfloat16().float())
-    lm = load_model(str(tiny_bf16), CPUBackend(), dtype="bfloat16")
     prompts = [[5, 17, 33, 2, 90, 41, 7], [60, 3, 3, 28, 71, 19, 44, 12, 8, 50, 23]]
-    ours = greedy(lm, prompts, 8)
+    llm = LLM(str(tiny_bf16), dtype="bfloat16", num_kv_blocks=64, block_size=4)
+    assert all(isinstance(layer, FusedDecoderLayer) for layer in llm.engine.executor.worker.runner.model.layers)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, got in zip(prompts, ours):
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
-        assert got == out[0, len(prompt):].tolist()
-    logits = PagedSession(lm, 1, 16).feed([prompts[1]])[0].float()
+        assert list(got.outputs[0].token_ids) == out[0, len(prompt):].tolist()
+    logits = PagedSession(load_model(str(tiny_bf16), CPUBackend(), dtype="bfloat16"), 1, 16).feed([prompts[1]])[0]
     with torch.no_grad():
         expect = hf(torch.tensor([prompts[1]])).logits[0]
-    assert float((logits - expect).abs().max()) < 0.05 * float(expect.abs().max())
+    torch.testing.assert_close(logits, expect, rtol=0, atol=1e-4 * float(expect.abs().max()))
 
 
 def test_a_sequence_gets_the_same_logits_alone_and_in_a_batch(tiny_bf16: Path) -> None:

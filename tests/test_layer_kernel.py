@@ -1,6 +1,7 @@
 """The fused decoder layer (one C call per layer, treadle/kernels/csrc/layer.c) on all-decode
 CPU steps gives exactly what the module path gives (the same kernels one by one), on tiny
-GGUF-block models of each architecture: GQA, Qwen2's qkv bias, Mistral's sliding window;
+GGUF-block models of each architecture: GQA, Qwen2's qkv bias, Mistral's sliding window,
+and on float checkpoints in bfloat16 (bfloat16 weight rows in the C layer);
 and through the engine, ``fused_layers=False`` changes nothing but the path."""
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from treadle.kernels import native
 from treadle.kernels.layer import DecoderLayerKernel
 from treadle.layers.attention.cpu import DECODE_ROWS_MAX, CPUBackend
 from treadle.layers.fused_decoder import FusedDecoderLayer
-from treadle.loaders import LoadedModel, open_model_source
+from treadle.loaders import LoadedModel, load_model, open_model_source
 from treadle.models.registry import model_class
 from treadle.quantization.gguf_native import GGUFBlockMethod, GGUFBlocks
 from treadle.worker.fused_layers import fuse_decoder_layers
@@ -50,8 +51,9 @@ def gguf_block_model(path: Path, qtype: str) -> LoadedModel:
     return LoadedModel(model.eval(), src.config, src.tokenizer, path)
 
 
-def decode_logits(lm: LoadedModel, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
-    session = PagedSession(lm, len(prompts), max(map(len, prompts)) + steps, block_size=4)
+def decode_logits(lm: LoadedModel, prompts: list[list[int]], steps: int,
+                  cache_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    session = PagedSession(lm, len(prompts), max(map(len, prompts)) + steps, block_size=4, cache_dtype=cache_dtype)
     rows = session.feed(prompts)
     out = []
     for _ in range(steps):
@@ -91,8 +93,26 @@ def test_fused_layer_equals_module_path(tmp_path: Path, monkeypatch: pytest.Monk
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 6})])
+@pytest.mark.parametrize("cache", [torch.bfloat16, torch.float32])
+def test_fused_bfloat16_layer_equals_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str,
+                                                 overrides: dict, cache: torch.dtype) -> None:
+    """A float checkpoint in bfloat16 (bfloat16 weights, float32 activations): its layers are
+    fused too ("BF16" layout segments), with the same bits as the module path."""
+    path = make_tiny_model(tmp_path / arch, arch, seed=4, hidden_size=64, intermediate_size=96,
+                           num_attention_heads=4, num_key_value_heads=2, **overrides)
+    fused, modules = (load_model(str(path), CPUBackend(), dtype="bfloat16") for _ in range(2))
+    assert fuse_decoder_layers(fused.model) == fused.config.num_layers
+    calls = count_calls(monkeypatch)
+    prompts = [[5, 9, 13, 2, 7], [3] * (DECODE_ROWS_MAX + 3), [8, 4]]
+    got = decode_logits(fused, prompts, 7, cache)
+    assert len(calls) == 7 * fused.config.num_layers
+    for a, b in zip(got, decode_logits(modules, prompts, 7, cache)):
+        assert torch.equal(a, b)
+
+
 def test_qwen3_and_float_layers_are_not_fused(tmp_path: Path) -> None:
-    """q/k norms are not in the C layer; float weights have no block type: both keep modules."""
+    """q/k norms are not in the C layer; float32 weights have no layout type: both keep modules."""
     qwen3 = gguf_block_model(make_tiny_model(tmp_path / "qwen3", "qwen3"), "Q8_0")
     assert fuse_decoder_layers(qwen3.model) == 0
     src = open_model_source(str(make_tiny_model(tmp_path / "llama", "llama")))

@@ -3,7 +3,7 @@
 ``layer.c`` chains the kernels the layer's modules would call one by one (same kernels,
 same order, same values), so the only difference from the module path is the Python it
 skips. Everything it reads is handed over explicitly: the layer's weights as GGUF-block
-tensors with their block type names (``DecoderLayerWeights``), the step's decode index
+tensors with their block type names, or bfloat16 tensors ("BF16" rows) (``DecoderLayerWeights``), the step's decode index
 tensors, the KV cache and a scratch buffer. Which layers qualify is decided by the caller
 (``treadle.worker.fused_layers``); this module knows no model or quantization classes.
 """
@@ -23,7 +23,8 @@ _SIGNATURE = "PPCPPFPPPPPPPPPPPPPIIIIIIIIIFCP"
 
 def block_layouts(segments: Sequence[native.Segments]) -> ctypes.Array:
     """The block-type segments of qkv / o / gate_up / down ((type name, rows) runs, e.g.
-    (("Q4_K", 384), ("Q6_K", 128)) for a q/k/v of mixed types) as the kernel's tq_layout[4]."""
+    (("Q4_K", 384), ("Q6_K", 128)) for a q/k/v of mixed types, (("BF16", 960),) for bfloat16
+    rows) as the kernel's tq_layout[4]."""
     return (native.Layout * 4)(*(native.layout(s) for s in segments))
 
 
@@ -34,7 +35,7 @@ class DecoderLayerWeights(NamedTuple):
     input_norm: torch.Tensor  # [H] float32
     post_norm: torch.Tensor  # [H] float32
     eps: float
-    qkv: torch.Tensor  # [bytes] uint8: q + 2 kv rows of H inputs, in the layout's segments
+    qkv: torch.Tensor  # [bytes] uint8 (or [rows, H] bfloat16): q + 2 kv rows of H inputs, in the layout's segments
     qkv_bias: torch.Tensor | None  # [q + 2 kv] float32
     o: torch.Tensor  # [bytes] uint8: H rows of q inputs
     gate_up: torch.Tensor  # [bytes] uint8: 2 I rows of H inputs

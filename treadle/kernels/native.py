@@ -186,9 +186,10 @@ def available() -> bool:
 
 # the block types the kernels read, by GGML's own type numbers (csrc/qblocks.h)
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+LAYOUT_TYPES = {**QTYPES, "BF16": 30}  # tq_layout segments may also be bfloat16 rows (tq.h TQ_W_BF16)
 MAX_SEGMENTS = 4
 
-Segments = tuple[tuple[str, int], ...]  # a weight's rows as (block type, row count) runs, in row order
+Segments = tuple[tuple[str, int], ...]  # a weight's rows as (block type or "BF16", row count) runs, in row order
 
 
 class Layout(ctypes.Structure):
@@ -211,13 +212,14 @@ def _layout(segments: Segments, act_bits: int) -> Layout:
         raise ValueError(f"a weight has 1 to {MAX_SEGMENTS} segments, not {len(segments)}")
     if act_bits not in (8, 16):
         raise ValueError(f"activations take 8 or 16 bits, not {act_bits}")
-    return Layout(len(segments), tuple(QTYPES[t] for t, _ in segments), tuple(n for _, n in segments), act_bits)
+    return Layout(len(segments), tuple(LAYOUT_TYPES[t] for t, _ in segments), tuple(n for _, n in segments), act_bits)
 
 
 def qmatmul(segments: Segments, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
             plain: bool = False, variant: str | None = None, act_bits: int | None = None) -> torch.Tensor:
     """x [..., K] float32 @ W^T -> [..., N] float32, W the GGUF blocks ``weight`` (uint8, the
-    segments' rows back to back); activations rounded to ``act_bits`` per block of 32 (layout)."""
+    segments' rows back to back; bfloat16 for "BF16" rows); activations rounded to ``act_bits``
+    per block of 32 (layout) for the block types, taken as they are by bfloat16 rows."""
     k = x.shape[-1]
     flat = x.reshape(-1, k)
     if flat.dtype != torch.float32 or not flat.is_contiguous():

@@ -106,7 +106,7 @@ def load_model(
     already opened ``ModelSource`` is used as it is (the engine opens the checkpoint once).
     ``parallel``: this worker's place among tensor/pipeline ranks (default: the only one); the
     model then holds, and reads from the checkpoint, only its rank's part."""
-    from treadle.quantization.bfloat16_cpu import bfloat16_cpu_factory
+    from treadle.quantization.bfloat16_cpu import activation_dtype, bfloat16_cpu_factory
 
     source = name_or_path if isinstance(name_or_path, ModelSource) else open_model_source(name_or_path)
     cls = model_class(source.config.architecture)
@@ -116,8 +116,8 @@ def load_model(
     method = bfloat16_cpu_factory(method, torch_dtype, device)
     if parallel is not None and parallel.world_size > 1 and weights is source.weights and source.sliced_weights:
         weights = source.sliced_weights  # each rank reads only its part of each tensor
-    with torch.device(device):
-        model = cls(source.config, backend, torch_dtype, method=method, parallel=parallel)
+    with torch.device(device):  # bfloat16 on the CPU: bfloat16 weights, float32 activations
+        model = cls(source.config, backend, activation_dtype(torch_dtype, device), method=method, parallel=parallel)
     model.load_weights(weights())
     model.process_weights_after_loading()
     model.eval()

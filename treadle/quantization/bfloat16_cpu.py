@@ -1,44 +1,66 @@
-"""Float checkpoints in ``--dtype bfloat16`` on the CPU: the weights stay bfloat16 (half the bytes
-of float32) and multiply on Treadle's C kernel (``csrc/bf16matmul.c``: each bfloat16 widened to
-float32 in registers, float32 fused multiply-adds), not on torch's bfloat16 matmul, which on a
-CPU without AVX-512 BF16 runs an order of magnitude slower than its float32 one.
+"""Float checkpoints in ``--dtype bfloat16`` on the CPU: the weights of the linear layers stay
+bfloat16 (half the bytes of float32) and multiply on Treadle's C kernel (``csrc/bf16matmul.c``:
+each bfloat16 widened to float32 in registers, float32 fused multiply-adds), not on torch's
+bfloat16 matmul, which on a CPU without AVX-512 BF16 runs an order of magnitude slower than its
+float32 one.
 
-The product is the float32 product of the same bfloat16 weights and activations, rounded to
-bfloat16 on the way out as torch's is (both conversions inside the C call); the vocabulary
-layer (lm_head, or the tied embedding) returns its logits in float32 unrounded. A row's result
-does not depend on its batch.
+The activations stay float32 (``activation_dtype``): every other op of the model -- norms, RoPE,
+attention, SwiGLU -- runs on the float32 kernels it runs on in a float32 model (eager bfloat16
+elementwise ops would cost more than the matmuls save), and the decoder layers qualify for the
+one-call C layer (``treadle.worker.fused_layers``: bfloat16 rows are a ``tq_layout`` segment type).
+So a bfloat16 model computes what the float32 model with bfloat16-rounded weights computes, up
+to summation order; the KV cache still holds bfloat16 (the engine's ``kv_cache_dtype`` auto). A
+row's result does not depend on its batch.
 """
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from treadle.kernels import native
-from treadle.layers.linear import Linear, UnquantizedLinearMethod
+from treadle.layers.linear import Linear, UnquantizedLinearMethod, load_rows
 from treadle.quantization import MethodFactory
-
-VOCAB_LAYERS = ("lm_head", "model.embed_tokens")  # their output: logits, kept float32
 
 
 class BFloat16CPUMethod(UnquantizedLinearMethod):
-    """A plain float linear layer whose bfloat16 weight multiplies on the C kernel (CPU inputs
-    with an input width divisible by 8; anything else goes to torch as before). ``float_out``:
-    return float32 (the logits), else x's dtype."""
+    """A plain float linear layer whose weight is held in bfloat16 whatever the model's
+    (float32) activation dtype, and multiplies on the C kernel (CPU inputs, an input width
+    divisible by 8; anything else goes to torch, in float32). Output: float32."""
 
-    def __init__(self, float_out: bool = False) -> None:
-        self.float_out = float_out
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
+        weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=torch.bfloat16),
+                              requires_grad=False)
+        weight.weight_loader = lambda p, t, s=None: load_rows(layer, p, t, s)  # type: ignore[attr-defined]
+        layer.register_parameter("weight", weight)
+
+    @staticmethod
+    def on_kernel(layer: Linear) -> bool:
+        """Whether the layer's weight is one the C kernel (and the C decoder layer) takes."""
+        w = layer.weight
+        return w.dtype is torch.bfloat16 and w.is_contiguous() and layer.in_features % 8 == 0 and w.is_cpu
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        w = layer.weight
-        if w.dtype is not torch.bfloat16 or not x.is_cpu or layer.in_features % 8 or not w.is_contiguous():
-            return super().apply(layer, x)
-        return native.bf16_matmul(x, w, layer.bias, torch.float32 if self.float_out else x.dtype)
+        if not (x.is_cpu and self.on_kernel(layer)):
+            bias = None if layer.bias is None else layer.bias.float()
+            return torch.nn.functional.linear(x.float(), layer.weight.float(), bias)
+        return native.bf16_matmul(x, layer.weight, layer.bias, torch.float32)
+
+
+def bfloat16_on_cpu_kernels(dtype: torch.dtype, device: str | torch.device) -> bool:
+    """Whether a model of ``dtype`` on ``device`` runs as described above (bfloat16 weights,
+    float32 activations): a bfloat16 model on the CPU with the kernels built."""
+    return dtype is torch.bfloat16 and torch.device(device).type == "cpu" and native.available()
+
+
+def activation_dtype(dtype: torch.dtype, device: str | torch.device) -> torch.dtype:
+    """The dtype a model of ``dtype`` computes in: float32 for bfloat16 on the CPU kernels."""
+    return torch.float32 if bfloat16_on_cpu_kernels(dtype, device) else dtype
 
 
 def bfloat16_cpu_factory(inner: MethodFactory | None, dtype: torch.dtype,
                          device: str | torch.device) -> MethodFactory | None:
     """``inner`` with its float layers (those it leaves to the plain method: all of them when it
-    is None) on BFloat16CPUMethod, for a bfloat16 model on the CPU with the kernels built;
-    ``inner`` unchanged otherwise."""
-    if dtype is not torch.bfloat16 or torch.device(device).type != "cpu" or not native.available():
+    is None) on BFloat16CPUMethod, when ``bfloat16_on_cpu_kernels``; ``inner`` unchanged otherwise."""
+    if not bfloat16_on_cpu_kernels(dtype, device):
         return inner
-    return lambda name: (inner(name) if inner is not None else None) or BFloat16CPUMethod(name in VOCAB_LAYERS)
+    return lambda name: (inner(name) if inner is not None else None) or BFloat16CPUMethod()

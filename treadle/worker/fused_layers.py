@@ -2,8 +2,9 @@
 decode layer can run is replaced by a ``FusedDecoderLayer`` holding its weights.
 
 A layer qualifies when its architecture has the standard Llama block (its layout says so:
-no extra norms such as Qwen3's q/k norms), its four linear layers hold GGUF blocks
-(``GGUFBlockMethod``: a GGUF file, or ``--quantization int8|int4``), only qkv has a bias
+no extra norms such as Qwen3's q/k norms), each of its four linear layers holds GGUF blocks
+(``GGUFBlockMethod``: a GGUF file, or ``--quantization int8|int4``) or bfloat16 rows on the C
+kernel (``BFloat16CPUMethod``: a float checkpoint in ``--dtype bfloat16``), only qkv has a bias
 (float32), the norms and RoPE are float32 with fused ops on, and the C kernels are built.
 Nothing here runs per step: the fused layers check each step themselves.
 """
@@ -17,6 +18,7 @@ from treadle.layers.fused_decoder import FusedDecoderLayer, Workspace
 from treadle.layers.linear import Linear
 from treadle.models.layout import STANDARD_LINEARS
 from treadle.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from treadle.quantization.bfloat16_cpu import BFloat16CPUMethod
 from treadle.quantization.gguf_native import GGUFBlockMethod
 
 
@@ -26,15 +28,24 @@ def _linear(layer: LlamaDecoderLayer, name: str) -> Linear:
     return module
 
 
+def _segments(linear: Linear) -> native.Segments | None:
+    """The linear layer's weight as tq_layout segments, or None when the C layer cannot read it."""
+    if isinstance(linear.method, GGUFBlockMethod):
+        return linear.method.segments
+    if isinstance(linear.method, BFloat16CPUMethod) and BFloat16CPUMethod.on_kernel(linear):
+        return (("BF16", linear.out_features),)
+    return None
+
+
 def layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | None:
     """The C layer's view of one Llama-style decoder layer, or None when it cannot take it."""
     linears = [_linear(layer, name) for name in STANDARD_LINEARS]
     qkv, o, gate_up, down = linears
-    methods = [m.method for m in linears if isinstance(m.method, GGUFBlockMethod)]
+    segments = [s for s in map(_segments, linears) if s is not None]
     attn, in_norm, post_norm = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
     f32 = torch.float32
     if not (
-        len(methods) == len(linears)
+        len(segments) == len(linears)
         and (qkv.bias is None or qkv.bias.dtype == f32)
         and all(m.bias is None for m in linears[1:])
         and in_norm.fused and post_norm.fused and attn.rotary.fused
@@ -43,7 +54,7 @@ def layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | None:
         return None
     spec = attn.spec
     return DecoderLayerWeights(
-        layouts=block_layouts([m.segments for m in methods]),
+        layouts=block_layouts(segments),
         input_norm=in_norm.weight.data, post_norm=post_norm.weight.data, eps=in_norm.eps,
         qkv=qkv.weight.data, qkv_bias=None if qkv.bias is None else qkv.bias.data, o=o.weight.data,
         gate_up=gate_up.weight.data, down=down.weight.data, cos_sin=attn.rotary.cos_sin,

@@ -10,9 +10,13 @@
  *
  *   threads: tiles of NW = 4 weight rows (omp static)
  *   tile:    for every pair of activation rows (NX = 2): 8 accumulators in registers, each
- *            weight vector loaded once per pair; with M >= UNPACK_M the tile is first widened
- *            to float32 (4 K floats, in L1/L2) so the shift is paid once, then each half of it
- *            (2 rows) passes over the activation rows 6 at a time (12 accumulators)
+ *            weight vector loaded once per pair (batch 1: the next tile's rows prefetched one
+ *            tile ahead); with M >= UNPACK_M the tile is first widened to float32 (4 K floats,
+ *            in L1/L2) so the shift is paid once, then each half of it (2 rows) passes over the
+ *            activation rows 6 at a time (12 accumulators), the last M % 6 rows against all 4
+ *
+ * Also tq_matmul's "BF16" layout segments (tq.h TQ_W_BF16: tq_bf16_rows, float32 in and out), so
+ * the one-call decoder layer (layer.c) runs a float checkpoint's bfloat16 weights.
  *
  * avx512-bf16 build (TQ_BF16): vdpbf16ps, two products per lane and instruction, on x rounded
  * to bfloat16 (exact when x came from a bfloat16 model) in 16 lanes over K % 32 == 0 --
@@ -70,6 +74,9 @@ static inline __attribute__((always_inline)) void tile(const void *w, const int 
     for (int i = 0; i < nx; i++)
         for (int r = 0; r < nw; r++) acc[i][r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) {
+        /* batch 1 streams the weights: the next tile's line, once per cache line, one tile ahead */
+        if (nx == 1 && !wide && k % 32 == 0)
+            for (int r = 0; r < nw; r++) __builtin_prefetch((const uint16_t *)w + (r + NW) * K + k);
         __m256 wv[NW];
         for (int r = 0; r < nw; r++)
             wv[r] = load_w(wide ? (const void *)((const float *)w + r * K) : (const void *)((const uint16_t *)w + r * K), wide, k);
@@ -103,12 +110,16 @@ static inline __attribute__((always_inline)) void rows(const void *w, const int 
     for (; m < M; m++) tile(w, wide, x + m * K, nw, 1, K, bias, y, o + m * N, ob, N);
 }
 
-/* 2 widened weight rows times all M activation rows, NX_WIDE at a time (the same sums as rows) */
+/* NW widened weight rows times all M activation rows (the same sums as rows): NX_WIDE rows at a
+ * time against each half of the tile, then the last M % NX_WIDE against all NW rows at once (8
+ * accumulators: enough independent FMAs to hide their latency, where 2 x 2 would not) */
 static void rows_wide(const float *w, const float *x, int64_t M, int64_t K, const float *bias, void *y, int64_t o,
                       int ob, int64_t N) {
     int64_t m = 0;
-    for (; m + NX_WIDE <= M; m += NX_WIDE) tile(w, 1, x + m * K, 2, NX_WIDE, K, bias, y, o + m * N, ob, N);
-    rows(w + 0, 1, x + m * K, 2, M - m, K, bias, y, o + m * N, ob, N);
+    for (; m + NX_WIDE <= M; m += NX_WIDE)
+        for (int h = 0; h < NW; h += 2)
+            tile(w + h * K, 1, x + m * K, 2, NX_WIDE, K, bias ? bias + h : NULL, y, o + m * N + h, ob, N);
+    rows(w, 1, x + m * K, NW, M - m, K, bias, y, o + m * N, ob, N);
 }
 
 #ifdef TQ_BF16
@@ -135,9 +146,9 @@ static void rows_dpbf16(const uint16_t *w, const uint16_t *xb, int nw, int64_t M
 }
 #endif
 
-/* x: float32, or bfloat16 when x_bf16; y: float32, or bfloat16 when y_bf16 */
-void tq_bf16_matmul(const uint16_t *w, const void *x, int x_bf16, void *y, int y_bf16, const float *bias, int64_t M,
-                    int64_t N, int64_t K) {
+/* x: float32, or bfloat16 when x_bf16; y: float32, or bfloat16 when y_bf16, rows ldy elements apart */
+void tq_bf16_rows(const uint16_t *w, const void *x, int x_bf16, void *y, int y_bf16, int64_t ldy, const float *bias,
+                  int64_t M, int64_t N, int64_t K) {
     const int64_t tiles = (N + NW - 1) / NW;
 #ifdef TQ_BF16
     if (K % 32 == 0) {
@@ -150,7 +161,7 @@ void tq_bf16_matmul(const uint16_t *w, const void *x, int x_bf16, void *y, int y
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n = t * NW;
             const int nw = N - n < NW ? (int)(N - n) : NW;
-            rows_dpbf16(w + n * K, xb, nw, M, K, bias ? bias + n : NULL, y, n, y_bf16, N);
+            rows_dpbf16(w + n * K, xb, nw, M, K, bias ? bias + n : NULL, y, n, y_bf16, ldy);
         }
         if (!x_bf16) free(xb);
         return;
@@ -172,15 +183,20 @@ void tq_bf16_matmul(const uint16_t *w, const void *x, int x_bf16, void *y, int y
             const float *bn = bias ? bias + n : NULL;
             if (N - n < NW) { /* the last, short tile: one row at a time (same sums) */
                 for (int64_t r = 0; r < N - n; r++)
-                    rows(wt + r * K, 0, xf, 1, M, K, bn ? bn + r : NULL, y, n + r, y_bf16, N);
+                    rows(wt + r * K, 0, xf, 1, M, K, bn ? bn + r : NULL, y, n + r, y_bf16, ldy);
             } else if (wide) {
                 for (int64_t i = 0; i < NW * K; i++) wide[i] = bf16_to_f32(wt[i]);
-                for (int h = 0; h < NW; h += 2) rows_wide(wide + h * K, xf, M, K, bn ? bn + h : NULL, y, n + h, y_bf16, N);
+                rows_wide(wide, xf, M, K, bn, y, n, y_bf16, ldy);
             } else {
-                rows(wt, 0, xf, NW, M, K, bn, y, n, y_bf16, N);
+                rows(wt, 0, xf, NW, M, K, bn, y, n, y_bf16, ldy);
             }
         }
         free(wide);
     }
     free(xw);
+}
+
+void tq_bf16_matmul(const uint16_t *w, const void *x, int x_bf16, void *y, int y_bf16, const float *bias, int64_t M,
+                    int64_t N, int64_t K) {
+    tq_bf16_rows(w, x, x_bf16, y, y_bf16, N, bias, M, N, K);
 }

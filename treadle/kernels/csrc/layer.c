@@ -1,5 +1,6 @@
 /* One Llama decoder layer for an all-decode step (one new token per sequence) whose linear
- * layers are GGUF blocks, as a single call: the same kernels the layer's modules call one by
+ * layers are GGUF blocks or bfloat16 rows (tq_layout segments; a float checkpoint in bfloat16
+ * runs float32 activations, so everything below is float32 either way), as a single call: the same kernels the layer's modules call one by
  * one (RMSNorm + residual, qkv matmul, RoPE, paged decode attention with the K/V write, o_proj,
  * RMSNorm + residual, gate_up matmul, SwiGLU, down_proj), in the same order on the same
  * values, so the result is bit for bit the module path's. What it saves is the Python

@@ -274,13 +274,15 @@ static void weight_rows(int qtype, const uint8_t *w, qacts x, float *y, int64_t 
 }
 
 /* y [M, N] = x [M, K] @ W^T (+ bias), W's N rows in the layout's segments. K must be a multiple
- * of each segment type's block (32, or 256 for the K-quants). With act_bits 8, the segments of
+ * of each segment type's block (32, or 256 for the K-quants; 8 for bfloat16 rows, which take x
+ * unrounded, float32 products summed in bf16matmul.c's order). With act_bits 8, the segments of
  * the types q8act.c reads take 8-bit activations, the others 16-bit ones (each quantized once). */
 void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float *y, const float *bias, int64_t M,
                int64_t N, int64_t K) {
     const int64_t nb = K / QK;
-    int use8[TQ_MAX_SEGMENTS], any16 = 0, any8 = 0;
+    int use8[TQ_MAX_SEGMENTS] = {0}, any16 = 0, any8 = 0;
     for (int s = 0; s < layout->count; s++) {
+        if (layout->qtype[s] == TQ_W_BF16) continue; /* takes x as it is */
         use8[s] = layout->act_bits == 8 && K <= TQ_Q8_MAX_K && tq_q8_type(layout->qtype[s]);
         any8 |= use8[s];
         any16 |= !use8[s];
@@ -302,6 +304,12 @@ void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float 
     for (int s = 0; s < layout->count; s++) {
         const int qtype = layout->qtype[s];
         const int64_t rows = layout->rows[s];
+        if (qtype == TQ_W_BF16) {
+            tq_bf16_rows((const uint16_t *)w, x, 0, y + n0, 0, N, bias ? bias + n0 : NULL, M, rows, K);
+            w += rows * K * 2;
+            n0 += rows;
+            continue;
+        }
         if (use8[s])
             tq_q8_rows(qtype, w, x8, y + n0, N, bias ? bias + n0 : NULL, M, rows, K);
         else

@@ -30,10 +30,12 @@ static inline float hsum(__m256 v) { /* the sum of 8 floats */
 /* qmatmul.c */
 #define TQ_MAX_SEGMENTS 4
 /* A weight's rows as runs of one GGUF block type each, stored back to back (a fused q/k/v layer
- * whose shards differ in type, as llama.cpp's K-quant mixes write them). */
+ * whose shards differ in type, as llama.cpp's K-quant mixes write them), or of bfloat16 rows
+ * (TQ_W_BF16: a float checkpoint in --dtype bfloat16, multiplied by bf16matmul.c). */
+#define TQ_W_BF16 30 /* GGML's number for bfloat16 */
 typedef struct {
     int32_t count;
-    int32_t qtype[TQ_MAX_SEGMENTS]; /* GGML type numbers (qblocks.h) */
+    int32_t qtype[TQ_MAX_SEGMENTS]; /* GGML type numbers (qblocks.h), or TQ_W_BF16 */
     int64_t rows[TQ_MAX_SEGMENTS];
     int32_t act_bits; /* 16, or 8: the types q8act.c reads (tq_q8_type) take 8-bit activations */
 } tq_layout;
@@ -44,6 +46,8 @@ void tq_dequantize(int qtype, const uint8_t *w, int64_t N, int64_t K, float *out
 /* bf16matmul.c */
 void tq_bf16_matmul(const uint16_t *w, const void *x, int x_bf16, void *y, int y_bf16, const float *bias, int64_t M,
                     int64_t N, int64_t K);
+void tq_bf16_rows(const uint16_t *w, const void *x, int x_bf16, void *y, int y_bf16, int64_t ldy, const float *bias,
+                  int64_t M, int64_t N, int64_t K); /* y's rows ldy elements apart */
 /* q8act.c: tq_matmul's 8-bit activation path */
 #define TQ_Q8_MAX_K 16384 /* longer rows take 16-bit activations (q8act.c's stack buffers) */
 typedef struct { /* activation rows as int8 blocks of 32 */
