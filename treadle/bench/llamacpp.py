@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +23,20 @@ from treadle.bench.metrics import RequestRecord, RunResult
 from treadle.bench.workloads import BenchRequest
 
 N_BATCH = 512
+
+
+def open_peer(backend: str, model: str) -> tuple[Any, Path]:
+    """llama-cpp-python and ``model``'s GGUF file, or a RuntimeError saying which is missing."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise RuntimeError(f"{backend} needs llama-cpp-python: pip install 'treadle[peers]'") from e
+    from treadle.loaders.resolve import resolve_model
+
+    path = resolve_model(model)
+    if path.suffix != ".gguf":
+        raise RuntimeError(f"{backend} needs a GGUF file; {path} is not one")
+    return llama_cpp, path
 
 
 @dataclass
@@ -39,15 +55,7 @@ class LlamaCppBackend:
     name = "llamacpp"
 
     def __init__(self, model: str, n_ctx: int, n_threads: int | None = None) -> None:
-        try:
-            import llama_cpp
-        except ImportError as e:
-            raise RuntimeError("llamacpp needs llama-cpp-python: pip install 'treadle[peers]'") from e
-        from treadle.loaders.resolve import resolve_model
-
-        path = resolve_model(model)
-        if path.suffix != ".gguf":
-            raise RuntimeError(f"llamacpp needs a GGUF file; {path} is not one")
+        llama_cpp, path = open_peer(self.name, model)
         self.lib = llama_cpp
         self.threads = n_threads or torch.get_num_threads()
         self.n_ctx = n_ctx

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from treadle.bench.llamacpp import open_peer
 from treadle.bench.metrics import RequestRecord, RunResult
 from treadle.bench.workloads import BenchRequest
 
@@ -29,20 +30,13 @@ class LlamaCppLookupBackend:
     batch1_only = True
 
     def __init__(self, model: str, n_ctx: int, speculative_config: str | dict[str, Any] | None, lookup: bool) -> None:
-        try:
-            import llama_cpp
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-        except ImportError as e:
-            raise RuntimeError("llamacpp-lookup needs llama-cpp-python: pip install 'treadle[peers]'") from e
-        from treadle.loaders.resolve import resolve_model
+        self.name = "llamacpp-lookup" if lookup else "llamacpp-hl"
+        llama_cpp, path = open_peer(self.name, model)
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        path = resolve_model(model)
-        if path.suffix != ".gguf":
-            raise RuntimeError(f"llamacpp-lookup needs a GGUF file; {path} is not one")
         spec = json.loads(speculative_config) if isinstance(speculative_config, str) else speculative_config or {}
         draft = LlamaPromptLookupDecoding(max_ngram_size=int(spec.get("prompt_lookup_max", 4)),
                                           num_pred_tokens=int(spec.get("num_speculative_tokens", 4)))
-        self.name = "llamacpp-lookup" if lookup else "llamacpp-hl"
         self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), n_batch=512,
                                    draft_model=draft if lookup else None, verbose=False)
         self.eos = self.llm.token_eos()
