@@ -211,10 +211,193 @@ static inline __attribute__((always_inline)) void row_pair8(const int t, const u
     }
 }
 
+/* ---- Q4_0 / Q4_1: eight weight rows side by side (a "group"), one output row per vector lane ----
+ *
+ * The 4-bit types take most of a model's multiply-adds, so they get their own loop, in which a
+ * vector's 8 int32 lanes are 8 weight rows (columns of y) rather than 8 pieces of one dot product:
+ *
+ *   panel step s of block b (s < 8): lane j = the 4 q of weight row j at k = 4s .. 4s+3 (bytes)
+ *   xb = x row's 4 bytes at k = 4s .. 4s+3, broadcast to every lane
+ *   p16 += maddubs(step, xb)  over the 8 steps (u4 x s8 pairs: at most 8 * 2 * 15 * 127 < 32767)
+ *   isum = madd(p16, ones)    the exact integer dot of each row's block: no horizontal sums at all
+ *
+ * so one 16 -> 32-bit widening serves 8 steps of 8 rows (the 2 x 4 tile above widens every block
+ * of every pair), and the weights are unpacked once per group and call into a per-thread panel that
+ * every tile of 4 activation rows reads. Each output then takes, per block in order,
+ *
+ *   acc = fma(float(isum), d_w * xd, acc);   acc = fma(m_w, xs, acc)     (Q4_0: q unsigned, m = -8 d)
+ *
+ * and y = acc (+ bias). The plain-C build computes exactly these operations, and rows of N past the
+ * last whole group (N % 8) take the plain-C loop in the SIMD builds too, so every output has one
+ * value whatever the build, tile, thread or batch. */
+#define GR 8 /* weight rows per group */
+#define MRG 4 /* activation rows per pass over a group's panel */
+
+typedef struct { /* one block of a group, unpacked */
+    uint8_t q[8 * 32]; /* step s at 32 s: lane j's 4 bytes at 4 j */
+    float d[GR], m[GR];
+} gblock;
+
+static inline int group_type(int t) { return t == TQ_Q4_0 || t == TQ_Q4_1; }
+
+/* The block's 16 nibble bytes of row r (byte i: q[i] low, q[i + 16] high), its d and m. */
+static inline const uint8_t *nibbles(int t, const uint8_t *u) { return u + (t == TQ_Q4_0 ? 2 : 4); }
+static inline float block_min(int t, const uint8_t *u) {
+    return t == TQ_Q4_1 ? half_to_float(u + 2) : -8.0f * half_to_float(u);
+}
+
+/* Rows n0 .. n0 + 7 of w unpacked into panel[nb]. */
+static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gblock *panel) {
+    const int ub = unit_bytes(t);
+    const uint8_t *next = w + GR * rbytes; /* the next group's rows, fetched while this one is unpacked */
+    for (int64_t b = 0; b < nb; b++) {
+        gblock *g = panel + b;
+        for (int64_t off = b * GR * ub; off < (b + 1) * GR * ub; off += 64) __builtin_prefetch(next + off);
+        for (int j = 0; j < GR; j++) {
+            const uint8_t *u = w + j * rbytes + b * ub;
+            g->d[j] = half_to_float(u);
+            g->m[j] = block_min(t, u);
+        }
+#ifdef TQ_AVX2
+        /* rows' dwords t (bytes 4t .. 4t+3) gathered into vector t, lane j = row j: a 4 x 4 dword
+         * transpose in each 128-bit half (rows 0-3 low, 4-7 high) */
+        __m256i a[4];
+        for (int r = 0; r < 4; r++)
+            a[r] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)nibbles(t, w + (r + 4) * rbytes + b * ub)),
+                                    _mm_loadu_si128((const __m128i *)nibbles(t, w + r * rbytes + b * ub)));
+        const __m256i t0 = _mm256_unpacklo_epi32(a[0], a[1]), t1 = _mm256_unpackhi_epi32(a[0], a[1]);
+        const __m256i t2 = _mm256_unpacklo_epi32(a[2], a[3]), t3 = _mm256_unpackhi_epi32(a[2], a[3]);
+        const __m256i v[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                              _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+        const __m256i mask = _mm256_set1_epi8(15);
+        for (int s = 0; s < 4; s++) {
+            _mm256_storeu_si256((__m256i *)(g->q + 32 * s), _mm256_and_si256(v[s], mask));
+            _mm256_storeu_si256((__m256i *)(g->q + 32 * (s + 4)), _mm256_and_si256(_mm256_srli_epi16(v[s], 4), mask));
+        }
+#else
+        for (int j = 0; j < GR; j++) {
+            const uint8_t *qs = nibbles(t, w + j * rbytes + b * ub);
+            for (int i = 0; i < 16; i++) {
+                g->q[32 * (i / 4) + 4 * j + i % 4] = qs[i] & 15;
+                g->q[32 * (i / 4 + 4) + 4 * j + i % 4] = qs[i] >> 4;
+            }
+        }
+#endif
+    }
+}
+
+/* NX (<= MRG) activation rows times one group: out[i * ostride + j], j < 8. */
+static inline __attribute__((always_inline)) void group_tile(const gblock *panel, int64_t nb, tq_q8acts x,
+                                                             int64_t K, const int NX, const float *bias, float *out,
+                                                             int64_t ostride) {
+#ifdef TQ_AVX2
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MRG];
+    for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const gblock *g = panel + b;
+        const __m256 dw = _mm256_load_ps(g->d), mw = _mm256_load_ps(g->m);
+        for (int i = 0; i < NX; i += 2) { /* rows in pairs: each step loaded once per pair, one chain each */
+            const int two = i + 1 < NX;
+            const int8_t *x0 = x.q + i * K + b * QK, *x1 = x0 + (two ? K : 0);
+            __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+            for (int s = 0; s < 8; s++) {
+                const __m256i q = _mm256_load_si256((const __m256i *)(g->q + 32 * s));
+                int32_t v0, v1;
+                memcpy(&v0, x0 + 4 * s, 4);
+                p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(q, _mm256_set1_epi32(v0)));
+                if (two) {
+                    memcpy(&v1, x1 + 4 * s, 4);
+                    p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(q, _mm256_set1_epi32(v1)));
+                }
+            }
+            for (int r = 0; r < 1 + two; r++) {
+                const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(r ? p1 : p0, ones));
+                acc[i + r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + (i + r) * nb + b)),
+                                             acc[i + r]);
+                acc[i + r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(x.s + (i + r) * x.nbp + b), acc[i + r]);
+            }
+        }
+    }
+    for (int i = 0; i < NX; i++) {
+        __m256 o = acc[i];
+        if (bias) o = _mm256_add_ps(o, _mm256_loadu_ps(bias));
+        _mm256_storeu_ps(out + i * ostride, o);
+    }
+#else
+    for (int i = 0; i < NX; i++)
+        for (int j = 0; j < GR; j++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const gblock *g = panel + b;
+                const int8_t *xq = x.q + i * K + b * QK;
+                int isum = 0;
+                for (int k = 0; k < QK; k++) isum += g->q[32 * (k / 4) + 4 * j + k % 4] * xq[k];
+                acc = fmaf((float)isum, g->d[j] * x.d[i * nb + b], acc);
+                acc = fmaf(g->m[j], x.s[i * x.nbp + b], acc);
+            }
+            out[i * ostride + j] = bias ? acc + bias[j] : acc;
+        }
+#endif
+}
+
+/* One weight row (a group's leftover, N % 8) times every activation row, the same operations
+ * per output as group_tile: plain C in every build. */
+static void single_row(int t, const uint8_t *row, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
+                       int64_t K) {
+    const int64_t nb = K / QK;
+    const int ub = unit_bytes(t);
+    for (int64_t i = 0; i < M; i++) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *u = row + b * ub, *qs = nibbles(t, u);
+            const int8_t *xq = x.q + i * K + b * QK;
+            int isum = 0;
+            for (int k = 0; k < 16; k++) isum += (qs[k] & 15) * xq[k] + (qs[k] >> 4) * xq[k + 16];
+            acc = fmaf((float)isum, half_to_float(u) * x.d[i * nb + b], acc);
+            acc = fmaf(block_min(t, u), x.s[i * x.nbp + b], acc);
+        }
+        y[i * ldy] = bias ? acc + bias[0] : acc;
+    }
+}
+
+#define GTILE(NX) group_tile(panel, nb, xm, K, NX, bn, out, ldy)
+
+static void group_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
+                       int64_t N, int64_t K) {
+    const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / GR;
+#pragma omp parallel
+    {
+        gblock *panel = (gblock *)aligned_alloc(32, (size_t)nb * sizeof(gblock));
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            unpack_group(t, w + g * GR * rbytes, rbytes, nb, panel);
+            const float *bn = bias ? bias + g * GR : NULL;
+            for (int64_t m0 = 0; m0 < M; m0 += MRG) {
+                const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * x.nbp, x.nbp};
+                float *out = y + m0 * ldy + g * GR;
+                switch (M - m0 < MRG ? (int)(M - m0) : MRG) {
+                    case 1: GTILE(1); break;
+                    case 2: GTILE(2); break;
+                    case 3: GTILE(3); break;
+                    default: GTILE(MRG); break;
+                }
+            }
+        }
+        free(panel);
+    }
+    for (int64_t n = groups * GR; n < N; n++)
+        single_row(t, w + n * rbytes, x, y + n, ldy, bias ? bias + n : NULL, M, K);
+}
+
 #define TYPE8(T) case T: row_pair8(T, row, x, out, ldy, bn, nw, M, K); break
 
 void tq_q8_rows(int qtype, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
                 int64_t N, int64_t K) {
+    if (group_type(qtype)) {
+        group_rows(qtype, w, x, y, ldy, bias, M, N, K);
+        return;
+    }
     const int64_t rbytes = row_bytes(qtype, K);
 #pragma omp parallel for schedule(static)
     for (int64_t pair = 0; pair < (N + 1) / 2; pair++) {
