@@ -1,5 +1,6 @@
 /* The 8-bit activation path of tq_matmul (qmatmul.c) for the legacy block types Q4_0, Q4_1,
- * Q5_0, Q5_1, Q8_0: the layout's act_bits == 8 (tq.h).
+ * Q5_0, Q5_1, Q8_0: the layout's act_bits == 8 (tq.h). Q4_0, Q4_1 and Q8_0 take the group loop
+ * at the end of this file; Q5_0 and Q5_1 the tile described here.
  *
  * Each activation row is quantized once per matmul to int8 per block of 32 (xd = max|x| / 127,
  * xq = round(x / xd)) with its block sum (xs = xd * sum(xq), the minimum term's factor). The
@@ -44,6 +45,31 @@ tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
     for (int64_t i = 0; i < M * nb; i++) {
         const int64_t row = i / nb, b = i % nb;
         const float *xb = x + row * K + b * QK;
+#ifdef TQ_AVX2 /* the same values: max is exact in any order, cvtps2dq rounds to nearest even as nearbyintf */
+        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 xv[4], mx = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            xv[j] = _mm256_loadu_ps(xb + 8 * j);
+            mx = _mm256_max_ps(mx, _mm256_and_ps(xv[j], absmask));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+        __m256i v[4], vs = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(xv[j], _mm256_set1_ps(id)));
+            v[j] = _mm256_max_epi32(_mm256_min_epi32(v[j], lim), nlim);
+            vs = _mm256_add_epi32(vs, v[j]);
+        }
+        /* packs interleave the 128-bit halves: 0 1 | 2 3 -> dwords in order 0 2 4 6 1 3 5 7 */
+        const __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256((__m256i *)(q + i * QK), _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vs), _mm256_extracti128_si256(vs, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        const int sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
+#else
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
         const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
@@ -54,6 +80,7 @@ tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
             q[i * QK + j] = (int8_t)v;
             sum += v;
         }
+#endif
         f[i] = d;
         f[M * nb + row * nbp + b] = d * (float)sum;
     }
@@ -211,25 +238,29 @@ static inline __attribute__((always_inline)) void row_pair8(const int t, const u
     }
 }
 
-/* ---- Q4_0 / Q4_1: eight weight rows side by side (a "group"), one output row per vector lane ----
+/* ---- Q4_0, Q4_1, Q8_0: eight weight rows side by side (a "group"), one output row per vector lane ----
  *
- * The 4-bit types take most of a model's multiply-adds, so they get their own loop, in which a
- * vector's 8 int32 lanes are 8 weight rows (columns of y) rather than 8 pieces of one dot product:
+ * These types carry most of a GGUF model's multiply-adds (SmolLM2: Q4_1 layers, Q8_0 lm_head), so
+ * they get their own loop, in which a vector's 8 int32 lanes are 8 weight rows (columns of y)
+ * rather than 8 pieces of one dot product:
  *
  *   panel step s of block b (s < 8): lane j = the 4 q of weight row j at k = 4s .. 4s+3 (bytes)
  *   xb = x row's 4 bytes at k = 4s .. 4s+3, broadcast to every lane
- *   p16 += maddubs(step, xb)  over the 8 steps (u4 x s8 pairs: at most 8 * 2 * 15 * 127 < 32767)
- *   isum = madd(p16, ones)    the exact integer dot of each row's block: no horizontal sums at all
+ *   Q4: p16 += maddubs(step, xb)  over the 8 steps (u4 x s8 pairs: at most 8 * 2 * 15 * 127 < 32767),
+ *       isum = madd(p16, ones)    one 16 -> 32-bit widening per block of 8 rows
+ *   Q8_0: isum += madd(maddubs(|step|, xb with step's sign), ones)   per step (pairs up to 2 * 128 * 127)
  *
- * so one 16 -> 32-bit widening serves 8 steps of 8 rows (the 2 x 4 tile above widens every block
- * of every pair), and the weights are unpacked once per group and call into a per-thread panel that
- * every tile of 4 activation rows reads. Each output then takes, per block in order,
+ * isum is each row's exact integer block dot, with no horizontal sums at all (the 2 x 4 tile above
+ * widens every block of every pair and sums lanes at the end). A group's weights are unpacked
+ * (transposed) once per group and call into a per-thread panel that every tile of 4 activation rows
+ * reads; the next group's bytes are prefetched meanwhile. Each output then takes, per block in order,
  *
- *   acc = fma(float(isum), d_w * xd, acc);   acc = fma(m_w, xs, acc)     (Q4_0: q unsigned, m = -8 d)
+ *   acc = fma(float(isum), d_w * xd, acc);   acc = fma(m_w, xs, acc)   (Q4_0: q unsigned, m = -8 d; Q8_0: none)
  *
  * and y = acc (+ bias). The plain-C build computes exactly these operations, and rows of N past the
- * last whole group (N % 8) take the plain-C loop in the SIMD builds too, so every output has one
- * value whatever the build, tile, thread or batch. */
+ * last whole group (N % 8) take a plain-C loop in the SIMD builds too, so every output has one
+ * value whatever the build, tile, thread or batch. (The avx512-vnni build runs this loop as AVX2:
+ * vpdpbusd would fold maddubs and madd, but nothing here can measure it.) */
 #define GR 8 /* weight rows per group */
 #define MRG 4 /* activation rows per pass over a group's panel */
 
@@ -238,7 +269,7 @@ typedef struct { /* one block of a group, unpacked */
     float d[GR], m[GR];
 } gblock;
 
-static inline int group_type(int t) { return t == TQ_Q4_0 || t == TQ_Q4_1; }
+static inline int group_type(int t) { return t == TQ_Q4_0 || t == TQ_Q4_1 || t == TQ_Q8_0; }
 
 /* The block's 16 nibble bytes of row r (byte i: q[i] low, q[i + 16] high), its d and m. */
 static inline const uint8_t *nibbles(int t, const uint8_t *u) { return u + (t == TQ_Q4_0 ? 2 : 4); }
@@ -253,11 +284,55 @@ static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gb
     for (int64_t b = 0; b < nb; b++) {
         gblock *g = panel + b;
         for (int64_t off = b * GR * ub; off < (b + 1) * GR * ub; off += 64) __builtin_prefetch(next + off);
+        if (t == TQ_Q8_0) { /* signed q, no minimum: the rows' 8 dwords transposed, d per row */
+#ifdef TQ_AVX2
+            uint16_t h[GR];
+            __m256i r[GR], u[GR];
+            for (int j = 0; j < GR; j++) {
+                memcpy(h + j, w + j * rbytes + b * ub, 2);
+                r[j] = _mm256_loadu_si256((const __m256i *)(w + j * rbytes + b * ub + 2));
+            }
+            _mm256_store_ps(g->d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+            for (int j = 0; j < GR; j += 4) { /* 4 rows: dwords s, s + 4 of rows j .. j+3 in each half */
+                const __m256i t0 = _mm256_unpacklo_epi32(r[j], r[j + 1]), t1 = _mm256_unpackhi_epi32(r[j], r[j + 1]);
+                const __m256i t2 = _mm256_unpacklo_epi32(r[j + 2], r[j + 3]);
+                const __m256i t3 = _mm256_unpackhi_epi32(r[j + 2], r[j + 3]);
+                u[j] = _mm256_unpacklo_epi64(t0, t2), u[j + 1] = _mm256_unpackhi_epi64(t0, t2);
+                u[j + 2] = _mm256_unpacklo_epi64(t1, t3), u[j + 3] = _mm256_unpackhi_epi64(t1, t3);
+            }
+            for (int s = 0; s < 4; s++) {
+                _mm256_store_si256((__m256i *)(g->q + 32 * s), _mm256_permute2x128_si256(u[s], u[s + 4], 0x20));
+                _mm256_store_si256((__m256i *)(g->q + 32 * (s + 4)), _mm256_permute2x128_si256(u[s], u[s + 4], 0x31));
+            }
+#else
+            for (int j = 0; j < GR; j++) {
+                const uint8_t *u = w + j * rbytes + b * ub;
+                g->d[j] = half_to_float(u);
+                for (int k = 0; k < QK; k++) g->q[32 * (k / 4) + 4 * j + k % 4] = u[2 + k];
+            }
+#endif
+            continue;
+        }
+#ifdef TQ_AVX2
+        /* the rows' first 4 bytes (d, and m for Q4_1) -> d[8], m[8] through one half -> float conversion each */
+        int32_t dm[GR];
+        for (int j = 0; j < GR; j++) memcpy(dm + j, w + j * rbytes + b * ub, 4);
+        const __m256i halves = _mm256_permute4x64_epi64(
+            _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)dm),
+                                _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9,
+                                                 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)),
+            0xd8); /* d0..d7 | m0..m7 */
+        const __m256 dv = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+        _mm256_store_ps(g->d, dv);
+        _mm256_store_ps(g->m, t == TQ_Q4_1 ? _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1))
+                                           : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f)));
+#else
         for (int j = 0; j < GR; j++) {
             const uint8_t *u = w + j * rbytes + b * ub;
             g->d[j] = half_to_float(u);
             g->m[j] = block_min(t, u);
         }
+#endif
 #ifdef TQ_AVX2
         /* rows' dwords t (bytes 4t .. 4t+3) gathered into vector t, lane j = row j: a 4 x 4 dword
          * transpose in each 128-bit half (rows 0-3 low, 4-7 high) */
@@ -287,20 +362,39 @@ static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gb
 }
 
 /* NX (<= MRG) activation rows times one group: out[i * ostride + j], j < 8. */
-static inline __attribute__((always_inline)) void group_tile(const gblock *panel, int64_t nb, tq_q8acts x,
-                                                             int64_t K, const int NX, const float *bias, float *out,
-                                                             int64_t ostride) {
+static inline __attribute__((always_inline)) void group_tile(const int t, const gblock *panel, int64_t nb,
+                                                             tq_q8acts x, int64_t K, const int NX, const float *bias,
+                                                             float *out, int64_t ostride) {
 #ifdef TQ_AVX2
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MRG];
     for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const gblock *g = panel + b;
-        const __m256 dw = _mm256_load_ps(g->d), mw = _mm256_load_ps(g->m);
+        const __m256 dw = _mm256_load_ps(g->d), mw = t == TQ_Q8_0 ? dw : _mm256_load_ps(g->m);
         for (int i = 0; i < NX; i += 2) { /* rows in pairs: each step loaded once per pair, one chain each */
             const int two = i + 1 < NX;
             const int8_t *x0 = x.q + i * K + b * QK, *x1 = x0 + (two ? K : 0);
             __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+            if (t == TQ_Q8_0) { /* |q| times x with q's sign (at most 2 * 128 * 127 per pair), widened per step */
+                for (int s = 0; s < 8; s++) {
+                    const __m256i q = _mm256_load_si256((const __m256i *)(g->q + 32 * s)), aq = _mm256_sign_epi8(q, q);
+                    int32_t v0, v1;
+                    memcpy(&v0, x0 + 4 * s, 4);
+                    p0 = _mm256_add_epi32(
+                        p0, _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(_mm256_set1_epi32(v0), q)), ones));
+                    if (two) {
+                        memcpy(&v1, x1 + 4 * s, 4);
+                        p1 = _mm256_add_epi32(
+                            p1,
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(_mm256_set1_epi32(v1), q)), ones));
+                    }
+                }
+                for (int r = 0; r < 1 + two; r++)
+                    acc[i + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r ? p1 : p0),
+                                                 _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + (i + r) * nb + b)), acc[i + r]);
+                continue;
+            }
             for (int s = 0; s < 8; s++) {
                 const __m256i q = _mm256_load_si256((const __m256i *)(g->q + 32 * s));
                 int32_t v0, v1;
@@ -332,9 +426,12 @@ static inline __attribute__((always_inline)) void group_tile(const gblock *panel
                 const gblock *g = panel + b;
                 const int8_t *xq = x.q + i * K + b * QK;
                 int isum = 0;
-                for (int k = 0; k < QK; k++) isum += g->q[32 * (k / 4) + 4 * j + k % 4] * xq[k];
+                for (int k = 0; k < QK; k++) {
+                    const uint8_t q = g->q[32 * (k / 4) + 4 * j + k % 4];
+                    isum += (t == TQ_Q8_0 ? (int)(int8_t)q : (int)q) * xq[k];
+                }
                 acc = fmaf((float)isum, g->d[j] * x.d[i * nb + b], acc);
-                acc = fmaf(g->m[j], x.s[i * x.nbp + b], acc);
+                if (t != TQ_Q8_0) acc = fmaf(g->m[j], x.s[i * x.nbp + b], acc);
             }
             out[i * ostride + j] = bias ? acc + bias[j] : acc;
         }
@@ -350,9 +447,15 @@ static void single_row(int t, const uint8_t *row, tq_q8acts x, float *y, int64_t
     for (int64_t i = 0; i < M; i++) {
         float acc = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *u = row + b * ub, *qs = nibbles(t, u);
+            const uint8_t *u = row + b * ub;
             const int8_t *xq = x.q + i * K + b * QK;
             int isum = 0;
+            if (t == TQ_Q8_0) {
+                for (int k = 0; k < QK; k++) isum += (int8_t)u[2 + k] * xq[k];
+                acc = fmaf((float)isum, half_to_float(u) * x.d[i * nb + b], acc);
+                continue;
+            }
+            const uint8_t *qs = nibbles(t, u);
             for (int k = 0; k < 16; k++) isum += (qs[k] & 15) * xq[k] + (qs[k] >> 4) * xq[k + 16];
             acc = fmaf((float)isum, half_to_float(u) * x.d[i * nb + b], acc);
             acc = fmaf(block_min(t, u), x.s[i * x.nbp + b], acc);
@@ -361,8 +464,30 @@ static void single_row(int t, const uint8_t *row, tq_q8acts x, float *y, int64_t
     }
 }
 
-#define GTILE(NX) group_tile(panel, nb, xm, K, NX, bn, out, ldy)
+#define GTILE(NX) group_tile(t, panel, nb, xm, K, NX, bn, out, ldy)
 
+/* One group (weight rows 8g .. 8g+7) times every activation row; t a constant after inlining. */
+static inline __attribute__((always_inline)) void group_work(const int t, const uint8_t *w, tq_q8acts x, float *y,
+                                                             int64_t ldy, const float *bias, int64_t M, int64_t K,
+                                                             int64_t g, gblock *panel) {
+    const int64_t nb = K / QK, rbytes = row_bytes(t, K);
+    unpack_group(t, w + g * GR * rbytes, rbytes, nb, panel);
+    const float *bn = bias ? bias + g * GR : NULL;
+    for (int64_t m0 = 0; m0 < M; m0 += MRG) {
+        const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * x.nbp, x.nbp};
+        float *out = y + m0 * ldy + g * GR;
+        switch (M - m0 < MRG ? (int)(M - m0) : MRG) {
+            case 1: GTILE(1); break;
+            case 2: GTILE(2); break;
+            case 3: GTILE(3); break;
+            default: GTILE(MRG); break;
+        }
+    }
+}
+
+/* The groups split over the threads; the type switch inside the parallel loop, so that each
+ * type's copy of the loop is compiled with its type a constant (OpenMP outlines the region
+ * before inlining could specialize it). */
 static void group_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
                        int64_t N, int64_t K) {
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / GR;
@@ -371,17 +496,10 @@ static void group_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t l
         gblock *panel = (gblock *)aligned_alloc(32, (size_t)nb * sizeof(gblock));
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
-            unpack_group(t, w + g * GR * rbytes, rbytes, nb, panel);
-            const float *bn = bias ? bias + g * GR : NULL;
-            for (int64_t m0 = 0; m0 < M; m0 += MRG) {
-                const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * x.nbp, x.nbp};
-                float *out = y + m0 * ldy + g * GR;
-                switch (M - m0 < MRG ? (int)(M - m0) : MRG) {
-                    case 1: GTILE(1); break;
-                    case 2: GTILE(2); break;
-                    case 3: GTILE(3); break;
-                    default: GTILE(MRG); break;
-                }
+            switch (t) {
+                case TQ_Q4_0: group_work(TQ_Q4_0, w, x, y, ldy, bias, M, K, g, panel); break;
+                case TQ_Q4_1: group_work(TQ_Q4_1, w, x, y, ldy, bias, M, K, g, panel); break;
+                default: group_work(TQ_Q8_0, w, x, y, ldy, bias, M, K, g, panel); break;
             }
         }
         free(panel);
