@@ -7,8 +7,9 @@ this tree only), side by side in one process, interleaved call by call.
 Per shape and batch: the median over repeats of one ``tq_matmul`` call (thread CPU time with
 one thread, so other jobs on a shared machine disturb it less; wall time with more), and the
 per-token total of a decode step's matmuls (30 layers x q/k/v, o, gate/up, down + the Q8_0
-lm_head), with its ratio to batch 1. Weights are random blocks (tests/gguf_files.py) that stay
-in cache, so this is the kernels' arithmetic, not memory bandwidth.
+lm_head), with its ratio to the first batch (``--batches 1 16 512``: other sizes). Weights are
+random blocks (tests/gguf_files.py) that stay in cache, so this is the kernels' arithmetic, not
+memory bandwidth. A ref's kernels run with 16-bit and with 8-bit activations too.
 """
 from __future__ import annotations
 
@@ -66,22 +67,25 @@ def main() -> None:
     ap.add_argument("--ref", default="main")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     args = ap.parse_args()
+    batches = tuple(args.batches)
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     with tempfile.TemporaryDirectory() as tmp:
         this = native.library()
         libs = {"this tree a16": (this, 16), "this tree a8": (this, 8)}
         if args.ref != "none":
-            libs = {args.ref: (build_ref(args.ref, Path(tmp)), 16), **libs}
+            ref = build_ref(args.ref, Path(tmp))
+            libs = {f"{args.ref} a16": (ref, 16), f"{args.ref} a8": (ref, 8), **libs}
         print(f"threads {args.threads}, median ms per call ({'thread CPU' if args.threads == 1 else 'wall'} time)")
-        print("| shape | build | " + " | ".join(f"M={m}" for m in BATCHES) + " |")
-        print("|---|---|" + "---|" * len(BATCHES))
-        step = {name: dict.fromkeys(BATCHES, 0.0) for name in libs}
+        print("| shape | build | " + " | ".join(f"M={m}" for m in batches) + " |")
+        print("|---|---|" + "---|" * len(batches))
+        step = {name: dict.fromkeys(batches, 0.0) for name in libs}
         for shape, qtype, n, k, per_step in SHAPES:
             w = random_blocks(qtype, n, k, seed=1).data.reshape(-1)
             times: dict[str, dict[int, float]] = {name: {} for name in libs}
-            for m in BATCHES:
+            for m in batches:
                 x = torch.randn(m, k)
                 fns = {name: caller(lib, bits, qtype, n, k, w, x) for name, (lib, bits) in libs.items()}
                 samples: dict[str, list[float]] = {name: [] for name in libs}
@@ -96,9 +100,9 @@ def main() -> None:
                     times[name][m] = statistics.median(samples[name]) * 1e3
                     step[name][m] += times[name][m] * per_step
             for name in libs:
-                print(f"| {shape} {qtype} {n}x{k} | {name} | " + " | ".join(f"{times[name][m]:.3f}" for m in BATCHES) + " |")
+                print(f"| {shape} {qtype} {n}x{k} | {name} | " + " | ".join(f"{times[name][m]:.3f}" for m in batches) + " |")
         for name in libs:
-            cells = " | ".join(f"{step[name][m]:.2f} ({step[name][m] / step[name][1]:.2f}x)" for m in BATCHES)
+            cells = " | ".join(f"{step[name][m]:.2f} ({step[name][m] / step[name][batches[0]]:.2f}x)" for m in batches)
             print(f"| decode-step matmuls | {name} | {cells} |")
 
 
