@@ -45,30 +45,19 @@ tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
     for (int64_t i = 0; i < M * nb; i++) {
         const int64_t row = i / nb, b = i % nb;
         const float *xb = x + row * K + b * QK;
-#ifdef TQ_AVX2 /* the same values: max is exact in any order, cvtps2dq rounds to nearest even as nearbyintf */
-        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-        __m256 xv[4], mx = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            xv[j] = _mm256_loadu_ps(xb + 8 * j);
-            mx = _mm256_max_ps(mx, _mm256_and_ps(xv[j], absmask));
-        }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#ifdef TQ_AVX2 /* the same values as the loop below (tq.h) */
+        __m256 xv[4];
+        const float amax = block_absmax(xb, xv);
         const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
         __m256i v[4], vs = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
-            v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(xv[j], _mm256_set1_ps(id)));
-            v[j] = _mm256_max_epi32(_mm256_min_epi32(v[j], lim), nlim);
+            v[j] = round_clamp(xv[j], id, 127);
             vs = _mm256_add_epi32(vs, v[j]);
         }
         /* packs interleave the 128-bit halves: 0 1 | 2 3 -> dwords in order 0 2 4 6 1 3 5 7 */
         const __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
         _mm256_storeu_si256((__m256i *)(q + i * QK), _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vs), _mm256_extracti128_si256(vs, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-        const int sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
+        const int sum = hsum_epi32(vs);
 #else
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
@@ -494,6 +483,7 @@ static void group_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t l
 #pragma omp parallel
     {
         gblock *panel = (gblock *)aligned_alloc(32, (size_t)nb * sizeof(gblock));
+        if (panel == NULL) abort();
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             switch (t) {

@@ -77,31 +77,18 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, flo
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t i = 0; i < M * nb; i++) {
         const float *xb = x + (i / nb) * K + (i % nb) * QK;
-#ifdef TQ_AVX2 /* the same values: max is exact in any order, cvtps2dq rounds to nearest even as nearbyintf */
-        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-        __m256 xv[4], mx = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            xv[j] = _mm256_loadu_ps(xb + 8 * j);
-            mx = _mm256_max_ps(mx, _mm256_and_ps(xv[j], absmask));
-        }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#ifdef TQ_AVX2 /* the same values as the loop below (tq.h) */
+        __m256 xv[4];
+        const float amax = block_absmax(xb, xv);
         const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        const __m256i lim = _mm256_set1_epi32(32767), nlim = _mm256_set1_epi32(-32767);
         __m256i v[4];
-        for (int j = 0; j < 4; j++)
-            v[j] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(xv[j], _mm256_set1_ps(id))), lim),
-                                    nlim);
+        for (int j = 0; j < 4; j++) v[j] = round_clamp(xv[j], id, 32767);
         int sum[2];
         for (int h = 0; h < 2; h++) {
             /* packs interleave the 128-bit halves: 0 1 | 2 3 -> qwords in order 0 2 1 3 */
             const __m256i p = _mm256_packs_epi32(v[2 * h], v[2 * h + 1]);
             _mm256_storeu_si256((__m256i *)(xq + i * QK + 16 * h), _mm256_permute4x64_epi64(p, 0xd8));
-            const __m256i t = _mm256_add_epi32(v[2 * h], v[2 * h + 1]);
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-            sum[h] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
+            sum[h] = hsum_epi32(_mm256_add_epi32(v[2 * h], v[2 * h + 1]));
         }
 #else
         float amax = 0.0f;

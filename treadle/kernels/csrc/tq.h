@@ -16,6 +16,29 @@ static inline float hsum(__m256 v) { /* the sum of 8 floats */
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+/* The 32 floats of an activation block loaded into xv, and the largest |x| among them (max is
+ * exact in any order, so this equals the plain loop of fmaxf). */
+static inline float block_absmax(const float *xb, __m256 xv[4]) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mx = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        xv[j] = _mm256_loadu_ps(xb + 8 * j);
+        mx = _mm256_max_ps(mx, _mm256_and_ps(xv[j], absmask));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+/* round(x * id) clamped to [-lim, lim] (cvtps2dq rounds to nearest even, as nearbyintf) */
+static inline __m256i round_clamp(__m256 x, float id, int lim) {
+    const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(x, _mm256_set1_ps(id)));
+    return _mm256_max_epi32(_mm256_min_epi32(r, _mm256_set1_epi32(lim)), _mm256_set1_epi32(-lim));
+}
+static inline int hsum_epi32(__m256i v) { /* the sum of 8 int32 lanes (exact) */
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
 /* AVX-512 VNNI with 256-bit forms (the avx512-vnni build): vpdpwssd, a 16-bit multiply-add and
  * the sum in one instruction */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
