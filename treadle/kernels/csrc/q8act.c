@@ -4,13 +4,12 @@
  *
  * Each activation row is quantized once per matmul to int8 per block of 32 (xd = max|x| / 127,
  * xq = round(x / xd)) with its block sum (xs = xd * sum(xq), the minimum term's factor). The
- * weights stay 8-bit: unsigned q for the 4/5-bit types (nibble, plus bit 4 for Q5), signed q for
- * Q8_0, so a block's 32 products need one multiply-add of bytes (AVX2 vpmaddubsw, u8 x s8 -> pairs
- * summed in int16: at most 31 * 127 * 2 < 32767, or 128 * 127 * 2 for Q8_0, never saturating) and
- * one of 16-bit pairs into int32 -- against two 16-bit multiply-adds and an add per block on the
- * 16-bit path, whose activation blocks are also twice as large (the avx512-vnni build: one
- * 256-bit vpdpbusd, the same integers in the same lanes). The types without a minimum
- * that store q - 8 (q - 16) are read as unsigned q with the minimum m = -8 d (-16 d):
+ * weights stay 8-bit: unsigned q for Q5 (nibble plus bit 4), so a block's 32 products need one
+ * multiply-add of bytes (AVX2 vpmaddubsw, u8 x s8 -> pairs summed in int16: at most 31 * 127 * 2
+ * < 32767, never saturating) and one of 16-bit pairs into int32 -- against two 16-bit
+ * multiply-adds and an add per block on the 16-bit path, whose activation blocks are also twice
+ * as large (the avx512-vnni build: one 256-bit vpdpbusd, the same integers in the same lanes).
+ * Q5_0, which stores q - 16, is read as unsigned q with the minimum m = -16 d:
  *
  *   y[m, n] = sum_b  d_b xd_b (q_b . xq_b)  +  sum_b m_b xs_b  (+ bias)
  *
@@ -81,30 +80,26 @@ void tq_q8_free(tq_q8acts a) {
     free((void *)a.d);
 }
 
-static inline int has_min(int t) { return t != TQ_Q8_0; }
-
 /* the sum of 8 lanes in tq.h hsum's order */
 static inline float hsum8(const float a[8]) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
 #ifdef TQ_AVX2
-/* The 32 q of a block as bytes, in element order: unsigned for Q4/Q5 (no bias), int8 for Q8_0. */
+/* The 32 q of a Q5 block as unsigned bytes (no bias), in element order. */
 static inline __attribute__((always_inline)) __m256i block_bytes(int t, const uint8_t *u) {
-    if (t == TQ_Q8_0) return _mm256_loadu_si256((const __m256i *)(u + 2));
-    const uint8_t *qs = u + (t == TQ_Q4_0 ? 2 : t == TQ_Q4_1 ? 4 : t == TQ_Q5_0 ? 6 : 8);
+    const uint8_t *qs = u + (t == TQ_Q5_0 ? 6 : 8);
     const __m128i raw = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(15);
     const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-    if (t == TQ_Q4_0 || t == TQ_Q4_1) return q;
     uint32_t qh;
     memcpy(&qh, qs - 4, 4);
     return _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(16)));
 }
 #endif
 
-/* A row unpacked once for all its activation rows: q[nb * 32] the blocks' q as bytes (unsigned
- * for Q4/Q5, without the Q4_0 / Q5_0 bias; int8 for Q8_0), d[nb] the scales, m[nbp] the
- * minimums (-8 d for Q4_0, -16 d for Q5_0; zero past nb). */
+/* A Q5 row unpacked once for all its activation rows: q[nb * 32] the blocks' q as unsigned
+ * bytes (without the Q5_0 bias), d[nb] the scales, m[nbp] the minimums (-16 d for Q5_0; zero
+ * past nb). */
 static inline __attribute__((always_inline)) void unpack_row(int t, const uint8_t *row, int64_t nb, int64_t nbp,
                                                               uint8_t *q, float *d, float *m) {
     const int ub = unit_bytes(t);
@@ -115,19 +110,18 @@ static inline __attribute__((always_inline)) void unpack_row(int t, const uint8_
 #else
         int v[QK];
         block_ints(t, u, 0, v);
-        const int bias = t == TQ_Q4_0 ? 8 : t == TQ_Q5_0 ? 16 : 0;
+        const int bias = t == TQ_Q5_0 ? 16 : 0;
         for (int j = 0; j < QK; j++) q[b * QK + j] = (uint8_t)(v[j] + bias);
 #endif
         d[b] = half_to_float(u);
-        m[b] = t == TQ_Q4_1 || t == TQ_Q5_1 ? half_to_float(u + 2)
-             : t == TQ_Q4_0 ? -8.0f * d[b] : t == TQ_Q5_0 ? -16.0f * d[b] : 0.0f;
+        m[b] = t == TQ_Q5_1 ? half_to_float(u + 2) : -16.0f * d[b];
     }
     for (int64_t b = nb; b < nbp; b++) m[b] = 0.0f;
 }
 
 /* NW (<= 2) weight rows x NX (<= MR8) activation rows: out[i * ostride + r]. q, d, m: the rows
  * unpacked (unpack_row; row r at r * K, r * nb, r * nbp). */
-static inline __attribute__((always_inline)) void tile8(int t, const uint8_t *q, int64_t nb, const float *d,
+static inline __attribute__((always_inline)) void tile8(const uint8_t *q, int64_t nb, const float *d,
                                                          const float *m, tq_q8acts x, int64_t K, const int NW,
                                                          const int NX, const float *bias, float *out, int64_t ostride) {
 #ifdef TQ_AVX2
@@ -138,22 +132,20 @@ static inline __attribute__((always_inline)) void tile8(int t, const uint8_t *q,
     for (int i = 0; i < NX; i++)
         for (int r = 0; r < NW; r++) acc[i][r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i w[2], sgn[2];
+        __m256i w[2];
         __m256 dw[2];
         for (int r = 0; r < NW; r++) {
-            sgn[r] = _mm256_loadu_si256((const __m256i *)(q + r * K + b * QK));
-            w[r] = t == TQ_Q8_0 ? _mm256_sign_epi8(sgn[r], sgn[r]) : sgn[r]; /* |q| for Q8_0 */
+            w[r] = _mm256_loadu_si256((const __m256i *)(q + r * K + b * QK));
             dw[r] = _mm256_broadcast_ss(d + r * nb + b);
         }
         for (int i = 0; i < NX; i++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(x.q + i * K + b * QK));
             const __m256 vx = _mm256_broadcast_ss(x.d + i * nb + b);
-            for (int r = 0; r < NW; r++) { /* Q8_0: |q| times x with q's sign, the same products */
-                const __m256i xs = t == TQ_Q8_0 ? _mm256_sign_epi8(xv, sgn[r]) : xv;
+            for (int r = 0; r < NW; r++) {
 #ifdef TQ_VNNI /* vpdpbusd: the 4 products of each lane summed in one instruction, the same integers */
-                const __m256 s = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w[r], xs));
+                const __m256 s = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w[r], xv));
 #else
-                const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w[r], xs), ones));
+                const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w[r], xv), ones));
 #endif
                 acc[i][r] = _mm256_fmadd_ps(s, _mm256_mul_ps(dw[r], vx), acc[i][r]);
             }
@@ -168,10 +160,7 @@ static inline __attribute__((always_inline)) void tile8(int t, const uint8_t *q,
                 const float sc = d[r * nb + b] * x.d[i * nb + b];
                 for (int k = 0; k < 8; k++) {
                     int s = 0;
-                    for (int j = 4 * k; j < 4 * k + 4; j++) {
-                        const uint8_t v = q[r * K + b * QK + j];
-                        s += (t == TQ_Q8_0 ? (int)(int8_t)v : (int)v) * xq[j];
-                    }
+                    for (int j = 4 * k; j < 4 * k + 4; j++) s += q[r * K + b * QK + j] * xq[j];
                     acc[i][r][k] = fmaf((float)s, sc, acc[i][r][k]);
                 }
             }
@@ -182,20 +171,18 @@ static inline __attribute__((always_inline)) void tile8(int t, const uint8_t *q,
         for (int r = 0; r < NW; r++) {
             const float *mr = m + r * x.nbp, *xs = x.s + i * x.nbp;
 #ifdef TQ_AVX2
-            if (has_min(t))
-                for (int64_t b = 0; b < x.nbp; b += 8)
-                    acc[i][r] = _mm256_fmadd_ps(_mm256_loadu_ps(mr + b), _mm256_loadu_ps(xs + b), acc[i][r]);
+            for (int64_t b = 0; b < x.nbp; b += 8)
+                acc[i][r] = _mm256_fmadd_ps(_mm256_loadu_ps(mr + b), _mm256_loadu_ps(xs + b), acc[i][r]);
             const float o = hsum(acc[i][r]);
 #else
-            if (has_min(t))
-                for (int64_t b = 0; b < x.nbp; b++) acc[i][r][b % 8] = fmaf(mr[b], xs[b], acc[i][r][b % 8]);
+            for (int64_t b = 0; b < x.nbp; b++) acc[i][r][b % 8] = fmaf(mr[b], xs[b], acc[i][r][b % 8]);
             const float o = hsum8(acc[i][r]);
 #endif
             out[i * ostride + r] = bias ? o + bias[r] : o;
         }
 }
 
-#define TILE8(NW, NX) tile8(t, q, nb, d, m, xm, K, NW, NX, bias, out, ldy)
+#define TILE8(NW, NX) tile8(q, nb, d, m, xm, K, NW, NX, bias, out, ldy)
 
 /* Weight rows n, n + 1 (nw of them) times every activation row; t a constant after inlining. */
 static inline __attribute__((always_inline)) void row_pair8(const int t, const uint8_t *row, tq_q8acts x, float *y,
@@ -463,15 +450,16 @@ static void single_row(int t, const uint8_t *row, tq_q8acts x, float *y, int64_t
 static inline __attribute__((always_inline)) void q8_0_direct(const uint8_t *w, int64_t rbytes, int64_t nb,
                                                               tq_q8acts x, const float *bias, float *out) {
     const __m256i ones = _mm256_set1_epi16(1);
+    const int ub = unit_bytes(TQ_Q8_0);
     const uint8_t *next = w + GR * rbytes;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        for (int64_t off = b * GR * 34; off < (b + 1) * GR * 34; off += 64) __builtin_prefetch(next + off);
+        for (int64_t off = b * GR * ub; off < (b + 1) * GR * ub; off += 64) __builtin_prefetch(next + off);
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(x.q + b * QK));
         __m256i v[GR];
         uint16_t h[GR];
         for (int j = 0; j < GR; j++) {
-            const uint8_t *u = w + j * rbytes + b * 34;
+            const uint8_t *u = w + j * rbytes + b * ub;
             memcpy(h + j, u, 2);
             const __m256i q = _mm256_loadu_si256((const __m256i *)(u + 2));
             v[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q)), ones);
@@ -558,7 +546,7 @@ void tq_q8_rows(int qtype, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy,
         float *out = y + n;
         const int nw = N - n < 2 ? 1 : 2;
         switch (qtype) {
-            TYPE8(TQ_Q4_0); TYPE8(TQ_Q4_1); TYPE8(TQ_Q5_0); TYPE8(TQ_Q5_1); TYPE8(TQ_Q8_0);
+            TYPE8(TQ_Q5_0); TYPE8(TQ_Q5_1);
             default: break;
         }
     }
