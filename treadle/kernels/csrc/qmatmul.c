@@ -30,8 +30,8 @@
  * The minimum terms (Q4_1, Q5_1, K-quants) cost one fma per block and tile instead of one scalar
  * fma per output, and free the registers those held: gcc 12 spills 2 of the 8 accumulators of a
  * Q4_1 tile instead of 6 (Q4_1 at M >= 4 ~1.1x faster; Q8_0 unchanged: docs/benchmarks.md, #16).
- * With the layout's act_bits 8 (TREADLE_ACTIVATION_BITS, the default), segments of Q4_0, Q4_1,
- * Q5_0, Q5_1, Q8_0 take q8act.c's 8-bit activations instead (faster; llama.cpp's rounding).
+ * With the layout's act_bits 8 (TREADLE_ACTIVATION_BITS=8; the default is 16), segments of Q4_0,
+ * Q4_1, Q5_0, Q5_1, Q8_0 take q8act.c's 8-bit activations instead (faster; llama.cpp's rounding).
  * Built once per variant (native.py VARIANTS, chosen at load by CPU features): AVX2/FMA/F16C
  * paths, plus vpdpwssd in the avx512-vnni build, or plain C (-DTQ_PLAIN_C, the reference build the
  * tests compare against).
@@ -298,7 +298,7 @@ void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float 
     int use8[TQ_MAX_SEGMENTS] = {0}, any16 = 0, any8 = 0;
     for (int s = 0; s < layout->count; s++) {
         if (layout->qtype[s] == TQ_W_BF16) continue; /* takes x as it is */
-        use8[s] = layout->act_bits == 8 && K <= TQ_Q8_MAX_K && tq_q8_type(layout->qtype[s]);
+        use8[s] = layout->act_bits == 8 && tq_q8_type(layout->qtype[s]);
         any8 |= use8[s];
         any16 |= !use8[s];
     }

@@ -72,7 +72,6 @@ void tq_bf16_matmul(const uint16_t *w, const void *x, int x_bf16, void *y, int y
 void tq_bf16_rows(const uint16_t *w, const void *x, int x_bf16, void *y, int y_bf16, int64_t ldy, const float *bias,
                   int64_t M, int64_t N, int64_t K); /* y's rows ldy elements apart */
 /* q8act.c: tq_matmul's 8-bit activation path */
-#define TQ_Q8_MAX_K 16384 /* longer rows take 16-bit activations (q8act.c's stack buffers) */
 typedef struct { /* activation rows as int8 blocks of 32 */
     const int8_t *q; /* [M, K] */
     const float *d, *s; /* [M, K/32] scales; [M, nbp] scale * sum(q), zero past K/32 */
