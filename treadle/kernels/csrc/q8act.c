@@ -40,13 +40,11 @@
 
 int tq_q8_type(int t) { return t == TQ_Q4_0 || t == TQ_Q4_1 || t == TQ_Q5_0 || t == TQ_Q5_1 || t == TQ_Q8_0; }
 
-static inline int64_t padded(int64_t nb) { return (nb + 7) / 8 * 8; }
-
 tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
-    const int64_t nb = K / QK, nbp = padded(nb);
-    float *f = (float *)calloc((size_t)(M * (nb + nbp)), sizeof(float));
+    const int64_t nb = K / QK;
+    float *f = (float *)malloc((size_t)(2 * M * nb) * sizeof(float));
     int8_t *q = (int8_t *)malloc((size_t)(M * K));
-    const tq_q8acts a = {q, f, f + M * nb, nbp};
+    const tq_q8acts a = {q, f, f + M * nb};
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t i = 0; i < M * nb; i++) {
         const int64_t row = i / nb, b = i % nb;
@@ -77,7 +75,7 @@ tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
         }
 #endif
         f[i] = d;
-        f[M * nb + row * nbp + b] = d * (float)sum;
+        f[M * nb + i] = d * (float)sum;
     }
     return a;
 }
@@ -107,6 +105,13 @@ static inline float block_min(int t, const uint8_t *u) {
 }
 
 #ifdef TQ_AVX2
+/* d of block b of 8 Q8_0 rows, one conversion */
+static inline __m256 q8_0_scales(const uint8_t *w, int64_t rbytes, int64_t b) {
+    uint16_t h[GR];
+    for (int j = 0; j < GR; j++) memcpy(h + j, w + j * rbytes + b * unit_bytes(TQ_Q8_0), 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
 /* 8 rows of 8 dwords -> 8 vectors, vector s = dword s of every row (lane j = row j) */
 static inline __attribute__((always_inline)) void transpose8(const __m256i r[GR], __m256i out[GR]) {
     __m256i u[GR];
@@ -134,13 +139,9 @@ static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gb
 #ifdef TQ_AVX2
         __m256i step[GR];
         if (t == TQ_Q8_0) { /* signed q, no minimum: the rows' 8 dwords transposed, d per row */
-            uint16_t h[GR];
             __m256i r[GR];
-            for (int j = 0; j < GR; j++) {
-                memcpy(h + j, w + j * rbytes + b * ub, 2);
-                r[j] = _mm256_loadu_si256((const __m256i *)(w + j * rbytes + b * ub + 2));
-            }
-            _mm256_store_ps(g->d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+            for (int j = 0; j < GR; j++) r[j] = _mm256_loadu_si256((const __m256i *)(w + j * rbytes + b * ub + 2));
+            _mm256_store_ps(g->d, q8_0_scales(w, rbytes, b));
             transpose8(r, step);
         } else {
             /* the rows' first 4 bytes (d, and m for Q4_1 / Q5_1) -> d[8], m[8], one conversion each */
@@ -250,7 +251,7 @@ static inline __attribute__((always_inline)) void group_tile(const int t, const 
                 const __m256 isum = _mm256_cvtepi32_ps(five_bit(t) ? _mm256_add_epi32(r ? w1 : w0, wide) : wide);
                 acc[i + r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + (i + r) * nb + b)),
                                              acc[i + r]);
-                acc[i + r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(x.s + (i + r) * x.nbp + b), acc[i + r]);
+                acc[i + r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(x.s + (i + r) * nb + b), acc[i + r]);
             }
         }
     }
@@ -272,7 +273,7 @@ static inline __attribute__((always_inline)) void group_tile(const int t, const 
                     isum += (t == TQ_Q8_0 ? (int)(int8_t)q : (int)q) * xq[k];
                 }
                 acc = fmaf((float)isum, g->d[j] * x.d[i * nb + b], acc);
-                if (t != TQ_Q8_0) acc = fmaf(g->m[j], x.s[i * x.nbp + b], acc);
+                if (t != TQ_Q8_0) acc = fmaf(g->m[j], x.s[i * nb + b], acc);
             }
             out[i * ostride + j] = bias ? acc + bias[j] : acc;
         }
@@ -294,7 +295,7 @@ static void single_row(int t, const uint8_t *row, tq_q8acts x, float *y, int64_t
             block_ints(t, u, 0, v);
             for (int k = 0; k < QK; k++) isum += (v[k] + q_bias(t)) * xq[k];
             acc = fmaf((float)isum, half_to_float(u) * x.d[i * nb + b], acc);
-            if (t != TQ_Q8_0) acc = fmaf(block_min(t, u), x.s[i * x.nbp + b], acc);
+            if (t != TQ_Q8_0) acc = fmaf(block_min(t, u), x.s[i * nb + b], acc);
         }
         y[i * ldy] = bias ? acc + bias[0] : acc;
     }
@@ -315,11 +316,8 @@ static inline __attribute__((always_inline)) void q8_0_direct(const uint8_t *w, 
         for (int64_t off = b * GR * ub; off < (b + 1) * GR * ub; off += 64) __builtin_prefetch(next + off);
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(x.q + b * QK));
         __m256i v[GR];
-        uint16_t h[GR];
         for (int j = 0; j < GR; j++) {
-            const uint8_t *u = w + j * rbytes + b * ub;
-            memcpy(h + j, u, 2);
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(u + 2));
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + j * rbytes + b * ub + 2));
             v[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q)), ones);
         }
         /* hadd pairs per 128-bit half: g0 = rows 0-3 (low half: elements 0-3, high: 4-7), g1 rows 4-7 */
@@ -327,7 +325,7 @@ static inline __attribute__((always_inline)) void q8_0_direct(const uint8_t *w, 
         const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
         const __m256i isum = _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20),
                                               _mm256_permute2x128_si256(g0, g1, 0x31));
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+        const __m256 dw = q8_0_scales(w, rbytes, b);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + b)), acc);
     }
     if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias));
@@ -352,7 +350,7 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
 #endif
     unpack_group(t, w + g * GR * rbytes, rbytes, nb, panel);
     for (int64_t m0 = 0; m0 < M; m0 += MRG) {
-        const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * x.nbp, x.nbp};
+        const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb};
         float *out = y + m0 * ldy + g * GR;
         switch (M - m0 < MRG ? (int)(M - m0) : MRG) {
             case 1: GTILE(1); break;

@@ -74,8 +74,7 @@ void tq_bf16_rows(const uint16_t *w, const void *x, int x_bf16, void *y, int y_b
 /* q8act.c: tq_matmul's 8-bit activation path */
 typedef struct { /* activation rows as int8 blocks of 32 */
     const int8_t *q; /* [M, K] */
-    const float *d, *s; /* [M, K/32] scales; [M, nbp] scale * sum(q), zero past K/32 */
-    int64_t nbp; /* K/32 rounded up to a multiple of 8 */
+    const float *d, *s; /* [M, K/32] scales; [M, K/32] scale * sum(q) */
 } tq_q8acts;
 int tq_q8_type(int qtype);
 tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K);
