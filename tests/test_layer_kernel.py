@@ -93,6 +93,26 @@ def test_fused_layer_equals_module_path(tmp_path: Path, monkeypatch: pytest.Monk
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_packed_fused_layers_equal_the_file_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  qtype: str) -> None:
+    """With 8-bit activations at load, Q4_0 / Q4_1 weights are packed 8 rows at a time
+    (GGUFBlockMethod.process_weights_after_loading); the fused packed layers give the bits of
+    the module path on the file's layout with 8-bit activations."""
+    path = make_tiny_model(tmp_path / "llama", "llama", seed=4, hidden_size=64, intermediate_size=96,
+                           num_attention_heads=4, num_key_value_heads=2)
+    monkeypatch.setenv("TREADLE_ACTIVATION_BITS", "16")
+    modules = gguf_block_model(path, qtype)
+    monkeypatch.setenv("TREADLE_ACTIVATION_BITS", "8")
+    packed = gguf_block_model(path, qtype)
+    assert packed.model.layers[0].mlp.gate_up_proj.method.segments == ((qtype + "x8", 192),)
+    assert modules.model.layers[0].mlp.gate_up_proj.method.segments == ((qtype, 192),)
+    assert fuse_decoder_layers(packed.model) == packed.config.num_layers
+    prompts = [[5, 9, 13, 2, 7], [3, 1, 4], [8, 4]]
+    for a, b in zip(decode_logits(packed, prompts, 6), decode_logits(modules, prompts, 6)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 6})])
 @pytest.mark.parametrize("cache", [torch.bfloat16, torch.float32])
 def test_fused_bfloat16_layer_equals_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str,

@@ -2,7 +2,8 @@
 every runnable SIMD variant equals the plain-C reference bit for bit (exact integer sums, one
 fixed float order), equals the dequantized weights times the int8-rounded activations up to
 float32 summation, and a row's result does not depend on its batch. K-quant segments of the
-same weight keep 16-bit activations."""
+same weight keep 16-bit activations. Q4_0 / Q4_1 rows packed 8 at a time at load give the same
+bits as the file's layout."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,8 @@ from kernel_variants import VARIANTS, rand, runnable
 
 from treadle.config import TreadleError
 from treadle.kernels import native
-from treadle.quantization.gguf_native import dequantize_blocks
+from treadle.layers.linear import Linear
+from treadle.quantization.gguf_native import GGUFBlockMethod, dequantize_blocks
 
 K = 576  # 18 blocks: the minimum terms' 8-lane sums have a padded tail (SmolLM2's hidden size)
 N = 37  # odd: a segment's last row goes alone
@@ -88,3 +90,44 @@ def test_bad_activation_bits_is_one_clear_error(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("TREADLE_ACTIVATION_BITS", "12")
     with pytest.raises(TreadleError, match="TREADLE_ACTIVATION_BITS"):
         native.layout((("Q4_1", 4),))
+
+
+@VARIANTS
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_packed_rows_give_the_file_layouts_bits(variant: str, qtype: str) -> None:
+    """``native.pack_rows`` (8 rows at a time, in place): the same bits as the file's layout
+    for batches on both packed paths (registers up to 4 rows, the panel beyond), in every build;
+    packed rows take 8-bit activations whatever is asked; lookups read the file's values back."""
+    runnable(variant)
+    n = 40
+    blocks = random_blocks(qtype, n, K, seed=61)
+    w = blocks.data.reshape(-1)
+    packed = w.clone()
+    name = native.pack_rows(qtype, packed, n, K)
+    assert name == qtype + "x8" and not torch.equal(packed, w)
+    bias = rand(n, seed=62)
+    for rows in (1, 3, 4, 5, 16):
+        x = rand(rows, K, seed=63 + rows)
+        ref = native.qmatmul(((qtype, n),), w, x, bias, plain=True, act_bits=8)
+        assert torch.equal(native.qmatmul(((name, n),), packed, x, bias, variant=variant, act_bits=8), ref)
+        assert torch.equal(native.qmatmul(((name, n),), packed, x, bias, plain=True, act_bits=16), ref)
+    ids = torch.tensor([0, 7, 8, 39, 21])
+    assert torch.equal(native.gather_rows(name, packed, ids, K), native.gather_rows(qtype, w, ids, K))
+    assert torch.equal(native.dequantize(name, packed, n, K, plain=True), native.dequantize(qtype, w, n, K))
+
+
+def test_loading_with_8_bit_activations_packs_whole_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shards Q4_1 (16 rows), Q8_0 (8), Q4_0 (5): only the Q4_1 segment is packed (Q8_0 is not a
+    packed type, 5 rows are no whole group); the layer's output is unchanged, and a second
+    call changes nothing."""
+    monkeypatch.setenv("TREADLE_ACTIVATION_BITS", "8")
+    shards = [random_blocks(t, n, K, seed=70 + n) for t, n in (("Q4_1", 16), ("Q8_0", 8), ("Q4_0", 5))]
+    layer = Linear(K, [16, 8, 5], False, torch.float32, GGUFBlockMethod([b.qtype for b in shards]))
+    for i, b in enumerate(shards):
+        layer.weight.weight_loader(layer.weight, b, i)  # type: ignore[attr-defined]
+    x = rand(3, K, seed=75)
+    before = layer(x)
+    for _ in range(2):
+        layer.method.process_weights_after_loading(layer)
+        assert layer.method.segments == (("Q4_1x8", 16), ("Q8_0", 8), ("Q4_0", 5))
+        assert torch.equal(layer(x), before)

@@ -96,10 +96,12 @@ def test_gguf_mode_needs_a_gguf_file(tiny_llama: Path) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2_pair() -> tuple[LoadedModel, LoadedModel]:
-    return (
-        load_model("smollm2-135m-instruct", CPUBackend(), quantization=None),
-        load_model("smollm2-135m-instruct", CPUBackend(), quantization="auto"),  # GGUF -> native
-    )
+    with pytest.MonkeyPatch.context() as mp:  # loaded in the file's layout (8 bits at load would pack Q4_1 rows)
+        mp.setenv("TREADLE_ACTIVATION_BITS", "16")
+        return (
+            load_model("smollm2-135m-instruct", CPUBackend(), quantization=None),
+            load_model("smollm2-135m-instruct", CPUBackend(), quantization="auto"),  # GGUF -> native
+        )
 
 
 @pytest.mark.slow

@@ -186,7 +186,10 @@ def available() -> bool:
 
 # the block types the kernels read, by GGML's own type numbers (csrc/qblocks.h)
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-LAYOUT_TYPES = {**QTYPES, "BF16": 30}  # tq_layout segments may also be bfloat16 rows (tq.h TQ_W_BF16)
+# Q4_0 / Q4_1 rows repacked 8 at a time for 8-bit activations (csrc/q8act.c tq_q8_pack; qblocks.h TQ_PACKED)
+PACKED = {"Q4_0x8": "Q4_0", "Q4_1x8": "Q4_1"}
+# tq_layout segments may also be bfloat16 rows (tq.h TQ_W_BF16) or packed rows (always 8-bit activations)
+LAYOUT_TYPES = {**QTYPES, "BF16": 30, **{p: 100 + QTYPES[b] for p, b in PACKED.items()}}
 MAX_SEGMENTS = 4
 
 Segments = tuple[tuple[str, int], ...]  # a weight's rows as (block type or "BF16", row count) runs, in row order
@@ -234,19 +237,30 @@ def qmatmul(segments: Segments, weight: torch.Tensor, x: torch.Tensor, bias: tor
 
 
 def gather_rows(qtype: str, weight: torch.Tensor, ids: torch.Tensor, k: int, plain: bool = False) -> torch.Tensor:
-    """Rows ``ids`` of GGUF-block weight (rows of K inputs) -> [*ids.shape, K] float32."""
+    """Rows ``ids`` of GGUF-block weight (rows of K inputs; packed or not) -> [*ids.shape, K] float32."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(flat.shape[0], k, dtype=torch.float32)
-    kernel("tq_gather_rows", "CPPIIP", plain)(QTYPES[qtype], weight.data_ptr(), flat.data_ptr(), flat.shape[0], k,
-                                              out.data_ptr())
+    kernel("tq_gather_rows", "CPPIIP", plain)(LAYOUT_TYPES[qtype], weight.data_ptr(), flat.data_ptr(), flat.shape[0],
+                                              k, out.data_ptr())
     return out.view(*ids.shape, k)
 
 
 def dequantize(qtype: str, weight: torch.Tensor, n: int, k: int, plain: bool = False) -> torch.Tensor:
-    """GGUF-block weight of ``n`` rows of ``k`` inputs -> [n, k] float32."""
+    """GGUF-block weight of ``n`` rows of ``k`` inputs (packed or not) -> [n, k] float32."""
     out = torch.empty(n, k, dtype=torch.float32)
-    kernel("tq_dequantize", "CPIIP", plain)(QTYPES[qtype], weight.data_ptr(), n, k, out.data_ptr())
+    kernel("tq_dequantize", "CPIIP", plain)(LAYOUT_TYPES[qtype], weight.data_ptr(), n, k, out.data_ptr())
     return out
+
+
+def pack_rows(qtype: str, weight: torch.Tensor, n: int, k: int) -> str:
+    """Repack ``n`` rows (a multiple of 8) of ``qtype`` blocks in ``weight`` (contiguous uint8) in
+    place for 8-bit activations (csrc/q8act.c); returns the packed type's name. The packed
+    layout is the same in every build, so any variant reads what another packed."""
+    packed = next(p for p, b in PACKED.items() if b == qtype)
+    if n % 8 or not weight.is_contiguous() or weight.dtype != torch.uint8:
+        raise ValueError(f"packing takes contiguous uint8 rows in groups of 8, not {n} rows of {weight.dtype}")
+    kernel("tq_q8_pack", "CPII")(QTYPES[qtype], weight.data_ptr(), n, k)
+    return packed
 
 
 def w8a8_weight_sums(weight: torch.Tensor) -> torch.Tensor:

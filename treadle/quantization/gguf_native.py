@@ -28,6 +28,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from treadle import envs
 from treadle.kernels import native
 from treadle.layers.linear import Linear, LinearMethod
 from treadle.quantization.weight_only import shard_rows
@@ -123,6 +124,23 @@ class GGUFBlockMethod(LinearMethod):
             raise ValueError(f"shape mismatch: expected {(rows, layer.in_features)}, got {tuple(blocks.shape)}")
         offset = sum(n * row_bytes(t, layer.in_features) for t, n in zip(types, layer.output_sizes[: shard or 0]))
         layer.weight.data[offset : offset + blocks.data.numel()] = blocks.data.reshape(-1)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """With 8-bit activations (``TREADLE_ACTIVATION_BITS=8`` at load), Q4_0 / Q4_1 segments of
+        whole groups of 8 rows are repacked in place (``native.pack_rows``: same bytes, so
+        resident memory is unchanged), so the kernel reads a group's block with loads and
+        masks instead of transposing 8 rows on every call. Packed rows always take 8-bit
+        activations; embedding lookups read them back as the file had them."""
+        if envs.activation_bits() != 8 or not native.available():
+            return
+        segments, offset = [], 0
+        for qtype, rows in self.segments:
+            nbytes = rows * row_bytes(native.PACKED.get(qtype, qtype), layer.in_features)
+            if qtype in native.PACKED.values() and rows % 8 == 0:
+                qtype = native.pack_rows(qtype, layer.weight.data[offset : offset + nbytes], rows, layer.in_features)
+            segments.append((qtype, rows))
+            offset += nbytes
+        self.segments = tuple(segments)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         bias = None if layer.bias is None else layer.bias.float().contiguous()

@@ -298,7 +298,7 @@ void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float 
     int use8[TQ_MAX_SEGMENTS] = {0}, any16 = 0, any8 = 0;
     for (int s = 0; s < layout->count; s++) {
         if (layout->qtype[s] == TQ_W_BF16) continue; /* takes x as it is */
-        use8[s] = layout->act_bits == 8 && tq_q8_type(layout->qtype[s]);
+        use8[s] = tq_q8_type(layout->qtype[s]) && (layout->act_bits == 8 || packed_type(layout->qtype[s]));
         any8 |= use8[s];
         any16 |= !use8[s];
     }
@@ -355,16 +355,28 @@ static void dequant_row(int qtype, const uint8_t *row, float *out, int64_t K) {
     }
 }
 
+/* Row n of W dequantized; packed rows (q8act.c) are first put back as the file has them. */
+static void file_row(int qtype, const uint8_t *w, int64_t n, int64_t K, float *out) {
+    const int64_t rbytes = row_bytes(qtype, K);
+    if (!packed_type(qtype)) {
+        dequant_row(qtype, w + n * rbytes, out, K);
+        return;
+    }
+    uint8_t *row = (uint8_t *)malloc((size_t)rbytes);
+    if (row == NULL) abort();
+    tq_q8_unpack_row(qtype, w, n, K, row);
+    dequant_row(base_type(qtype), row, out, K);
+    free(row);
+}
+
 /* out [n, K] = the rows ids[0..n) of W, dequantized (an embedding lookup). */
 void tq_gather_rows(int qtype, const uint8_t *w, const int64_t *ids, int64_t n, int64_t K, float *out) {
-    const int64_t rbytes = row_bytes(qtype, K);
 #pragma omp parallel for schedule(static) if (n > 16)
-    for (int64_t i = 0; i < n; i++) dequant_row(qtype, w + ids[i] * rbytes, out + i * K, K);
+    for (int64_t i = 0; i < n; i++) file_row(qtype, w, ids[i], K, out + i * K);
 }
 
 /* out [N, K] = W dequantized. */
 void tq_dequantize(int qtype, const uint8_t *w, int64_t N, int64_t K, float *out) {
-    const int64_t rbytes = row_bytes(qtype, K);
 #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < N; r++) dequant_row(qtype, w + r * rbytes, out + r * K, K);
+    for (int64_t r = 0; r < N; r++) file_row(qtype, w, r, K, out + r * K);
 }
