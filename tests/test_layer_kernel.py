@@ -64,9 +64,11 @@ def decode_logits(lm: LoadedModel, prompts: list[list[int]], steps: int,
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per layer the C kernel runs (a whole stack is one call of many layers)."""
     calls: list[int] = []
     run = DecoderLayerKernel.__call__
-    monkeypatch.setattr(DecoderLayerKernel, "__call__", lambda self, *a: (calls.append(1), run(self, *a))[1])
+    monkeypatch.setattr(DecoderLayerKernel, "__call__",
+                        lambda self, *a: (calls.extend([1] * len(self.weights)), run(self, *a))[1])
     return calls
 
 
@@ -90,6 +92,10 @@ def test_fused_layer_equals_module_path(tmp_path: Path, monkeypatch: pytest.Monk
     got = decode_logits(fused, prompts, 9)
     assert len(calls) == 9 * fused.config.num_layers  # every decode step, every layer (prefill: module path)
     for a, b in zip(got, decode_logits(modules, prompts, 9)):
+        assert torch.equal(a, b)
+    assert fused.model.fused_stack is not None  # the steps above ran it: one call for all layers
+    fused.model.fused_stack = None  # layer by layer, one call each: the same bits
+    for a, b in zip(decode_logits(fused, prompts, 9), got):
         assert torch.equal(a, b)
 
 

@@ -18,7 +18,21 @@ import torch
 from treadle.kernels import native
 from treadle.kernels.attention import KV_FORMATS
 
-_SIGNATURE = "PPCPPFPPPPPPPPPPPPPIIIIIIIIIFCP"
+_SIGNATURE = "PIPPCPPPPIIIP"
+
+
+class LayerArgs(ctypes.Structure):
+    """csrc/tq.h's ``tq_decoder_layer``: one layer's weights, shapes and KV cache."""
+
+    _fields_ = [
+        ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("layouts", ctypes.c_void_p),
+        ("qkv_w", ctypes.c_void_p), ("o_w", ctypes.c_void_p), ("gate_up_w", ctypes.c_void_p),
+        ("down_w", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+        ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
+        ("inter", ctypes.c_int64), ("window", ctypes.c_int64), ("block_size", ctypes.c_int64),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_format", ctypes.c_int32),
+    ]
 
 
 def block_layouts(segments: Sequence[native.Segments]) -> ctypes.Array:
@@ -54,36 +68,57 @@ class DecoderLayerWeights(NamedTuple):
         return batch * (2 * hidden + qkv + q + 3 * self.intermediate)
 
 
-class DecoderLayerKernel:
-    """The C layer bound to one layer's weights: their pointers and shapes are read once here
-    (the weights must neither move nor be freed while this lives; it holds them)."""
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, kv_heads, D (+4)] contiguous,
+# float32 or a quantized cache (kernels.attention.KV_FORMATS)
 
-    def __init__(self, w: DecoderLayerWeights) -> None:
-        self.weights = w
-        self._fn = native.kernel("tq_llama_layer_decode", _SIGNATURE)
-        bias = None if w.qkv_bias is None else w.qkv_bias.data_ptr()
-        self._norms = (w.input_norm.data_ptr(), w.post_norm.data_ptr(), w.eps, ctypes.addressof(w.layouts),
-                       w.qkv.data_ptr(), bias, w.o.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr(),
-                       w.cos_sin.data_ptr())
-        self._shape = (w.num_heads, w.num_kv_heads, w.head_dim, w.intermediate, w.sliding_window or 0, w.scale)
+
+def layer_args(w: DecoderLayerWeights) -> LayerArgs:
+    """The C view of one layer's weights (their pointers: they must neither move nor be freed
+    while it is used); the KV cache is bound per call (``bind_cache``)."""
+    return LayerArgs(
+        w.input_norm.data_ptr(), w.post_norm.data_ptr(), ctypes.addressof(w.layouts), w.qkv.data_ptr(),
+        w.o.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr(),
+        None if w.qkv_bias is None else w.qkv_bias.data_ptr(), w.cos_sin.data_ptr(), None, None,
+        w.num_heads, w.num_kv_heads, w.head_dim, w.intermediate, w.sliding_window or 0, 0, w.eps, w.scale, 0,
+    )
+
+
+def bind_cache(args: LayerArgs, kv_cache: KVCache) -> None:
+    k_cache, v_cache = kv_cache
+    args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+    args.block_size, args.kv_format = k_cache.shape[1], KV_FORMATS[k_cache.dtype][0]
+
+
+class DecoderLayerKernel:
+    """The C layers bound to the weights of one or more consecutive layers (a model's whole
+    stack: one call per step, no Python between layers). Holds the weights (``weights``)."""
+
+    def __init__(self, weights: Sequence[DecoderLayerWeights]) -> None:
+        self.weights = list(weights)
+        self._fn = native.kernel("tq_llama_layers_decode", _SIGNATURE)
+        self._args = (LayerArgs * len(self.weights))(*map(layer_args, self.weights))
+        self._ptr = ctypes.addressof(self._args)
+        self._caches: list[KVCache] = []
 
     def __call__(
         self,
-        x: torch.Tensor,  # [B, H] float32 contiguous; overwritten with the layer's MLP output
+        x: torch.Tensor,  # [B, H] float32 contiguous; overwritten with the last layer's MLP output
         residual: torch.Tensor,  # [B, H] float32 contiguous; the residual stream, updated in place
-        first: bool,  # residual is set to x (the first layer), else x is added into it
+        first: bool,  # residual is set to x (the model's first layer), else x is added into it
         positions: torch.Tensor,  # [B] int64 contiguous
-        kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, kv_heads, D (+4)] contiguous,
-        # float32 or a quantized cache (kernels.attention.KV_FORMATS)
+        kv_caches: Sequence[KVCache],  # one per layer
         slots: torch.Tensor,  # [B] int64, cache slot of each new K/V row
         block_tables: torch.Tensor,  # [B, max_blocks] int32 contiguous
         seq_lens: torch.Tensor,  # [B] int32, new token included
-        scratch: torch.Tensor,  # >= weights.scratch_floats(B, H) float32
+        scratch: torch.Tensor,  # >= weights[0].scratch_floats(B, H) float32 (every layer's shapes alike)
     ) -> None:
-        k_cache, v_cache = kv_cache
+        if len(kv_caches) != len(self._caches) or any(
+                a[0] is not b[0] or a[1] is not b[1] for a, b in zip(kv_caches, self._caches)):
+            for args, cache in zip(self._args, kv_caches, strict=True):
+                bind_cache(args, cache)
+            self._caches = list(kv_caches)
         self._fn(
-            x.data_ptr(), residual.data_ptr(), int(first), *self._norms, positions.data_ptr(),
-            k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-            seq_lens.shape[0], block_tables.shape[1], k_cache.shape[1], x.shape[1], *self._shape,
-            KV_FORMATS[k_cache.dtype][0], scratch.data_ptr(),
+            self._ptr, len(self._args), x.data_ptr(), residual.data_ptr(), int(first), positions.data_ptr(),
+            slots.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], block_tables.shape[1],
+            x.shape[1], scratch.data_ptr(),
         )

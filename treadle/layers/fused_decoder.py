@@ -51,7 +51,8 @@ class FusedDecoderLayer(nn.Module):
     def __init__(self, module: nn.Module, weights: DecoderLayerWeights, workspace: Workspace) -> None:
         super().__init__()
         self.module = module  # the module path, for steps the C layer does not take
-        self.kernel = DecoderLayerKernel(weights)
+        self.weights = weights
+        self.kernel = DecoderLayerKernel([weights])
         self.workspace = workspace
 
     def forward(
@@ -72,6 +73,33 @@ class FusedDecoderLayer(nn.Module):
         first = residual is None
         if residual is None:
             residual = torch.empty_like(x)
-        scratch = self.workspace.get(self.kernel.weights.scratch_floats(x.shape[0], x.shape[1]))
-        self.kernel(x, residual, first, positions.to(torch.int64).contiguous(), kv_cache, *args, scratch)
+        scratch = self.workspace.get(self.weights.scratch_floats(x.shape[0], x.shape[1]))
+        self.kernel(x, residual, first, positions.to(torch.int64).contiguous(), [kv_cache], *args, scratch)
+        return x, residual
+
+
+class FusedDecoderStack:
+    """All of a model's decoder layers, each a FusedDecoderLayer, as one C call on the steps
+    they take (no Python between layers); None for any other step, which then runs layer by
+    layer. The KV caches are bound on first use and again whenever the tensors change."""
+
+    def __init__(self, layers: list[FusedDecoderLayer]) -> None:
+        self.weights = layers[0].weights  # every layer's shapes alike (one scratch size)
+        self.kernel = DecoderLayerKernel([layer.weights for layer in layers])
+        self.workspace = layers[0].workspace
+
+    def __call__(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        x: torch.Tensor,  # [num_tokens, hidden], the embeddings
+        kv_caches: list[KVCache],  # one per layer, all allocated alike (the first one is checked)
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        args = None if meta.plan is None else meta.plan.decode_kernel_args
+        if (args is None or meta.wait_for_layer is not None
+                or not (_takes(x) and _takes_cache(kv_caches[0][0]) and _takes_cache(kv_caches[0][1]))):
+            return None
+        residual = torch.empty_like(x)
+        scratch = self.workspace.get(self.weights.scratch_floats(x.shape[0], x.shape[1]))
+        self.kernel(x, residual, True, positions.to(torch.int64).contiguous(), kv_caches, *args, scratch)
         return x, residual

@@ -169,6 +169,9 @@ class LlamaForCausalLM(nn.Module):
             attn = self.attention_cls(cfg, layout, backend, dtype, method, p, rotary)
             self.layers.append(LlamaDecoderLayer(attn, LlamaMLP(cfg, layout, dtype, method, p), cfg, parallel))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # every layer as one call on the steps it takes (x, kv_caches, meta -> (x, residual) or None);
+        # set by the runner's planner (treadle.worker.fused_layers)
+        self.fused_stack: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.weight.data = module.weight.data.to(dtype)
@@ -189,7 +192,10 @@ class LlamaForCausalLM(nn.Module):
             x, residual = vocab_embedding(self.embed_tokens, input_ids, self.dtype, self.parallel), None
         else:
             x, residual = carry
-        for i in self.stage:
+        fused = None if self.fused_stack is None or carry is not None else self.fused_stack(positions, x, kv_caches, meta)
+        if fused is not None:
+            x, residual = fused
+        for i in self.stage if fused is None else ():
             if meta.wait_for_layer is not None:  # P/D layer-wise start: layer i's KV must have landed
                 meta.wait_for_layer(i)
             x, residual = self.layers[i](positions, x, residual, kv_caches[i], meta)

@@ -6,7 +6,9 @@ no extra norms such as Qwen3's q/k norms), each of its four linear layers holds 
 (``GGUFBlockMethod``: a GGUF file, or ``--quantization int8|int4``) or bfloat16 rows on the C
 kernel (``BFloat16CPUMethod``: a float checkpoint in ``--dtype bfloat16``), only qkv has a bias
 (float32), the norms and RoPE are float32 with fused ops on, and the C kernels are built.
-Nothing here runs per step: the fused layers check each step themselves.
+When every layer of a one-stage, one-rank model is fused, the model also gets a
+``FusedDecoderStack``: all layers as one C call per all-decode step. Nothing here runs per
+step: the fused layers and the stack check each step themselves.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 
 from treadle.kernels import native
 from treadle.kernels.layer import DecoderLayerWeights, block_layouts
-from treadle.layers.fused_decoder import FusedDecoderLayer, Workspace
+from treadle.layers.fused_decoder import FusedDecoderLayer, FusedDecoderStack, Workspace
 from treadle.layers.linear import Linear
 from treadle.models.layout import STANDARD_LINEARS
 from treadle.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -77,4 +79,7 @@ def fuse_decoder_layers(model: LlamaForCausalLM) -> int:
         if weights is not None:
             model.layers[i] = FusedDecoderLayer(layer, weights, workspace)
             swapped += 1
+    fused = [x for x in model.layers if isinstance(x, FusedDecoderLayer)]
+    if model.parallel.tp_size == 1 and len(model.stage) == len(fused) == len(model.layers):
+        model.fused_stack = FusedDecoderStack(fused)  # the whole stack in one call
     return swapped

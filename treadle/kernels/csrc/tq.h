@@ -97,13 +97,18 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
                      int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
                      float scale, int kv_format, float *out);
 /* layer.c */
-void tq_llama_layer_decode(float *x, float *residual, int first, const float *in_norm, const float *post_norm,
-                           float eps, const tq_layout *layouts, const uint8_t *qkv_w, const float *qkv_bias,
-                           const uint8_t *o_w, const uint8_t *gate_up_w, const uint8_t *down_w,
-                           const float *cos_sin, const int64_t *positions, void *k_cache, void *v_cache,
-                           const int64_t *slots, const int32_t *block_tables, const int32_t *seq_lens, int64_t B,
-                           int64_t max_blocks, int64_t block_size, int64_t H, int64_t num_heads,
-                           int64_t num_kv_heads, int64_t head_dim, int64_t inter, int64_t window, float scale,
-                           int kv_format, float *scratch);
+typedef struct { /* one Llama decoder layer: its weights and shapes (tq_layout segments), and its KV cache */
+    const float *in_norm, *post_norm;
+    const tq_layout *layouts; /* [4]: qkv, o, gate_up, down */
+    const uint8_t *qkv_w, *o_w, *gate_up_w, *down_w;
+    const float *qkv_bias, *cos_sin; /* bias [q + 2 kv] or NULL; RoPE table [positions, head_dim] */
+    void *k_cache, *v_cache;
+    int64_t num_heads, num_kv_heads, head_dim, inter, window, block_size;
+    float eps, scale;
+    int32_t kv_format;
+} tq_decoder_layer;
+void tq_llama_layers_decode(const tq_decoder_layer *layers, int64_t n, float *x, float *residual, int first,
+                            const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
+                            const int32_t *seq_lens, int64_t B, int64_t max_blocks, int64_t H, float *scratch);
 
 #endif
