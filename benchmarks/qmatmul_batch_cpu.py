@@ -9,7 +9,8 @@ one thread, so other jobs on a shared machine disturb it less; wall time with mo
 per-token total of a decode step's matmuls (30 layers x q/k/v, o, gate/up, down + the Q8_0
 lm_head), with its ratio to the first batch (``--batches 1 16 512``: other sizes). Weights are
 random blocks (tests/gguf_files.py) that stay in cache, so this is the kernels' arithmetic, not
-memory bandwidth. A ref's kernels run with 16-bit and with 8-bit activations too.
+memory bandwidth. A ref's kernels run with 16-bit and with 8-bit activations too; "a8 packed" is
+this tree's 8-bit path on Q4 rows packed as a load with ``TREADLE_ACTIVATION_BITS=8`` packs them.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def build_ref(ref: str, out: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(target))
 
 
-def caller(lib: ctypes.CDLL, bits: int, qtype: str, n: int, k: int, w: torch.Tensor, x: torch.Tensor):  # noqa: ANN201
+def caller(lib: ctypes.CDLL, bits: int, qtype: str, w: torch.Tensor, n: int, k: int, x: torch.Tensor):  # noqa: ANN201
     fn = lib.tq_matmul
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
     lay = native.layout(((qtype, n),), bits)  # a ref without act_bits reads the fields before it
@@ -74,20 +75,26 @@ def main() -> None:
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     with tempfile.TemporaryDirectory() as tmp:
         this = native.library()
-        libs = {"this tree a16": (this, 16), "this tree a8": (this, 8)}
+        libs = {"this tree a16": (this, 16, False), "this tree a8": (this, 8, False),
+                "this tree a8 packed": (this, 8, True)}
         if args.ref != "none":
             ref = build_ref(args.ref, Path(tmp))
-            libs = {f"{args.ref} a16": (ref, 16), f"{args.ref} a8": (ref, 8), **libs}
+            libs = {f"{args.ref} a16": (ref, 16, False), f"{args.ref} a8": (ref, 8, False), **libs}
         print(f"threads {args.threads}, median ms per call ({'thread CPU' if args.threads == 1 else 'wall'} time)")
         print("| shape | build | " + " | ".join(f"M={m}" for m in batches) + " |")
         print("|---|---|" + "---|" * len(batches))
         step = {name: dict.fromkeys(batches, 0.0) for name in libs}
         for shape, qtype, n, k, per_step in SHAPES:
             w = random_blocks(qtype, n, k, seed=1).data.reshape(-1)
+            packed = (qtype, w)
+            if qtype in native.PACKED.values():
+                wp = w.clone()
+                packed = (native.pack_rows(qtype, wp, n, k), wp)
             times: dict[str, dict[int, float]] = {name: {} for name in libs}
             for m in batches:
                 x = torch.randn(m, k)
-                fns = {name: caller(lib, bits, qtype, n, k, w, x) for name, (lib, bits) in libs.items()}
+                fns = {name: caller(lib, bits, *(packed if pack else (qtype, w)), n, k, x)
+                       for name, (lib, bits, pack) in libs.items()}
                 samples: dict[str, list[float]] = {name: [] for name in libs}
                 for fn in fns.values():
                     fn()

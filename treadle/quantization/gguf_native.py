@@ -6,7 +6,8 @@ every layout; the gguf package's reference dequantizer is the oracle the kernels
 against (``dequantize_blocks``).
 
 A layer keeps its rows exactly as the file has them (fused q/k/v or gate/up shards are
-stacked row-wise), so resident memory is the file's size. A fused layer whose shards differ
+stacked row-wise), so resident memory is the file's size; with 8-bit activations at load, its
+Q4_0 / Q4_1 rows are repacked in place 8 at a time (same bytes: ``process_weights_after_loading``). A fused layer whose shards differ
 in type -- llama.cpp's K-quant mixes give ``attn_v`` more bits than ``attn_q`` -- keeps each
 shard's rows in its own type, as runs of rows ("segments") multiplied in one call.
 Activations are rounded per block of 32 inside the kernel, to 16 bits (the default, and always

@@ -31,6 +31,11 @@
  * skips the panel: q8_0_direct takes each row's block dot along k and reduces 8 rows' partial sums
  * to the same exact integers (1.25x the panel there). The VNNI builds run this loop as AVX2:
  * vpdpbusd would fold maddubs and madd, but nothing here can measure it. Threads split the groups.
+ *
+ * Packed Q4_0 / Q4_1 (types TQ_PACKED + t, made once at load by tq_q8_pack, same bytes): a group's
+ * block is its 8 d, 8 m and 4 vectors of nibbles already in step order, so the panel is filled
+ * with masks and shifts, and up to 4 activation rows skip the panel (packed_direct: the steps go
+ * straight into registers). Same integers, same float order, so the same bits as the file's rows.
  */
 #include <math.h>
 #include <stdlib.h>
