@@ -29,8 +29,9 @@
  * rows of N past the last whole group (N % 8) take a plain-C loop in the SIMD builds too, so every
  * output has one value whatever the build, tile, thread or batch. At batch 1, Q8_0 (the lm_head)
  * skips the panel: q8_0_direct takes each row's block dot along k and reduces 8 rows' partial sums
- * to the same exact integers (1.25x the panel there). The VNNI builds run this loop as AVX2:
- * vpdpbusd would fold maddubs and madd, but nothing here can measure it. Threads split the groups.
+ * to the same exact integers (1.25x the panel there). The VNNI builds take each step's 4-byte dot
+ * products with vpdpbusd straight into int32 (step16 / step32 below: the same integers; not run on
+ * the AVX2 machine this was written on, so not measured). Threads split the groups.
  *
  * Packed Q4_0 / Q4_1 (types TQ_PACKED + t, made once at load by tq_q8_pack, same bytes): a group's
  * block is its 8 d, 8 m and 4 vectors of nibbles already in step order, so the panel is filled
@@ -156,6 +157,28 @@ void tq_q8_unpack_row(int pt, const uint8_t *w, int64_t n, int64_t K, uint8_t *o
 }
 
 #ifdef TQ_AVX2
+/* Exact sums of 4 byte products (u unsigned, s signed) per int32 lane. AVX2: maddubs gives int16
+ * pair sums (never saturating here: the bounds above), added up in int16 (step16) and widened
+ * once (widen16), or widened per step (step32). VNNI builds (AVX-512 VNNI's 256-bit form, or
+ * AVX-VNNI): vpdpbusd adds the 4 products straight into int32, so widening is nothing. The
+ * integers, and so every output, are the same in every build. */
+#if defined(TQ_VNNI) || defined(__AVXVNNI__)
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#ifdef TQ_VNNI
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+static inline __m256i step16(__m256i p, __m256i u, __m256i s) { return dpbusd(p, u, s); }
+static inline __m256i widen16(__m256i p) { return p; }
+static inline __m256i step32(__m256i p, __m256i u, __m256i s) { return dpbusd(p, u, s); }
+#else
+static inline __m256i step16(__m256i p, __m256i u, __m256i s) { return _mm256_add_epi16(p, _mm256_maddubs_epi16(u, s)); }
+static inline __m256i widen16(__m256i p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
+static inline __m256i step32(__m256i p, __m256i u, __m256i s) { return _mm256_add_epi32(p, widen16(_mm256_maddubs_epi16(u, s))); }
+#endif
+
 /* d of block b of 8 Q8_0 rows, one conversion */
 static inline __m256 q8_0_scales(const uint8_t *w, int64_t rbytes, int64_t b) {
     uint16_t h[GR];
@@ -277,7 +300,6 @@ static inline __attribute__((always_inline)) void group_tile(const int t, const 
                                                              tq_q8acts x, int64_t K, const int NX, const float *bias,
                                                              float *out, int64_t ostride) {
 #ifdef TQ_AVX2
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MRG];
     for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -292,13 +314,10 @@ static inline __attribute__((always_inline)) void group_tile(const int t, const 
                     const __m256i q = _mm256_load_si256((const __m256i *)(g->q + 32 * s)), aq = _mm256_sign_epi8(q, q);
                     int32_t v0, v1;
                     memcpy(&v0, x0 + 4 * s, 4);
-                    p0 = _mm256_add_epi32(
-                        p0, _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(_mm256_set1_epi32(v0), q)), ones));
+                    p0 = step32(p0, aq, _mm256_sign_epi8(_mm256_set1_epi32(v0), q));
                     if (two) {
                         memcpy(&v1, x1 + 4 * s, 4);
-                        p1 = _mm256_add_epi32(
-                            p1,
-                            _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(_mm256_set1_epi32(v1), q)), ones));
+                        p1 = step32(p1, aq, _mm256_sign_epi8(_mm256_set1_epi32(v1), q));
                     }
                 }
                 for (int r = 0; r < 1 + two; r++)
@@ -311,18 +330,18 @@ static inline __attribute__((always_inline)) void group_tile(const int t, const 
                 const __m256i q = _mm256_load_si256((const __m256i *)(g->q + 32 * s));
                 int32_t v0, v1;
                 memcpy(&v0, x0 + 4 * s, 4);
-                p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(q, _mm256_set1_epi32(v0)));
+                p0 = step16(p0, q, _mm256_set1_epi32(v0));
                 if (two) {
                     memcpy(&v1, x1 + 4 * s, 4);
-                    p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(q, _mm256_set1_epi32(v1)));
+                    p1 = step16(p1, q, _mm256_set1_epi32(v1));
                 }
                 if (five_bit(t) && s == 3) { /* 5-bit q: 4 steps fill int16 (4 * 2 * 31 * 127 < 32767) */
-                    w0 = _mm256_madd_epi16(p0, ones), w1 = _mm256_madd_epi16(p1, ones);
+                    w0 = widen16(p0), w1 = widen16(p1);
                     p0 = p1 = _mm256_setzero_si256();
                 }
             }
             for (int r = 0; r < 1 + two; r++) {
-                const __m256i wide = _mm256_madd_epi16(r ? p1 : p0, ones);
+                const __m256i wide = widen16(r ? p1 : p0);
                 const __m256 isum = _mm256_cvtepi32_ps(five_bit(t) ? _mm256_add_epi32(r ? w1 : w0, wide) : wide);
                 acc[i + r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + (i + r) * nb + b)),
                                              acc[i + r]);
@@ -383,7 +402,6 @@ static void single_row(int t, const uint8_t *row, tq_q8acts x, float *y, int64_t
  * the same float operations, so the result is the same bits. */
 static inline __attribute__((always_inline)) void q8_0_direct(const uint8_t *w, int64_t rbytes, int64_t nb,
                                                               tq_q8acts x, const float *bias, float *out) {
-    const __m256i ones = _mm256_set1_epi16(1);
     const int ub = unit_bytes(TQ_Q8_0);
     const uint8_t *next = w + GR * rbytes;
     __m256 acc = _mm256_setzero_ps();
@@ -393,7 +411,7 @@ static inline __attribute__((always_inline)) void q8_0_direct(const uint8_t *w, 
         __m256i v[GR];
         for (int j = 0; j < GR; j++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(w + j * rbytes + b * ub + 2));
-            v[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q)), ones);
+            v[j] = step32(_mm256_setzero_si256(), _mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q));
         }
         /* hadd pairs per 128-bit half: g0 = rows 0-3 (low half: elements 0-3, high: 4-7), g1 rows 4-7 */
         const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
@@ -412,7 +430,7 @@ static inline __attribute__((always_inline)) void q8_0_direct(const uint8_t *w, 
 static inline __attribute__((always_inline)) void packed_direct(const int t, const uint8_t *w, int64_t nb,
                                                                 tq_q8acts x, int64_t K, const int NX,
                                                                 const float *bias, float *out, int64_t ostride) {
-    const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(15);
+    const __m256i mask = _mm256_set1_epi8(15);
     const int ub = unit_bytes(t), sb = scale_bytes(t);
     const uint8_t *next = w + GR * nb * ub;
     __m256 acc[MRG];
@@ -430,15 +448,15 @@ static inline __attribute__((always_inline)) void packed_direct(const int t, con
                 int32_t xl, xh;
                 memcpy(&xl, xb + 4 * s, 4);
                 memcpy(&xh, xb + 16 + 4 * s, 4);
-                p16[i] = _mm256_add_epi16(p16[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
-                p16[i] = _mm256_add_epi16(p16[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+                p16[i] = step16(p16[i], lo, _mm256_set1_epi32(xl));
+                p16[i] = step16(p16[i], hi, _mm256_set1_epi32(xh));
             }
         }
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         const __m256 mv = base_type(t) == TQ_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * GR)))
                                                   : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
         for (int i = 0; i < NX; i++) {
-            const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16[i], ones));
+            const __m256 isum = _mm256_cvtepi32_ps(widen16(p16[i]));
             acc[i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dv, _mm256_broadcast_ss(x.d + i * nb + b)), acc[i]);
             acc[i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(x.s + i * nb + b), acc[i]);
         }
