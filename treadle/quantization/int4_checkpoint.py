@@ -179,6 +179,7 @@ def install(layer: Linear, parts: list[Int4Weight], kernels: Kernels, dtype: tor
     runtime = GGUFBlockMethod("Q4_1")
     runtime.create_weights(layer, dtype)
     runtime.load_shard(layer, GGUFBlocks("Q4_1", data, (layer.out_features, layer.in_features)), None)
+    runtime.process_weights_after_loading(layer)  # packs the rows for 8-bit activations, as a GGUF file's
     layer.method = runtime if identity else PermutedInputMethod(runtime, perm)
 
 
