@@ -189,7 +189,8 @@ QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3
 # Q4_0 / Q4_1 rows repacked 8 at a time for 8-bit activations (csrc/q8act.c tq_q8_pack; qblocks.h TQ_PACKED)
 PACKED = {"Q4_0x8": "Q4_0", "Q4_1x8": "Q4_1"}
 # tq_layout segments may also be bfloat16 rows (tq.h TQ_W_BF16) or packed rows (always 8-bit activations)
-LAYOUT_TYPES = {**QTYPES, "BF16": 30, **{p: 100 + QTYPES[b] for p, b in PACKED.items()}}
+_PACKED_BASE = 100  # qblocks.h TQ_PACKED: a packed type's number is this plus its block type's
+LAYOUT_TYPES = {**QTYPES, "BF16": 30, **{p: _PACKED_BASE + QTYPES[b] for p, b in PACKED.items()}}
 MAX_SEGMENTS = 4
 
 Segments = tuple[tuple[str, int], ...]  # a weight's rows as (block type or "BF16", row count) runs, in row order

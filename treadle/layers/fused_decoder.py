@@ -18,10 +18,8 @@ import torch
 from torch import nn
 
 from treadle.kernels.attention import KV_FORMATS
-from treadle.kernels.layer import DecoderLayerKernel, DecoderLayerWeights
+from treadle.kernels.layer import DecoderLayerKernel, DecoderLayerWeights, KVCache
 from treadle.layers.attention.metadata import AttentionMetadata
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
 
 class Workspace:
