@@ -79,21 +79,26 @@ def main() -> None:
                 "this tree a8 packed": (this, 8, True)}
         if args.ref != "none":
             ref = build_ref(args.ref, Path(tmp))
-            libs = {f"{args.ref} a16": (ref, 16, False), f"{args.ref} a8": (ref, 8, False), **libs}
+            libs = {f"{args.ref} a16": (ref, 16, False), f"{args.ref} a8": (ref, 8, False),
+                    **({f"{args.ref} a8 packed": (ref, 8, True)} if hasattr(ref, "tq_q8_pack") else {}), **libs}
         print(f"threads {args.threads}, median ms per call ({'thread CPU' if args.threads == 1 else 'wall'} time)")
         print("| shape | build | " + " | ".join(f"M={m}" for m in batches) + " |")
         print("|---|---|" + "---|" * len(batches))
         step = {name: dict.fromkeys(batches, 0.0) for name in libs}
         for shape, qtype, n, k, per_step in SHAPES:
             w = random_blocks(qtype, n, k, seed=1).data.reshape(-1)
-            packed = (qtype, w)
+            packed = {}  # per library: each packs with its own tq_q8_pack (the layout may differ)
             if qtype in native.PACKED.values():
-                wp = w.clone()
-                packed = (native.pack_rows(qtype, wp, n, k), wp)
+                for lib, _, pack in libs.values():
+                    if pack and lib not in packed:
+                        wp = w.clone()
+                        lib.tq_q8_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+                        lib.tq_q8_pack(native.QTYPES[qtype], wp.data_ptr(), n, k)
+                        packed[lib] = (next(p for p, b in native.PACKED.items() if b == qtype), wp)
             times: dict[str, dict[int, float]] = {name: {} for name in libs}
             for m in batches:
                 x = torch.randn(m, k)
-                fns = {name: caller(lib, bits, *(packed if pack else (qtype, w)), n, k, x)
+                fns = {name: caller(lib, bits, *(packed.get(lib, (qtype, w)) if pack else (qtype, w)), n, k, x)
                        for name, (lib, bits, pack) in libs.items()}
                 samples: dict[str, list[float]] = {name: [] for name in libs}
                 for fn in fns.values():

@@ -299,56 +299,52 @@ static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gb
 static inline __attribute__((always_inline)) void group_tile(const int t, const gblock *panel, int64_t nb,
                                                              tq_q8acts x, int64_t K, const int NX, const float *bias,
                                                              float *out, int64_t ostride) {
-#ifdef TQ_AVX2
+#ifdef TQ_AVX2 /* every array below indexed by unrolled constants only, so all of it stays in registers */
     __m256 acc[MRG];
+#pragma GCC unroll 4
     for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const gblock *g = panel + b;
-        const __m256 dw = _mm256_load_ps(g->d), mw = t == TQ_Q8_0 ? dw : _mm256_load_ps(g->m);
-        for (int i = 0; i < NX; i += 2) { /* rows in pairs: each step loaded once per pair, one chain each */
-            const int two = i + 1 < NX;
-            const int8_t *x0 = x.q + i * K + b * QK, *x1 = x0 + (two ? K : 0);
-            __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+        const int8_t *xb = x.q + b * QK;
+        __m256i p[MRG], w5[MRG];
+#pragma GCC unroll 4
+        for (int i = 0; i < NX; i++) p[i] = w5[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            const __m256i q = _mm256_load_si256((const __m256i *)(g->q + 32 * s));
             if (t == TQ_Q8_0) { /* |q| times x with q's sign (at most 2 * 128 * 127 per pair), widened per step */
-                for (int s = 0; s < 8; s++) {
-                    const __m256i q = _mm256_load_si256((const __m256i *)(g->q + 32 * s)), aq = _mm256_sign_epi8(q, q);
-                    int32_t v0, v1;
-                    memcpy(&v0, x0 + 4 * s, 4);
-                    p0 = step32(p0, aq, _mm256_sign_epi8(_mm256_set1_epi32(v0), q));
-                    if (two) {
-                        memcpy(&v1, x1 + 4 * s, 4);
-                        p1 = step32(p1, aq, _mm256_sign_epi8(_mm256_set1_epi32(v1), q));
-                    }
+                const __m256i aq = _mm256_sign_epi8(q, q);
+#pragma GCC unroll 4
+                for (int i = 0; i < NX; i++) {
+                    int32_t v;
+                    memcpy(&v, xb + i * K + 4 * s, 4);
+                    p[i] = step32(p[i], aq, _mm256_sign_epi8(_mm256_set1_epi32(v), q));
+                    __asm__("" : "+x"(p[i]));
                 }
-                for (int r = 0; r < 1 + two; r++)
-                    acc[i + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r ? p1 : p0),
-                                                 _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + (i + r) * nb + b)), acc[i + r]);
                 continue;
             }
-            __m256i w0 = _mm256_setzero_si256(), w1 = _mm256_setzero_si256(); /* Q5: steps 0-3 widened */
-            for (int s = 0; s < 8; s++) {
-                const __m256i q = _mm256_load_si256((const __m256i *)(g->q + 32 * s));
-                int32_t v0, v1;
-                memcpy(&v0, x0 + 4 * s, 4);
-                p0 = step16(p0, q, _mm256_set1_epi32(v0));
-                if (two) {
-                    memcpy(&v1, x1 + 4 * s, 4);
-                    p1 = step16(p1, q, _mm256_set1_epi32(v1));
-                }
-                if (five_bit(t) && s == 3) { /* 5-bit q: 4 steps fill int16 (4 * 2 * 31 * 127 < 32767) */
-                    w0 = widen16(p0), w1 = widen16(p1);
-                    p0 = p1 = _mm256_setzero_si256();
-                }
+#pragma GCC unroll 4
+            for (int i = 0; i < NX; i++) {
+                int32_t v;
+                memcpy(&v, xb + i * K + 4 * s, 4);
+                p[i] = step16(p[i], q, _mm256_set1_epi32(v));
+                __asm__("" : "+x"(p[i])); /* keep the chain: reassociated into a tree, it spills */
             }
-            for (int r = 0; r < 1 + two; r++) {
-                const __m256i wide = widen16(r ? p1 : p0);
-                const __m256 isum = _mm256_cvtepi32_ps(five_bit(t) ? _mm256_add_epi32(r ? w1 : w0, wide) : wide);
-                acc[i + r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + (i + r) * nb + b)),
-                                             acc[i + r]);
-                acc[i + r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(x.s + (i + r) * nb + b), acc[i + r]);
+            if (five_bit(t) && s == 3) { /* 5-bit q: 4 steps fill int16 (4 * 2 * 31 * 127 < 32767) */
+#pragma GCC unroll 4
+                for (int i = 0; i < NX; i++) w5[i] = widen16(p[i]), p[i] = _mm256_setzero_si256();
             }
         }
+        const __m256 dw = _mm256_load_ps(g->d);
+#pragma GCC unroll 4
+        for (int i = 0; i < NX; i++) {
+            const __m256i wide = t == TQ_Q8_0 ? p[i] : widen16(p[i]);
+            const __m256 isum = _mm256_cvtepi32_ps(five_bit(t) ? _mm256_add_epi32(w5[i], wide) : wide);
+            acc[i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + i * nb + b)), acc[i]);
+            if (t != TQ_Q8_0) acc[i] = _mm256_fmadd_ps(_mm256_load_ps(g->m), _mm256_broadcast_ss(x.s + i * nb + b), acc[i]);
+        }
     }
+#pragma GCC unroll 4
     for (int i = 0; i < NX; i++) {
         __m256 o = acc[i];
         if (bias) o = _mm256_add_ps(o, _mm256_loadu_ps(bias));
