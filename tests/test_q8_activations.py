@@ -18,7 +18,7 @@ from treadle.layers.linear import Linear
 from treadle.quantization.gguf_native import GGUFBlockMethod, dequantize_blocks
 
 K = 576  # 18 blocks: the minimum terms' 8-lane sums have a padded tail (SmolLM2's hidden size)
-N = 37  # odd: a segment's last row goes alone
+N = 45  # 5 groups of 8 (two tiled as a pair, one alone) and 5 rows that go alone
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)")
 

@@ -95,6 +95,9 @@ void tq_q8_free(tq_q8acts a) {
 
 #define GR 8 /* weight rows per group */
 #define MRG 4 /* activation rows per pass over a group's panel */
+#ifndef MR2
+#define MR2 2 /* activation rows per pass over two groups' panels */
+#endif
 
 typedef struct { /* one block of a group, unpacked */
     uint8_t q[8 * 32]; /* step s at 32 s: lane j's 4 bytes at 4 j */
@@ -295,75 +298,89 @@ static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gb
     }
 }
 
-/* NX (<= MRG) activation rows times one group: out[i * ostride + j], j < 8. */
+/* NX (<= MRG) activation rows times NG (1 or 2) groups, group h's panel at panel + h nb:
+ * out[i * ostride + 8 h + j], j < 8. Two groups share each activation broadcast (NX <= MR2). */
 static inline __attribute__((always_inline)) void group_tile(const int t, const gblock *panel, int64_t nb,
-                                                             tq_q8acts x, int64_t K, const int NX, const float *bias,
-                                                             float *out, int64_t ostride) {
+                                                             tq_q8acts x, int64_t K, const int NG, const int NX,
+                                                             const float *bias, float *out, int64_t ostride) {
 #ifdef TQ_AVX2 /* every array below indexed by unrolled constants only, so all of it stays in registers */
-    __m256 acc[MRG];
+    __m256 acc[2][MRG];
+#pragma GCC unroll 2
+    for (int h = 0; h < NG; h++)
 #pragma GCC unroll 4
-    for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_ps();
+        for (int i = 0; i < NX; i++) acc[h][i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const gblock *g = panel + b;
         const int8_t *xb = x.q + b * QK;
-        __m256i p[MRG], w5[MRG];
+        __m256i p[2][MRG], w5[2][MRG];
+#pragma GCC unroll 2
+        for (int h = 0; h < NG; h++)
 #pragma GCC unroll 4
-        for (int i = 0; i < NX; i++) p[i] = w5[i] = _mm256_setzero_si256();
+            for (int i = 0; i < NX; i++) p[h][i] = w5[h][i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int s = 0; s < 8; s++) {
-            const __m256i q = _mm256_load_si256((const __m256i *)(g->q + 32 * s));
-            if (t == TQ_Q8_0) { /* |q| times x with q's sign (at most 2 * 128 * 127 per pair), widened per step */
-                const __m256i aq = _mm256_sign_epi8(q, q);
-#pragma GCC unroll 4
-                for (int i = 0; i < NX; i++) {
-                    int32_t v;
-                    memcpy(&v, xb + i * K + 4 * s, 4);
-                    p[i] = step32(p[i], aq, _mm256_sign_epi8(_mm256_set1_epi32(v), q));
-                    __asm__("" : "+x"(p[i]));
-                }
-                continue;
+            __m256i q[2], aq[2];
+#pragma GCC unroll 2
+            for (int h = 0; h < NG; h++) {
+                q[h] = _mm256_load_si256((const __m256i *)(panel[h * nb + b].q + 32 * s));
+                if (t == TQ_Q8_0) aq[h] = _mm256_sign_epi8(q[h], q[h]);
             }
 #pragma GCC unroll 4
             for (int i = 0; i < NX; i++) {
                 int32_t v;
                 memcpy(&v, xb + i * K + 4 * s, 4);
-                p[i] = step16(p[i], q, _mm256_set1_epi32(v));
-                __asm__("" : "+x"(p[i])); /* keep the chain: reassociated into a tree, it spills */
+                const __m256i xv = _mm256_set1_epi32(v);
+#pragma GCC unroll 2
+                for (int h = 0; h < NG; h++) {
+                    if (t == TQ_Q8_0) /* |q| times x with q's sign (at most 2 * 128 * 127 per pair), widened per step */
+                        p[h][i] = step32(p[h][i], aq[h], _mm256_sign_epi8(xv, q[h]));
+                    else
+                        p[h][i] = step16(p[h][i], q[h], xv);
+                    __asm__("" : "+x"(p[h][i])); /* keep the chain: reassociated into a tree, it spills */
+                }
             }
             if (five_bit(t) && s == 3) { /* 5-bit q: 4 steps fill int16 (4 * 2 * 31 * 127 < 32767) */
+#pragma GCC unroll 2
+                for (int h = 0; h < NG; h++)
 #pragma GCC unroll 4
-                for (int i = 0; i < NX; i++) w5[i] = widen16(p[i]), p[i] = _mm256_setzero_si256();
+                    for (int i = 0; i < NX; i++) w5[h][i] = widen16(p[h][i]), p[h][i] = _mm256_setzero_si256();
             }
         }
-        const __m256 dw = _mm256_load_ps(g->d);
+#pragma GCC unroll 2
+        for (int h = 0; h < NG; h++) {
+            const gblock *g = panel + h * nb + b;
+            const __m256 dw = _mm256_load_ps(g->d);
 #pragma GCC unroll 4
-        for (int i = 0; i < NX; i++) {
-            const __m256i wide = t == TQ_Q8_0 ? p[i] : widen16(p[i]);
-            const __m256 isum = _mm256_cvtepi32_ps(five_bit(t) ? _mm256_add_epi32(w5[i], wide) : wide);
-            acc[i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + i * nb + b)), acc[i]);
-            if (t != TQ_Q8_0) acc[i] = _mm256_fmadd_ps(_mm256_load_ps(g->m), _mm256_broadcast_ss(x.s + i * nb + b), acc[i]);
+            for (int i = 0; i < NX; i++) {
+                const __m256i wide = t == TQ_Q8_0 ? p[h][i] : widen16(p[h][i]);
+                const __m256 isum = _mm256_cvtepi32_ps(five_bit(t) ? _mm256_add_epi32(w5[h][i], wide) : wide);
+                acc[h][i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + i * nb + b)), acc[h][i]);
+                if (t != TQ_Q8_0)
+                    acc[h][i] = _mm256_fmadd_ps(_mm256_load_ps(g->m), _mm256_broadcast_ss(x.s + i * nb + b), acc[h][i]);
+            }
         }
     }
+#pragma GCC unroll 2
+    for (int h = 0; h < NG; h++)
 #pragma GCC unroll 4
-    for (int i = 0; i < NX; i++) {
-        __m256 o = acc[i];
-        if (bias) o = _mm256_add_ps(o, _mm256_loadu_ps(bias));
-        _mm256_storeu_ps(out + i * ostride, o);
-    }
+        for (int i = 0; i < NX; i++) {
+            __m256 o = acc[h][i];
+            if (bias) o = _mm256_add_ps(o, _mm256_loadu_ps(bias + GR * h));
+            _mm256_storeu_ps(out + i * ostride + GR * h, o);
+        }
 #else
     for (int i = 0; i < NX; i++)
-        for (int j = 0; j < GR; j++) {
+        for (int j = 0; j < GR * NG; j++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                const gblock *g = panel + b;
+                const gblock *g = panel + (j / GR) * nb + b;
                 const int8_t *xq = x.q + i * K + b * QK;
                 int isum = 0;
                 for (int k = 0; k < QK; k++) {
-                    const uint8_t q = g->q[32 * (k / 4) + 4 * j + k % 4];
+                    const uint8_t q = g->q[32 * (k / 4) + 4 * (j % GR) + k % 4];
                     isum += (t == TQ_Q8_0 ? (int)(int8_t)q : (int)q) * xq[k];
                 }
-                acc = fmaf((float)isum, g->d[j] * x.d[i * nb + b], acc);
-                if (t != TQ_Q8_0) acc = fmaf(g->m[j], x.s[i * nb + b], acc);
+                acc = fmaf((float)isum, g->d[j % GR] * x.d[i * nb + b], acc);
+                if (t != TQ_Q8_0) acc = fmaf(g->m[j % GR], x.s[i * nb + b], acc);
             }
             out[i * ostride + j] = bias ? acc + bias[j] : acc;
         }
@@ -466,39 +483,59 @@ static inline __attribute__((always_inline)) void packed_direct(const int t, con
 
 #endif
 
-#define GTILE(NX) group_tile(t, panel, nb, xm, K, NX, bn, out, ldy)
+#define GTILE(NG, NX) group_tile(t, panel, nb, xm, K, NG, NX, bn, out, ldy)
 
-/* One group (weight rows 8g .. 8g+7) times every activation row; t a constant after inlining. */
+/* Groups g and, when pair, g + 1 (weight rows 8g .. 8g+15) times every activation row; t a
+ * constant after inlining. */
 static inline __attribute__((always_inline)) void group_work(const int t, const uint8_t *w, tq_q8acts x, float *y,
                                                              int64_t ldy, const float *bias, int64_t M, int64_t K,
-                                                             int64_t g, gblock *panel) {
+                                                             int64_t g, int pair, gblock *panel) {
     const int64_t nb = K / QK, rbytes = row_bytes(t, K);
     const float *bn = bias ? bias + g * GR : NULL;
 #ifdef TQ_AVX2
     if (t == TQ_Q8_0 && M == 1) { /* (the same along k for Q4 measured 0.91-0.94x the panel: not taken) */
-        q8_0_direct(w + g * GR * rbytes, rbytes, nb, x, bn, y + g * GR);
+        for (int h = 0; h <= pair; h++)
+            q8_0_direct(w + (g + h) * GR * rbytes, rbytes, nb, x, bn ? bn + GR * h : NULL, y + (g + h) * GR);
         return;
     }
     if (packed_type(t) && M <= MRG) { /* one tile: registers beat the panel (1.5x at M = 1, ~1.05x at 4) */
-        const uint8_t *wg = w + g * GR * rbytes;
-        switch (M) {
-            case 1: packed_direct(t, wg, nb, x, K, 1, bn, y + g * GR, ldy); break;
-            case 2: packed_direct(t, wg, nb, x, K, 2, bn, y + g * GR, ldy); break;
-            case 3: packed_direct(t, wg, nb, x, K, 3, bn, y + g * GR, ldy); break;
-            default: packed_direct(t, wg, nb, x, K, MRG, bn, y + g * GR, ldy); break;
+        for (int h = 0; h <= pair; h++) {
+            const uint8_t *wg = w + (g + h) * GR * rbytes;
+            const float *bh = bn ? bn + GR * h : NULL;
+            float *yh = y + (g + h) * GR;
+            switch (M) {
+                case 1: packed_direct(t, wg, nb, x, K, 1, bh, yh, ldy); break;
+                case 2: packed_direct(t, wg, nb, x, K, 2, bh, yh, ldy); break;
+                case 3: packed_direct(t, wg, nb, x, K, 3, bh, yh, ldy); break;
+                default: packed_direct(t, wg, nb, x, K, MRG, bh, yh, ldy); break;
+            }
         }
         return;
     }
 #endif
-    unpack_group(t, w + g * GR * rbytes, rbytes, nb, panel);
-    for (int64_t m0 = 0; m0 < M; m0 += MRG) {
+    for (int h = 0; h <= pair; h++) unpack_group(t, w + (g + h) * GR * rbytes, rbytes, nb, panel + h * nb);
+    const int mr = pair ? MR2 : MRG;
+    for (int64_t m0 = 0; m0 < M; m0 += mr) {
         const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb};
         float *out = y + m0 * ldy + g * GR;
-        switch (M - m0 < MRG ? (int)(M - m0) : MRG) {
-            case 1: GTILE(1); break;
-            case 2: GTILE(2); break;
-            case 3: GTILE(3); break;
-            default: GTILE(MRG); break;
+        const int nx = M - m0 < mr ? (int)(M - m0) : mr;
+        if (pair) {
+            switch (nx) {
+                case 1: GTILE(2, 1); break;
+#if MR2 > 2
+                case 2: GTILE(2, 2); break;
+                default: GTILE(2, MR2); break;
+#else
+                default: GTILE(2, 2); break;
+#endif
+            }
+        } else {
+            switch (nx) {
+                case 1: GTILE(1, 1); break;
+                case 2: GTILE(1, 2); break;
+                case 3: GTILE(1, 3); break;
+                default: GTILE(1, MRG); break;
+            }
         }
     }
 }
@@ -511,18 +548,20 @@ static void group_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t l
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / GR;
 #pragma omp parallel
     {
-        gblock *panel = (gblock *)aligned_alloc(32, (size_t)nb * sizeof(gblock));
+        gblock *panel = (gblock *)aligned_alloc(32, (size_t)(2 * nb) * sizeof(gblock));
         if (panel == NULL) abort();
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
+        for (int64_t g2 = 0; g2 < (groups + 1) / 2; g2++) {
+            const int64_t g = 2 * g2;
+            const int pair = g + 1 < groups;
             switch (t) {
-                case TQ_Q4_0: group_work(TQ_Q4_0, w, x, y, ldy, bias, M, K, g, panel); break;
-                case TQ_Q4_1: group_work(TQ_Q4_1, w, x, y, ldy, bias, M, K, g, panel); break;
-                case TQ_Q5_0: group_work(TQ_Q5_0, w, x, y, ldy, bias, M, K, g, panel); break;
-                case TQ_Q5_1: group_work(TQ_Q5_1, w, x, y, ldy, bias, M, K, g, panel); break;
-                case TQ_PACKED + TQ_Q4_0: group_work(TQ_PACKED + TQ_Q4_0, w, x, y, ldy, bias, M, K, g, panel); break;
-                case TQ_PACKED + TQ_Q4_1: group_work(TQ_PACKED + TQ_Q4_1, w, x, y, ldy, bias, M, K, g, panel); break;
-                default: group_work(TQ_Q8_0, w, x, y, ldy, bias, M, K, g, panel); break;
+                case TQ_Q4_0: group_work(TQ_Q4_0, w, x, y, ldy, bias, M, K, g, pair, panel); break;
+                case TQ_Q4_1: group_work(TQ_Q4_1, w, x, y, ldy, bias, M, K, g, pair, panel); break;
+                case TQ_Q5_0: group_work(TQ_Q5_0, w, x, y, ldy, bias, M, K, g, pair, panel); break;
+                case TQ_Q5_1: group_work(TQ_Q5_1, w, x, y, ldy, bias, M, K, g, pair, panel); break;
+                case TQ_PACKED + TQ_Q4_0: group_work(TQ_PACKED + TQ_Q4_0, w, x, y, ldy, bias, M, K, g, pair, panel); break;
+                case TQ_PACKED + TQ_Q4_1: group_work(TQ_PACKED + TQ_Q4_1, w, x, y, ldy, bias, M, K, g, pair, panel); break;
+                default: group_work(TQ_Q8_0, w, x, y, ldy, bias, M, K, g, pair, panel); break;
             }
         }
         free(panel);
