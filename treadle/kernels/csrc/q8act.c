@@ -18,8 +18,8 @@
  *   Q5: the same, widened after steps 3 and 7 (4 * 2 * 31 * 127 < 32767)
  *   Q8_0: isum += madd(maddubs(|step|, xb with step's sign), ones)   per step (pairs up to 2 * 128 * 127)
  *
- * isum is each row's exact integer block dot, with no horizontal sums at all. Two groups' weights
- * are unpacked (transposed) once per call into a per-thread panel that every tile of 2 activation
+ * isum is each row's exact integer block dot, with no horizontal sums at all. Each pair of groups
+ * is unpacked (transposed) once per call into a per-thread panel that every tile of 2 activation
  * rows x 16 weight rows reads (each 4-byte activation broadcast feeds both groups; a lone last
  * group takes tiles of 4 rows x 8); the next group's bytes are prefetched meanwhile. A tile's
  * sums stay in registers: each step's add is pinned in its chain (an empty asm), because GCC
@@ -98,9 +98,7 @@ void tq_q8_free(tq_q8acts a) {
 
 #define GR 8 /* weight rows per group */
 #define MRG 4 /* activation rows per pass over a group's panel */
-#ifndef MR2
-#define MR2 2 /* activation rows per pass over two groups' panels */
-#endif
+#define MR2 2 /* activation rows per pass over two groups' panels (3 spilled: 0.98x) */
 
 typedef struct { /* one block of a group, unpacked */
     uint8_t q[8 * 32]; /* step s at 32 s: lane j's 4 bytes at 4 j */
@@ -523,15 +521,10 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
         float *out = y + m0 * ldy + g * GR;
         const int nx = M - m0 < mr ? (int)(M - m0) : mr;
         if (pair) {
-            switch (nx) {
-                case 1: GTILE(2, 1); break;
-#if MR2 > 2
-                case 2: GTILE(2, 2); break;
-                default: GTILE(2, MR2); break;
-#else
-                default: GTILE(2, 2); break;
-#endif
-            }
+            if (nx == 1)
+                GTILE(2, 1);
+            else
+                GTILE(2, MR2);
         } else {
             switch (nx) {
                 case 1: GTILE(1, 1); break;
