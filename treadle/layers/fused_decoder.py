@@ -42,6 +42,28 @@ def _takes_cache(t: torch.Tensor) -> bool:  # float32 or quantized (int8 / fp8 r
     return t.dtype in KV_FORMATS and t.is_contiguous()
 
 
+def _run(kernel: DecoderLayerKernel, workspace: Workspace, positions: torch.Tensor, x: torch.Tensor,
+         residual: torch.Tensor | None, kv_caches: list[KVCache], meta: AttentionMetadata,
+         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The kernel's layers on this step -> (MLP output, residual stream), or None when the step
+    is not one it takes (not all-decode, or tensors of another dtype or layout). The caches are
+    allocated alike, so the first one is checked for all."""
+    args = None if meta.plan is None else meta.plan.decode_kernel_args
+    cache = kv_caches[0]
+    if (
+        args is None
+        or not (_takes(x) and _takes_cache(cache[0]) and _takes_cache(cache[1]))
+        or (residual is not None and not _takes(residual))
+    ):
+        return None
+    first = residual is None
+    if residual is None:
+        residual = torch.empty_like(x)
+    scratch = workspace.get(kernel.weights[0].scratch_floats(x.shape[0], x.shape[1]))  # every layer's shapes alike
+    kernel(x, residual, first, positions.to(torch.int64).contiguous(), kv_caches, *args, scratch)
+    return x, residual
+
+
 class FusedDecoderLayer(nn.Module):
     """Same ``forward`` contract as the decoder layer it wraps: (positions, x, residual,
     kv_cache, meta) -> (MLP output, residual stream), residual None on the first layer."""
@@ -49,7 +71,6 @@ class FusedDecoderLayer(nn.Module):
     def __init__(self, module: nn.Module, weights: DecoderLayerWeights, workspace: Workspace) -> None:
         super().__init__()
         self.module = module  # the module path, for steps the C layer does not take
-        self.weights = weights
         self.kernel = DecoderLayerKernel([weights])
         self.workspace = workspace
 
@@ -61,19 +82,8 @@ class FusedDecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        args = None if meta.plan is None else meta.plan.decode_kernel_args
-        if (
-            args is None
-            or not (_takes(x) and _takes_cache(kv_cache[0]) and _takes_cache(kv_cache[1]))
-            or (residual is not None and not _takes(residual))
-        ):
-            return self.module(positions, x, residual, kv_cache, meta)
-        first = residual is None
-        if residual is None:
-            residual = torch.empty_like(x)
-        scratch = self.workspace.get(self.weights.scratch_floats(x.shape[0], x.shape[1]))
-        self.kernel(x, residual, first, positions.to(torch.int64).contiguous(), [kv_cache], *args, scratch)
-        return x, residual
+        out = _run(self.kernel, self.workspace, positions, x, residual, [kv_cache], meta)
+        return self.module(positions, x, residual, kv_cache, meta) if out is None else out
 
 
 class FusedDecoderStack:
@@ -82,8 +92,7 @@ class FusedDecoderStack:
     layer. The KV caches are bound on first use and again whenever the tensors change."""
 
     def __init__(self, layers: list[FusedDecoderLayer]) -> None:
-        self.weights = layers[0].weights  # every layer's shapes alike (one scratch size)
-        self.kernel = DecoderLayerKernel([layer.weights for layer in layers])
+        self.kernel = DecoderLayerKernel([w for layer in layers for w in layer.kernel.weights])
         self.workspace = layers[0].workspace
 
     def __call__(
@@ -93,11 +102,6 @@ class FusedDecoderStack:
         kv_caches: list[KVCache],  # one per layer, all allocated alike (the first one is checked)
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        args = None if meta.plan is None else meta.plan.decode_kernel_args
-        if (args is None or meta.wait_for_layer is not None
-                or not (_takes(x) and _takes_cache(kv_caches[0][0]) and _takes_cache(kv_caches[0][1]))):
+        if meta.wait_for_layer is not None:  # P/D layer-wise start: Python waits between layers
             return None
-        residual = torch.empty_like(x)
-        scratch = self.workspace.get(self.weights.scratch_floats(x.shape[0], x.shape[1]))
-        self.kernel(x, residual, True, positions.to(torch.int64).contiguous(), kv_caches, *args, scratch)
-        return x, residual
+        return _run(self.kernel, self.workspace, positions, x, None, kv_caches, meta)
