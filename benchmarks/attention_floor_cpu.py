@@ -16,16 +16,24 @@ machine then cost less), wall time with more; minimum and median of repeats (the
 better estimate of what the kernel costs; the median shows the noise).
 
 Run: .venv/bin/python benchmarks/attention_floor_cpu.py [--threads N] [--batch 16] [--context 1000]
+
+``--ref REF`` also builds git ref REF's kernels and times them on the same caches, call by call
+interleaved with this tree's (both through ctypes, so neither pays the Python wrapper), and
+prints their ratio per case: the A/B for a change to ``paged_attention.c``.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+from qmatmul_batch_cpu import build_ref  # a sibling script (benchmarks/ is on sys.path)
 from treadle.kernels import native
 from treadle.kernels.attention import paged_decode
 from treadle.layers.attention import build_attention_metadata
@@ -57,8 +65,10 @@ def bandwidth(repeats: int = 9) -> tuple[float, float]:
     return big.numel() * 4 / read / 1e9, 2 * src.numel() * 4 / copy / 1e9
 
 
-def kv_case(batch: int, context: int, fmt: str, repeats: int) -> tuple[float, float, int]:
-    """(min s, median s, KV bytes read) of one layer's decode attention over a cold cache."""
+def kv_case(batch: int, context: int, fmt: str, repeats: int,
+            ref: ctypes.CDLL | None = None) -> tuple[float, float, int, tuple[float, float] | None]:
+    """(min s, median s, KV bytes read, the ref's (min s, median s) or None) of one layer's decode
+    attention over a cold cache."""
     dtype, extra = FORMATS[fmt]
     g = torch.Generator().manual_seed(0)
     need = -(-context // BS)
@@ -88,8 +98,32 @@ def kv_case(batch: int, context: int, fmt: str, repeats: int) -> tuple[float, fl
         for kc, vc in caches:
             assert paged_decode(q, k, v, kc, vc, no_write, block_tables, lens, D**-0.5) is not None
 
-    best, med = timed(run, repeats)
-    return best / copies, med / copies, 2 * batch * context * row_bytes
+    nbytes = 2 * batch * context * row_bytes
+    if ref is None:
+        best, med = timed(run, repeats)
+        return best / copies, med / copies, nbytes, None
+    out = torch.empty(batch, H, D)
+    kv_format = {torch.float32: 0}[dtype]  # the A/B covers the float32 cache
+
+    def direct(lib: ctypes.CDLL) -> Callable[[], None]:
+        fn = lib.tq_paged_decode
+        fn.argtypes = native.kernel("tq_paged_decode", "PPPIIIPPPPPIIIIIIIFCP").argtypes
+        args = [(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), kc.data_ptr(),
+                 vc.data_ptr(), no_write.data_ptr(), block_tables.data_ptr(), lens.data_ptr(), batch,
+                 block_tables.shape[1], BS, H, HKV, D, 0, D**-0.5, kv_format, out.data_ptr()) for kc, vc in caches]
+        return lambda: [fn(*a) for a in args] and None
+
+    mine, theirs = direct(native.library()), direct(ref)
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    mine(), theirs()
+    t_mine, t_ref = [], []
+    for _ in range(repeats):
+        for fn, ts in ((mine, t_mine), (theirs, t_ref)):
+            t = clock()
+            fn()
+            ts.append(clock() - t)
+    return (min(t_mine) / copies, statistics.median(t_mine) / copies, nbytes,
+            (min(t_ref) / copies, statistics.median(t_ref) / copies))
 
 
 def main() -> None:
@@ -98,6 +132,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--context", type=int, nargs="+", default=[1000])
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--ref", default=None, help="a git ref whose kernels to time beside this tree's (float32 cache)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,13 +142,20 @@ def main() -> None:
     print(f"read bandwidth {read:.1f} GB/s, copy {copy:.1f} GB/s (read + write)")
     print(f"{'case':22s} {'KV MB':>7s} {'min ms':>8s} {'med ms':>8s} {'x30 ms':>7s} {'GB/s':>6s} {'floor ms':>9s} "
           f"{'% floor':>8s}")
-    for batch in args.batch:
-        for context in args.context:
-            for fmt in FORMATS:
-                best, med, nbytes = kv_case(batch, context, fmt, args.repeats)
-                floor = nbytes / (read * 1e9)
-                print(f"b{batch} ctx{context} {fmt:9s} {nbytes / 1e6:7.2f} {best * 1e3:8.3f} {med * 1e3:8.3f} "
-                      f"{best * LAYERS * 1e3:7.2f} {nbytes / best / 1e9:6.1f} {floor * 1e3:9.3f} {100 * floor / best:7.0f}%")
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = build_ref(args.ref, Path(tmp)) if args.ref else None
+        for batch in args.batch:
+            for context in args.context:
+                for fmt in ("float32",) if ref else FORMATS:
+                    best, med, nbytes, theirs = kv_case(batch, context, fmt, args.repeats, ref)
+                    floor = nbytes / (read * 1e9)
+                    print(f"b{batch} ctx{context} {fmt:9s} {nbytes / 1e6:7.2f} {best * 1e3:8.3f} {med * 1e3:8.3f} "
+                          f"{best * LAYERS * 1e3:7.2f} {nbytes / best / 1e9:6.1f} {floor * 1e3:9.3f} "
+                          f"{100 * floor / best:7.0f}%")
+                    if theirs:
+                        print(f"{'  ' + args.ref:22s} {'':7s} {theirs[0] * 1e3:8.3f} {theirs[1] * 1e3:8.3f} "
+                              f"{theirs[0] * LAYERS * 1e3:7.2f} {nbytes / theirs[0] / 1e9:6.1f} {'':9s} "
+                              f"{100 * floor / theirs[0]:7.0f}%   this tree {theirs[1] / med:.2f}x (medians)")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@
  * FlashDecoding: work items are (sequence, chunk) and cover every head, so each cache row (all
  * KV heads, contiguous) is read from memory once, whole; items per (sequence, KV head) would
  * each read 1 / num_kv_heads of every row and leave the prefetchers fetching the rest for
- * nothing. Blocks are scattered, so the next block's pages are touched ahead of use.
+ * nothing. Blocks are scattered, so every line of the block AHEAD blocks on is prefetched into
+ * L2 (float32 caches; the quantized ones touch the next block's pages).
  * When there are fewer sequences than WORK_PER_THREAD per thread, every context is cut into
  * chunks of equal length (at least MIN_CHUNK keys), so one long sequence still keeps every core
  * busy. An item runs an online softmax per query head over tiles of up to TILE keys (one
@@ -50,6 +51,7 @@
 #define MIN_CHUNK 64        /* contexts are never cut into chunks shorter than this */
 #define WORK_PER_THREAD 4   /* split until (sequences x chunks) >= this many per thread */
 #define PARALLEL_MIN 1024   /* fewer (keys x query heads) than this (~10 us): one thread */
+#define AHEAD 2             /* float32 caches: every line of the block this many ahead is prefetched */
 #define PAGE_FLOATS 1024    /* 4 KiB: blocks are scattered, so the next one's pages (TLB entries,
                                and where the hardware prefetchers start) are requested ahead */
 
@@ -165,6 +167,16 @@ static void scale_accumulate(float *acc, float c, const float *p, const float *r
     }
 }
 
+/* Lines [from, to) (floats) of the K and V block at `at` into L2: blocks are scattered, so the
+ * hardware prefetchers, which stop at page edges, fetch little of one ahead of its use (1.04x at
+ * batch 1 x 512 keys, 1.1x from 2,048 keys or 4 sequences on, AMD Zen 1). */
+static inline void prefetch_block(const float *k_cache, const float *v_cache, int64_t at, int64_t from, int64_t to) {
+    for (int64_t b = from; b < to; b += 16) {
+        __builtin_prefetch(k_cache + at + b, 0, 2);
+        __builtin_prefetch(v_cache + at + b, 0, 2);
+    }
+}
+
 /* Online softmax of every query head of one sequence (q: H heads, D floats apart) over its keys
  * [start, end), into m[H], l[H], acc[H * D]; query head h reads KV head h / G. A tile is up to
  * TILE keys of one block: whole cache rows (all KV heads, `stride` floats apart), contiguous in
@@ -174,21 +186,21 @@ static void attend_range(const float *q, const float *k_cache, const float *v_ca
                          int64_t start, int64_t end, int64_t block_size, int64_t stride, int64_t H, int64_t G,
                          int64_t D, float scale, float *m, float *l, float *acc) {
     float s[TILE];
+    const int64_t block_floats = block_size * stride, share = (block_floats / 16 + H - 1) / H * 16;
     for (int64_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
+    for (int64_t b = 1; b < AHEAD && (start / block_size + b) * block_size < end; b++) /* the range's first blocks */
+        prefetch_block(k_cache, v_cache, (int64_t)table[start / block_size + b] * block_floats, 0, block_floats);
     for (int64_t pos = start, n; pos < end; pos += n) {
         const int64_t off = pos % block_size;
         n = block_size - off < end - pos ? block_size - off : end - pos;
         if (n > TILE) n = TILE;
         const int64_t base = ((int64_t)table[pos / block_size] * block_size + off) * stride;
-        if ((pos / block_size + 1) * block_size < end) { /* touch the next block's pages early */
-            const int64_t next = (int64_t)table[pos / block_size + 1] * block_size * stride;
-            for (int64_t b = 0; b < block_size * stride; b += PAGE_FLOATS) {
-                __builtin_prefetch(k_cache + next + b);
-                __builtin_prefetch(v_cache + next + b);
-            }
-        }
+        const int64_t ahead = (pos / block_size + AHEAD) * block_size < end
+                                  ? (int64_t)table[pos / block_size + AHEAD] * block_floats : -1;
         for (int64_t h = 0; h < H; h++) {
+            if (ahead >= 0) /* a share before each head: all at once would stall on the fill buffers */
+                prefetch_block(k_cache, v_cache, ahead, h * share, (h + 1) * share < block_floats ? (h + 1) * share : block_floats);
             const float *kr = k_cache + base + h / G * D, *vr = v_cache + base + h / G * D;
             scores(q + h * D, kr, stride, n, D, scale, s);
             float mx = m[h];
