@@ -9,7 +9,8 @@ one thread, so other jobs on a shared machine disturb it less; wall time with mo
 per-token total of a decode step's matmuls (30 layers x q/k/v, o, gate/up, down + the Q8_0
 lm_head), with its ratio to the first batch (``--batches 1 16 512``: other sizes). Weights are
 random blocks (tests/gguf_files.py) that stay in cache, so this is the kernels' arithmetic, not
-memory bandwidth. A ref's kernels run with 16-bit and with 8-bit activations too; "a8 packed" is
+memory bandwidth; ``--cold`` gives each shape as many distinct weights as a step has (30 per layer
+shape), called in turn, so a step's 92 MB come from memory as in a real decode step. A ref's kernels run with 16-bit and with 8-bit activations too; "a8 packed" is
 this tree's 8-bit path on Q4 rows packed as a load with ``TREADLE_ACTIVATION_BITS=8`` packs them.
 """
 from __future__ import annotations
@@ -69,6 +70,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--cold", action="store_true", help="distinct weights per layer, read from memory")
     args = ap.parse_args()
     batches = tuple(args.batches)
     torch.set_num_threads(args.threads)
@@ -86,28 +88,32 @@ def main() -> None:
         print("|---|---|" + "---|" * len(batches))
         step = {name: dict.fromkeys(batches, 0.0) for name in libs}
         for shape, qtype, n, k, per_step in SHAPES:
-            w = random_blocks(qtype, n, k, seed=1).data.reshape(-1)
+            copies = per_step if args.cold else 1
+            ws = [random_blocks(qtype, n, k, seed=1 + c).data.reshape(-1) for c in range(copies)]
             packed = {}  # per library: each packs with its own tq_q8_pack (the layout may differ)
             if qtype in native.PACKED.values():
                 for lib, _, pack in libs.values():
                     if pack and lib not in packed:
-                        wp = w.clone()
+                        packed[lib] = [w.clone() for w in ws]
                         lib.tq_q8_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-                        lib.tq_q8_pack(native.QTYPES[qtype], wp.data_ptr(), n, k)
-                        packed[lib] = (next(p for p, b in native.PACKED.items() if b == qtype), wp)
+                        for wp in packed[lib]:
+                            lib.tq_q8_pack(native.QTYPES[qtype], wp.data_ptr(), n, k)
+            ptype = next((p for p, b in native.PACKED.items() if b == qtype), qtype)
             times: dict[str, dict[int, float]] = {name: {} for name in libs}
             for m in batches:
                 x = torch.randn(m, k)
-                fns = {name: caller(lib, bits, *(packed.get(lib, (qtype, w)) if pack else (qtype, w)), n, k, x)
+                fns = {name: [caller(lib, bits, *((ptype, packed[lib][c]) if pack and lib in packed else (qtype, w)),
+                                     n, k, x) for c, w in enumerate(ws)]
                        for name, (lib, bits, pack) in libs.items()}
                 samples: dict[str, list[float]] = {name: [] for name in libs}
-                for fn in fns.values():
-                    fn()
+                for calls in fns.values():
+                    calls[0]()
                 for _ in range(args.repeats):
-                    for name, fn in fns.items():  # interleaved: both see the same machine load
+                    for name, calls in fns.items():  # interleaved: both see the same machine load
                         t = clock()
-                        fn()
-                        samples[name].append(clock() - t)
+                        for fn in calls:
+                            fn()
+                        samples[name].append((clock() - t) / copies)
                 for name in libs:
                     times[name][m] = statistics.median(samples[name]) * 1e3
                     step[name][m] += times[name][m] * per_step
