@@ -35,7 +35,7 @@ import torch
 
 from qmatmul_batch_cpu import build_ref  # a sibling script (benchmarks/ is on sys.path)
 from treadle.kernels import native
-from treadle.kernels.attention import paged_decode
+from treadle.kernels.attention import KV_FORMATS, paged_decode
 from treadle.layers.attention import build_attention_metadata
 from treadle.layers.attention.cpu import build_plan
 
@@ -103,7 +103,8 @@ def kv_case(batch: int, context: int, fmt: str, repeats: int,
         best, med = timed(run, repeats)
         return best / copies, med / copies, nbytes, None
     out = torch.empty(batch, H, D)
-    kv_format = {torch.float32: 0}[dtype]  # the A/B covers the float32 cache
+    kv_format = KV_FORMATS[dtype][0]
+    q, k, v = (t.float() for t in (q, k, v))  # what paged_decode hands the kernel
 
     def direct(lib: ctypes.CDLL) -> Callable[[], None]:
         fn = lib.tq_paged_decode
@@ -132,7 +133,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--context", type=int, nargs="+", default=[1000])
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--ref", default=None, help="a git ref whose kernels to time beside this tree's (float32 cache)")
+    ap.add_argument("--ref", default=None, help="a git ref whose kernels to time beside this tree's")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -146,7 +147,7 @@ def main() -> None:
         ref = build_ref(args.ref, Path(tmp)) if args.ref else None
         for batch in args.batch:
             for context in args.context:
-                for fmt in ("float32",) if ref else FORMATS:
+                for fmt in FORMATS:
                     best, med, nbytes, theirs = kv_case(batch, context, fmt, args.repeats, ref)
                     floor = nbytes / (read * 1e9)
                     print(f"b{batch} ctx{context} {fmt:9s} {nbytes / 1e6:7.2f} {best * 1e3:8.3f} {med * 1e3:8.3f} "
