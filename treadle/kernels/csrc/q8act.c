@@ -30,9 +30,10 @@
  *
  * and y = acc (+ bias). The plain-C build (TQ_PLAIN_C) computes exactly these operations, and
  * rows of N past the last whole group (N % 8) take a plain-C loop in the SIMD builds too, so every
- * output has one value whatever the build, tile, thread or batch. At batch 1, Q8_0 (the lm_head)
- * skips the panel: q8_0_direct takes each row's block dot along k and reduces 8 rows' partial sums
- * to the same exact integers (1.25x the panel there). The VNNI builds take each step's 4-byte dot
+ * output has one value whatever the build, tile, thread or batch. Up to 3 activation rows, Q8_0
+ * (the lm_head) skips the panel: q8_0_direct takes each row's block dot along k and reduces 8 rows'
+ * partial sums to the same exact integers (1.25x the panel at 1 row, 1.13x at 2 and 3; at 4 its
+ * sums spill). The VNNI builds take each step's 4-byte dot
  * products with vpdpbusd straight into int32 (step16 / step32 below: the same integers; not run on
  * the AVX2 machine this was written on, so not measured). Threads split the groups.
  *
@@ -98,6 +99,7 @@ void tq_q8_free(tq_q8acts a) {
 
 #define GR 8 /* weight rows per group */
 #define MRG 4 /* activation rows per pass over a group's panel */
+#define Q8_0_DIRECT 3 /* Q8_0 up to this many activation rows skips the panel (4: 0.99x, its sums spill) */
 #define MR2 2 /* activation rows per pass over two groups' panels (3 spilled: 0.98x) */
 
 typedef struct { /* one block of a group, unpacked */
@@ -410,33 +412,46 @@ static void single_row(int t, const uint8_t *row, tq_q8acts x, float *y, int64_t
 }
 
 #ifdef TQ_AVX2
-/* Q8_0 at batch 1: one group straight from the file's rows, no panel. Each row's block dot is
- * taken along k (|q| times x with q's sign, pairs widened) and the 8 rows' partial sums reduced
- * to one vector of exact block dots, lane j = row j -- the same integers as the panel path, then
- * the same float operations, so the result is the same bits. */
+/* Q8_0 up to MRG activation rows: one group straight from the file's rows, no panel. Each row's
+ * block dot is taken along k (|q| times x with q's sign, pairs widened) and the 8 rows' partial
+ * sums reduced to one vector of exact block dots, lane j = row j -- the same integers as the
+ * panel path, then the same float operations, so the result is the same bits. Two weight rows'
+ * partial sums are folded (hadd) as soon as they are made, so NX rows fit in registers. */
 static inline __attribute__((always_inline)) void q8_0_direct(const uint8_t *w, int64_t rbytes, int64_t nb,
-                                                              tq_q8acts x, const float *bias, float *out) {
+                                                              tq_q8acts x, int64_t K, const int NX,
+                                                              const float *bias, float *out, int64_t ostride) {
     const int ub = unit_bytes(TQ_Q8_0);
     const uint8_t *next = w + GR * rbytes;
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[MRG];
+    for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         for (int64_t off = b * GR * ub; off < (b + 1) * GR * ub; off += 64) __builtin_prefetch(next + off);
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x.q + b * QK));
-        __m256i v[GR];
-        for (int j = 0; j < GR; j++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + j * rbytes + b * ub + 2));
-            v[j] = step32(_mm256_setzero_si256(), _mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q));
+        __m256i pair[4][MRG], xv[MRG]; /* pair[r][i]: hadd of rows 2r, 2r + 1 for activation row i */
+        for (int i = 0; i < NX; i++) xv[i] = _mm256_loadu_si256((const __m256i *)(x.q + i * K + b * QK));
+        for (int r = 0; r < 4; r++) {
+            const __m256i q0 = _mm256_loadu_si256((const __m256i *)(w + 2 * r * rbytes + b * ub + 2));
+            const __m256i q1 = _mm256_loadu_si256((const __m256i *)(w + (2 * r + 1) * rbytes + b * ub + 2));
+            const __m256i a0 = _mm256_sign_epi8(q0, q0), a1 = _mm256_sign_epi8(q1, q1);
+            for (int i = 0; i < NX; i++)
+                pair[r][i] = _mm256_hadd_epi32(step32(_mm256_setzero_si256(), a0, _mm256_sign_epi8(xv[i], q0)),
+                                               step32(_mm256_setzero_si256(), a1, _mm256_sign_epi8(xv[i], q1)));
         }
-        /* hadd pairs per 128-bit half: g0 = rows 0-3 (low half: elements 0-3, high: 4-7), g1 rows 4-7 */
-        const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-        const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-        const __m256i isum = _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20),
-                                              _mm256_permute2x128_si256(g0, g1, 0x31));
         const __m256 dw = q8_0_scales(w, rbytes, b);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + b)), acc);
+        for (int i = 0; i < NX; i++) {
+            /* per 128-bit half: g0 = rows 0-3 (low half: elements 0-3, high: 4-7), g1 rows 4-7 */
+            const __m256i g0 = _mm256_hadd_epi32(pair[0][i], pair[1][i]);
+            const __m256i g1 = _mm256_hadd_epi32(pair[2][i], pair[3][i]);
+            const __m256i isum = _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20),
+                                                  _mm256_permute2x128_si256(g0, g1, 0x31));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + i * nb + b)),
+                                     acc[i]);
+        }
     }
-    if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias));
-    _mm256_storeu_ps(out, acc);
+    for (int i = 0; i < NX; i++) {
+        __m256 o = acc[i];
+        if (bias) o = _mm256_add_ps(o, _mm256_loadu_ps(bias));
+        _mm256_storeu_ps(out + i * ostride, o);
+    }
 }
 
 /* Packed Q4_0 / Q4_1, NX (<= MRG) activation rows: a group's steps straight from the packed block
@@ -494,9 +509,17 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
     const int64_t nb = K / QK, rbytes = row_bytes(t, K);
     const float *bn = bias ? bias + g * GR : NULL;
 #ifdef TQ_AVX2
-    if (t == TQ_Q8_0 && M == 1) { /* (the same along k for Q4 measured 0.91-0.94x the panel: not taken) */
-        for (int h = 0; h <= pair; h++)
-            q8_0_direct(w + (g + h) * GR * rbytes, rbytes, nb, x, bn ? bn + GR * h : NULL, y + (g + h) * GR);
+    if (t == TQ_Q8_0 && M <= Q8_0_DIRECT) { /* (the same along k for Q4 measured 0.91-0.94x the panel: not taken) */
+        for (int h = 0; h <= pair; h++) {
+            const uint8_t *wg = w + (g + h) * GR * rbytes;
+            const float *bh = bn ? bn + GR * h : NULL;
+            float *yh = y + (g + h) * GR;
+            switch (M) {
+                case 1: q8_0_direct(wg, rbytes, nb, x, K, 1, bh, yh, ldy); break;
+                case 2: q8_0_direct(wg, rbytes, nb, x, K, 2, bh, yh, ldy); break;
+                default: q8_0_direct(wg, rbytes, nb, x, K, 3, bh, yh, ldy); break;
+            }
+        }
         return;
     }
     if (packed_type(t) && M <= MRG) { /* one tile: registers beat the panel (1.5x at M = 1, ~1.05x at 4) */
