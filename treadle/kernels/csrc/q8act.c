@@ -412,7 +412,7 @@ static void single_row(int t, const uint8_t *row, tq_q8acts x, float *y, int64_t
 }
 
 #ifdef TQ_AVX2
-/* Q8_0 up to MRG activation rows: one group straight from the file's rows, no panel. Each row's
+/* Q8_0 up to Q8_0_DIRECT activation rows: one group straight from the file's rows, no panel. Each row's
  * block dot is taken along k (|q| times x with q's sign, pairs widened) and the 8 rows' partial
  * sums reduced to one vector of exact block dots, lane j = row j -- the same integers as the
  * panel path, then the same float operations, so the result is the same bits. Two weight rows'
