@@ -509,29 +509,26 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
     const int64_t nb = K / QK, rbytes = row_bytes(t, K);
     const float *bn = bias ? bias + g * GR : NULL;
 #ifdef TQ_AVX2
-    if (t == TQ_Q8_0 && M <= Q8_0_DIRECT) { /* (the same along k for Q4 measured 0.91-0.94x the panel: not taken) */
+    /* few rows: registers beat the panel (packed Q4: 1.5x at M = 1, ~1.05x at 4; Q8_0: 1.25x at 1,
+     * 1.13x at 2 and 3; the same along k for unpacked Q4 measured 0.91-0.94x the panel: not taken) */
+    if ((t == TQ_Q8_0 && M <= Q8_0_DIRECT) || (packed_type(t) && M <= MRG)) {
         for (int h = 0; h <= pair; h++) {
             const uint8_t *wg = w + (g + h) * GR * rbytes;
             const float *bh = bn ? bn + GR * h : NULL;
             float *yh = y + (g + h) * GR;
-            switch (M) {
-                case 1: q8_0_direct(wg, rbytes, nb, x, K, 1, bh, yh, ldy); break;
-                case 2: q8_0_direct(wg, rbytes, nb, x, K, 2, bh, yh, ldy); break;
-                default: q8_0_direct(wg, rbytes, nb, x, K, 3, bh, yh, ldy); break;
-            }
-        }
-        return;
-    }
-    if (packed_type(t) && M <= MRG) { /* one tile: registers beat the panel (1.5x at M = 1, ~1.05x at 4) */
-        for (int h = 0; h <= pair; h++) {
-            const uint8_t *wg = w + (g + h) * GR * rbytes;
-            const float *bh = bn ? bn + GR * h : NULL;
-            float *yh = y + (g + h) * GR;
-            switch (M) {
-                case 1: packed_direct(t, wg, nb, x, K, 1, bh, yh, ldy); break;
-                case 2: packed_direct(t, wg, nb, x, K, 2, bh, yh, ldy); break;
-                case 3: packed_direct(t, wg, nb, x, K, 3, bh, yh, ldy); break;
-                default: packed_direct(t, wg, nb, x, K, MRG, bh, yh, ldy); break;
+            if (t == TQ_Q8_0) {
+                switch (M) {
+                    case 1: q8_0_direct(wg, rbytes, nb, x, K, 1, bh, yh, ldy); break;
+                    case 2: q8_0_direct(wg, rbytes, nb, x, K, 2, bh, yh, ldy); break;
+                    default: q8_0_direct(wg, rbytes, nb, x, K, 3, bh, yh, ldy); break;
+                }
+            } else {
+                switch (M) {
+                    case 1: packed_direct(t, wg, nb, x, K, 1, bh, yh, ldy); break;
+                    case 2: packed_direct(t, wg, nb, x, K, 2, bh, yh, ldy); break;
+                    case 3: packed_direct(t, wg, nb, x, K, 3, bh, yh, ldy); break;
+                    default: packed_direct(t, wg, nb, x, K, MRG, bh, yh, ldy); break;
+                }
             }
         }
         return;
