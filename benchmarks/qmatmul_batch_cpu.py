@@ -68,6 +68,24 @@ def caller(lib: ctypes.CDLL, bits: int, qtype: str, w: torch.Tensor, n: int, k: 
     return lambda: fn(*args) or y  # holds y (the kernel writes into it)
 
 
+def pack_copies(libs: list[ctypes.CDLL], qtype: str, ws: list[torch.Tensor], n: int,
+                k: int) -> dict[ctypes.CDLL, list[torch.Tensor]]:
+    """Per library, the weight copies packed by its own tq_q8_pack (the layout may differ); a
+    library whose bytes equal another's reads that one's copies (see the docstring). Empty for
+    types that are not packed."""
+    packed: dict[ctypes.CDLL, list[torch.Tensor]] = {}
+    if qtype not in native.PACKED.values():
+        return packed
+    for lib in dict.fromkeys(libs):
+        mine = [w.clone() for w in ws]
+        lib.tq_q8_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        for wp in mine:
+            lib.tq_q8_pack(native.QTYPES[qtype], wp.data_ptr(), n, k)
+        same = (p for p in packed.values() if all(torch.equal(a, b) for a, b in zip(p, mine)))
+        packed[lib] = next(same, mine)
+    return packed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ref", default="main")
@@ -94,18 +112,7 @@ def main() -> None:
         for shape, qtype, n, k, per_step in SHAPES:
             copies = per_step if args.cold else 1
             ws = [random_blocks(qtype, n, k, seed=1 + c).data.reshape(-1) for c in range(copies)]
-            packed = {}  # per library: each packs with its own tq_q8_pack (the layout may differ)
-            if qtype in native.PACKED.values():
-                for lib, _, pack in libs.values():
-                    if pack and lib not in packed:
-                        packed[lib] = [w.clone() for w in ws]
-                        lib.tq_q8_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-                        for wp in packed[lib]:
-                            lib.tq_q8_pack(native.QTYPES[qtype], wp.data_ptr(), n, k)
-                        # the same bytes as another build's: read the same copy (see the docstring)
-                        same = next((p for p in packed.values() if p is not packed[lib]
-                                     and all(torch.equal(a, b) for a, b in zip(p, packed[lib]))), None)
-                        packed[lib] = same or packed[lib]
+            packed = pack_copies([lib for lib, _, pack in libs.values() if pack], qtype, ws, n, k)
             ptype = next((p for p, b in native.PACKED.items() if b == qtype), qtype)
             times: dict[str, dict[int, float]] = {name: {} for name in libs}
             for m in batches:
