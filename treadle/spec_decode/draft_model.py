@@ -27,6 +27,7 @@ from treadle.distributed.vocab import vocab_embedding
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, StepInputBuilder
 from treadle.models.llama import KVCache, LlamaForCausalLM
 from treadle.spec_decode.proposer import CatchUp, Proposer, ProposerStep, ProposerWork, RequestProgress
+from treadle.worker.sampler import argmax_rows
 
 
 class DraftLM(Protocol):
@@ -110,7 +111,7 @@ class DraftModelProposer(Proposer):
         if not rows:
             return {}
         logits = self._forward([r.request.token_ids[r.begin : r.end] for r in rows], rows, [r.begin for r in rows])
-        drafts = {r.request.request_id: [int(t)] for r, t in zip(rows, logits.argmax(-1).tolist())}
+        drafts = {r.request.request_id: [t] for r, t in zip(rows, argmax_rows(logits))}
         live = rows
         for i in range(1, self.k):
             # d_i sits at position len(tokens) - 1 + i; it needs a slot and a rotary position
@@ -119,6 +120,6 @@ class DraftModelProposer(Proposer):
                 break
             ids = [[drafts[r.request.request_id][-1]] for r in live]
             logits = self._forward(ids, live, [len(r.request.token_ids) - 1 + i for r in live])
-            for r, t in zip(live, logits.argmax(-1).tolist()):
-                drafts[r.request.request_id].append(int(t))
+            for r, t in zip(live, argmax_rows(logits)):
+                drafts[r.request.request_id].append(t)
         return drafts

@@ -38,6 +38,7 @@ from treadle.layers.attention import StepInputBuilder
 from treadle.models.llama import KVCache, LlamaForCausalLM
 from treadle.spec_decode.heads import EagleLayer, MedusaHeads
 from treadle.spec_decode.proposer import CatchUp, DraftLength, Proposer, ProposerStep, ProposerWork, RequestProgress
+from treadle.worker.sampler import argmax_rows
 
 
 class DraftVocab:
@@ -60,8 +61,8 @@ class DraftVocab:
         if self.rows is None or self.ids is None:
             logits = self.target.compute_logits(features)
             assert logits is not None, "speculation runs on one rank"
-            return [int(t) for t in logits.argmax(-1).tolist()]
-        return self.ids[(features.float() @ self.rows.T).argmax(-1)].tolist()
+            return argmax_rows(logits)
+        return self.ids[argmax_rows(features.float() @ self.rows.T)].tolist()
 
 
 class MedusaProposer(Proposer):

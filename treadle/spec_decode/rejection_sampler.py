@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from treadle.core.step_data import TokenLogprobs
-from treadle.worker.sampler import Sampler, SamplingRow, logprobs_at, processed_logits
+from treadle.worker.sampler import Sampler, SamplingRow, argmax_rows, logprobs_at, processed_logits
 
 
 class Verified(NamedTuple):
@@ -50,7 +50,7 @@ def verify(
         at = _row_at(row, drafts, j)
         draft = drafts[j] if j < len(drafts) else None
         if at.params.greedy:
-            token = int(processed_logits(logits[j], at).argmax())
+            token = argmax_rows(processed_logits(logits[j], at))[0]
         elif draft is None or draft_probs is None:
             token = sampler.draw(sampler.target_probs(logits[j], at), at)
         else:

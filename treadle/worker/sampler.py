@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from treadle.core.step_data import TokenLogprobs
@@ -72,6 +73,15 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """The index of the maximum of each row of x [N, V] (of x itself when [V]; the first on
+    ties), as Python ints. Float CPU tensors go through numpy: torch's CPU argmax is ~6x slower
+    (94 vs 14 us for one 49,152-wide row, 713 vs 176 us for 16, AMD Zen 1)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad:
+        return np.atleast_1d(x.numpy().argmax(-1)).tolist()
+    return x.argmax(-1).reshape(-1).tolist()
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
@@ -93,7 +103,7 @@ class Sampler:
             for r in rows
         )
         if plain_greedy:  # fast path: one argmax over the batch
-            return logits.argmax(-1).tolist(), [None] * len(rows)
+            return argmax_rows(logits), [None] * len(rows)
         tokens: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
         for i, row in enumerate(rows):
@@ -106,7 +116,7 @@ class Sampler:
         """One row's token: logits [V] after every sampling parameter, argmax when greedy."""
         logits = processed_logits(logits, row)
         if row.params.greedy:
-            return int(logits.argmax())
+            return argmax_rows(logits)[0]
         return self.draw(filter_logits(logits, row.params).softmax(-1), row)
 
     def target_probs(self, logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
@@ -117,7 +127,7 @@ class Sampler:
     def draw(self, probs: torch.Tensor, row: SamplingRow) -> int:
         """A token from probs [V] (which may be unnormalised) by the exponential race; a seeded
         row's noise comes from (seed, tokens generated so far)."""
-        return int((probs / self._noise(row, probs.shape[0]).to(probs.device)).argmax())
+        return argmax_rows(probs / self._noise(row, probs.shape[0]).to(probs.device))[0]
 
     def uniform(self, row: SamplingRow) -> float:
         """One U(0, 1) draw for an accept test: a seeded row's from (seed, tokens generated so

@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -75,7 +76,7 @@ class _DecodePlan:
 
     token_index: torch.Tensor  # [B] int64, flat index of each decode token
     seq_lens: list[int]  # [B]
-    block_tables: torch.Tensor  # [B, max_blocks] int64 (metadata's, padded with 0)
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (metadata's rows, padded with 0)
     max_blocks: int
     all_tokens: bool  # every token of the step is a decode token, in order
     # index tensors for the C kernel, on CPU steps (all-decode: the real slots; mixed: -1, already written)
@@ -103,7 +104,7 @@ def _split_layout(
     per_split = -(-max_blocks // splits)
     splits = -(-max_blocks // per_split)
     padded = splits * per_split
-    table = plan.block_tables[:, :padded]
+    table = plan.block_tables[:, :padded].long()
     if table.shape[1] < padded:
         table = F.pad(table, (0, padded - table.shape[1]))
     split_len = per_split * block_size
@@ -137,6 +138,8 @@ class _StepPlan(StepPlan):
 
 
 def build_plan(meta: AttentionMetadata) -> _StepPlan:
+    if meta.max_query_len == 1:  # every sequence decodes one token: the rows are the sequences
+        return _plan_decode_only(meta)
     row_seqs: list[int] = []  # per decode row: its sequence
     row_index: list[int] = []  # its flat token
     lens: list[int] = []  # its context length, itself included
@@ -152,24 +155,43 @@ def build_plan(meta: AttentionMetadata) -> _StepPlan:
         start += q_len
     decode = None
     if row_seqs:
-        device = meta.block_tables.device
-        idx = torch.tensor(row_seqs, dtype=torch.int64, device=device)
-        tables = meta.block_tables[idx]
-        decode = _DecodePlan(
-            token_index=torch.tensor(row_index, dtype=torch.int64, device=device),
-            seq_lens=lens,
-            block_tables=tables.long().cpu(),
-            max_blocks=-(-max(lens) // meta.block_size),
-            all_tokens=len(row_seqs) == meta.num_tokens,
-        )
-        if tables.is_cpu and tables.shape[1] >= decode.max_blocks and native.available():
-            # all-decode: the kernel writes the new K/V itself; mixed: _write_kv writes every row first
-            slots = meta.slot_mapping.to(torch.int64).contiguous() if decode.all_tokens else torch.full(
-                (len(lens),), -1, dtype=torch.int64)
-            decode.kernel_args = DecodeKernelArgs(slots, tables.to(torch.int32).contiguous(),
-                                                  torch.tensor(lens, dtype=torch.int32))
+        tables = meta.block_tables[_index(row_seqs, meta.block_tables.device)]
+        all_tokens = len(row_seqs) == meta.num_tokens
+        decode = _decode_plan(meta, _index(row_index, tables.device), tables, lens, all_tokens,
+                              torch.tensor(lens, dtype=torch.int32))
+    return _finish_plan(meta, decode, prefill)
+
+
+def _plan_decode_only(meta: AttentionMetadata) -> _StepPlan:
+    """build_plan for a step of one new token per sequence (no per-row index lists: row i is
+    sequence i and flat token i, its context length the sequence's)."""
+    lens = meta.seq_lens
+    token_index = torch.arange(len(lens), device=meta.block_tables.device)
+    decode = _decode_plan(meta, token_index, meta.block_tables, lens, True, meta.seq_lens_tensor.cpu())
+    return _finish_plan(meta, decode, [])
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.array(rows, dtype=np.int64)).to(device)
+
+
+def _decode_plan(meta: AttentionMetadata, token_index: torch.Tensor, tables: torch.Tensor, lens: list[int],
+                 all_tokens: bool, lens_tensor: torch.Tensor) -> _DecodePlan:
+    """The decode rows' plan; on CPU steps with the native kernels, their kernel arguments
+    (all-decode: the real slots, which the kernel writes; mixed: -1, _write_kv writes first)."""
+    decode = _DecodePlan(token_index=token_index, seq_lens=lens, block_tables=tables,
+                         max_blocks=-(-max(lens) // meta.block_size), all_tokens=all_tokens)
+    if tables.is_cpu and tables.shape[1] >= decode.max_blocks and native.available():
+        slots = meta.slot_mapping.to(torch.int64).contiguous() if all_tokens else torch.full(
+            (len(lens),), -1, dtype=torch.int64)
+        decode.kernel_args = DecodeKernelArgs(slots, tables.to(torch.int32).contiguous(), lens_tensor)
+    return decode
+
+
+def _finish_plan(meta: AttentionMetadata, decode: _DecodePlan | None, prefill: list[_PrefillSeq]) -> _StepPlan:
     slots, rows = meta.slot_mapping, None
-    if bool((slots < 0).any()):
+    skipped = slots.numpy().min(initial=0) < 0 if slots.is_cpu else bool((slots < 0).any())
+    if skipped:
         rows = torch.nonzero(slots >= 0).flatten()
         slots = slots[rows]
     return _StepPlan(decode=decode, prefill=prefill, write_slots=slots, write_rows=rows)
