@@ -464,3 +464,37 @@ def test_slow_prefill_steps_do_not_take_over_the_decode_step_cost() -> None:
     for _ in range(8):
         c.stats.record_verify(4, 3)
     assert c._predicted_to_pay(1) is True
+
+
+def test_a_step_carrying_a_prompt_chunk_verifies_no_drafts() -> None:
+    """With the fallback on, a request's drafts wait while another request's prompt is being
+    computed (compute-bound steps: a draft row costs a prompt row); with it off they share the
+    step (the test above)."""
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8, max_model_len=256, enable_chunked_prefill=True)
+    c = FallbackController(enabled=True)
+    s = Scheduler(cfg, KVCacheManager(64, 4), c)
+    a = make_req("a", [1, 3, 4], max_tokens=8)
+    s.add_request(a)
+    step(s, {"a": [5]}, {"a": [6, 7]})
+    s.add_request(make_req("b", list(range(100, 120))))
+    out = step(s, {"a": [6]}, {"a": [7, 8]})
+    assert [(x.request_id, x.draft_token_ids) for x in out.scheduled] == [("a", []), ("b", [])]
+    assert c.stats.num_batch_fallbacks == 1 and not c.will_speculate("a", 2)
+    while s.requests["b"].num_computed_tokens < 20:  # b's prompt, in chunks
+        step(s, {"a": [9], "b": [9]} if s.requests["b"].num_computed_tokens >= 12 else {"a": [9]}, {"a": [7, 8]})
+    out = s.schedule()
+    assert [x.draft_token_ids for x in out.scheduled] == [[7, 8], []]  # decode-only: verified again
+
+
+def test_the_step_cost_model_is_fitted_once_per_observed_step() -> None:
+    """predict runs for every request every step; the fit (a small solve) only when a step was
+    observed since, and gives the same prediction either way."""
+    c = FallbackController(enabled=True)
+    for rows in (1, 5, 2, 10, 3):
+        c.observe_step(1, rows > 3, 1, 0.010 + 0.002 * rows, rows)
+    first = c._cost.predict(32)
+    assert first == pytest.approx(0.010 + 0.002 * 32, rel=1e-6)
+    coef = c._cost._coef
+    assert c._cost.predict(32) == first and c._cost._coef is coef  # cached
+    c.observe_step(1, False, 1, 0.034, 12)  # on the same line: a new fit, the same prediction
+    assert c._cost._coef is None and c._cost.predict(32) == pytest.approx(first, rel=1e-3)

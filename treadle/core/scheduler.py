@@ -183,8 +183,10 @@ class Scheduler:
         if self.spec is None:
             return
         with_drafts = [r for r in self.running if r.spec_token_ids]
+        admits = bool(self._waiting) and len(self.running) < self.config.max_num_seqs
+        with_prompt = admits or any(r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
         # called every step: probes come due even while the runner drafts for nobody (``propose``)
-        if not self.spec.speculate_batch(len(self.running), bool(with_drafts)):
+        if not self.spec.speculate_batch(len(self.running), bool(with_drafts), with_prompt):
             for req in with_drafts:
                 req.spec_token_ids = []
             return

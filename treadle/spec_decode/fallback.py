@@ -79,12 +79,14 @@ class _RowCost:
     def __init__(self) -> None:
         self._xx = [[0.0] * 5 for _ in range(5)]  # decayed sum of x x^T, x = [1, decode, draft, prompt rows, prompt?]
         self._xy = [0.0] * 5
+        self._coef: list[float] | None = None  # fitted (a, b, c), None: refit at the next predict
 
     def observe(self, rows: int, seconds: float, prompt_rows: int = 0, draft_rows: int = 0) -> None:
         """``rows``: decode rows, drafts included (``draft_rows`` of them)."""
         x, d = (1.0, float(rows), float(draft_rows), float(prompt_rows), float(prompt_rows > 0)), self.DECAY
         self._xx = [[d * self._xx[i][j] + x[i] * x[j] for j in range(5)] for i in range(5)]
         self._xy = [d * self._xy[i] + x[i] * seconds for i in range(5)]
+        self._coef = None
 
     def predict(self, rows: float, draft_rows: float = 0.0) -> float | None:
         """Seconds for a decode-only step of ``rows`` tokens, ``draft_rows`` of them drafts;
@@ -92,10 +94,11 @@ class _RowCost:
         n, x, xx = self._xx[0][0], self._xx[0][1], self._xx[1][1]
         if n < 2 or n * xx - x * x <= 1e-9 * max(1.0, n * xx):
             return None
-        a = [row[:] for row in self._xx]
-        a[2][2] += self.RIDGE * max(1.0, xx / n)
-        coef = _solve(a, self._xy)
-        base, b, c = (max(0.0, v) for v in coef[:3])
+        if self._coef is None:  # once per observed step: predict runs per request and step
+            a = [row[:] for row in self._xx]
+            a[2][2] += self.RIDGE * max(1.0, xx / n)
+            self._coef = [max(0.0, v) for v in _solve(a, self._xy)[:3]]
+        base, b, c = self._coef
         return base + b * rows + c * draft_rows
 
 
@@ -134,14 +137,23 @@ class FallbackController:
         self._requests: dict[str, _RequestState] = {}
         self._cost = _RowCost()
         self._step = 0
+        self._with_prompt = False  # this step carries a prompt chunk (so, likely, the next one)
 
-    def speculate_batch(self, batch_size: int, has_drafts: bool = True) -> bool:
+    def speculate_batch(self, batch_size: int, has_drafts: bool = True, with_prompt: bool = False) -> bool:
         """Whether this step (``batch_size`` running requests) verifies drafts at all. Called
         every step (``has_drafts`` False: no request drafted, nothing is counted) so that a probe
-        comes due while the runner drafts for nobody (``will_speculate``)."""
+        comes due while the runner drafts for nobody (``will_speculate``). A step that will
+        carry a prompt chunk (``with_prompt``) verifies none: its hundreds of prompt rows make
+        it compute-bound, so a draft row costs a full row and a rejected one is pure loss, and
+        draft rows would shrink the chunks (later first tokens). Measured at 32 requests: 252
+        draft rows in the first 5 (prompt) steps, the run 0.97x of no speculation."""
         self._step += 1
+        self._with_prompt = with_prompt
         if not self.enabled:
             return True
+        if with_prompt:
+            self.stats.num_batch_fallbacks += has_drafts
+            return False
         b = self._buckets.setdefault(bucket_of(batch_size), _Bucket())
         b.steps += 1
         fallback, probe, speculate = self._decide(b, batch_size)
@@ -172,7 +184,7 @@ class FallbackController:
         if not self.enabled:
             return True
         st = self._requests.get(request_id)
-        if st is not None and st.off_until > self._step + 1:
+        if self._with_prompt or (st is not None and st.off_until > self._step + 1):
             return False
         b = self._buckets.get(bucket_of(batch_size))
         if b is None or b.spec_rate is None:
