@@ -22,7 +22,8 @@ costs over a plain decode at its bucket (``cost ratio - 1``, the ratio at least
 ``probe_every`` steps, then probes again. Every step is timed for the step-cost model, steps
 carrying prompt chunks too (their prompt rows are a separate term, so the model is fitted during
 the prompt phase, before the first decode-only step); only decode-only steps give a bucket its
-measured rates. ``fallback=False`` always speculates (tests, benchmarks).
+measured rates. A step that carries a prompt chunk verifies no drafts (``speculate_batch``).
+``fallback=False`` always speculates (tests, benchmarks).
 """
 from __future__ import annotations
 
