@@ -7,6 +7,7 @@ import torch
 from treadle.engine.detokenizer import IncrementalDetokenizer
 from treadle.sampling_params import SamplingParams, SamplingParamsError
 from treadle.tokenizer import Tokenizer
+from treadle.worker import sampler as sampler_mod
 from treadle.worker.sampler import Sampler, SamplingRow, apply_penalties, filter_logits
 
 TEXT = "héllo wörld — 日本語 🌍🎉 done"
@@ -110,3 +111,33 @@ def test_sampling_params_validation(kw, param):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**kw)
     assert e.value.param == param
+
+
+def sorted_top_p(probs: torch.Tensor, top_p: float) -> set[int]:
+    """top-p by its definition: a stable sort of all of probs, highest first."""
+    values, order = torch.sort(probs, descending=True, stable=True)
+    return set(order[~(values.cumsum(-1) - values > top_p)].tolist())
+
+
+@pytest.mark.parametrize("case", range(30))
+@pytest.mark.parametrize("candidates", [sampler_mod.TOP_P_CANDIDATES, 8])
+def test_top_p_keeps_what_a_full_sort_keeps(case: int, candidates: int, monkeypatch) -> None:
+    """Peaked to flat rows, rows with many ties (rounded logits), every top_p; with 8
+    candidates most rows take the sorted-values path."""
+    monkeypatch.setattr(sampler_mod, "TOP_P_CANDIDATES", candidates)
+    g = torch.Generator().manual_seed(case)
+    logits = torch.randn(49152 if case % 4 == 0 else 3000, generator=g) * (0.3 + 2 * (case % 5))
+    if case % 3 == 0:
+        logits = logits.round()
+    probs = logits.softmax(-1)
+    top_p = (0.05, 0.5, 0.9, 0.95, 0.999)[case % 5]
+    assert set(sampler_mod.top_p_keep(probs, top_p).tolist()) == sorted_top_p(probs, top_p)
+
+
+def test_draw_follows_an_unnormalised_distribution_and_never_draws_zeros() -> None:
+    probs = torch.tensor([0.0, 2.0, 0.0, 1.0, 1.0, 0.0])  # total 4
+    sampler, counts = Sampler(seed=3), torch.zeros(6)
+    for i in range(4000):
+        counts[sampler.draw(probs, row(SamplingParams(temperature=1.0, seed=i)))] += 1
+    assert counts[[0, 2, 5]].sum() == 0
+    assert torch.allclose(counts / 4000, probs / 4, atol=0.03)

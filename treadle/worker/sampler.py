@@ -63,14 +63,50 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest set reaching top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        keep = top_p_keep(logits.softmax(-1), p.top_p)
+        kept = torch.full_like(logits, float("-inf"))
+        kept[keep] = logits[keep]
+        logits = kept
     if p.min_p > 0.0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     return logits
+
+
+TOP_P_TAIL = 2.0**-12  # top-p first looks among the tokens at least this fraction as likely as the first
+TOP_P_CANDIDATES = 4096  # ... when there are at most this many
+
+
+def top_p_keep(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Indices of the smallest set of most likely tokens whose probabilities reach top_p: in
+    order of probability, highest first (equal ones in index order, as a stable sort), a token
+    is kept while the ones before it sum to at most top_p. No sort of all of probs [V] with its
+    indices (~2-6 ms for 49,152 on the CPU, numpy or torch): first among the tokens at least
+    TOP_P_TAIL times as likely as the most likely one, which decide when the set ends among
+    them (every token left out is less likely than all of them); else from the sorted values
+    alone (~0.5 ms): the cut value, every token above it and, in index order, as many of its
+    ties as the rule keeps."""
+    p = probs.detach().float().cpu().numpy()
+    cand = np.flatnonzero(p >= p.max() * np.float32(TOP_P_TAIL))
+    if cand.size <= TOP_P_CANDIDATES:
+        cand = cand[np.lexsort((cand, -p[cand]))]
+        n_keep = _top_p_count(p[cand], top_p)
+        if n_keep < cand.size:
+            return torch.from_numpy(cand[:n_keep]).to(probs.device)
+    values = np.sort(p)[::-1]
+    n_keep = _top_p_count(values, top_p)
+    cut = values[n_keep - 1]
+    above = np.flatnonzero(p > cut)
+    ties = np.flatnonzero(p == cut)[: n_keep - above.size]
+    return torch.from_numpy(np.concatenate([above, ties])).to(probs.device)
+
+
+def _top_p_count(values: np.ndarray, top_p: float) -> int:
+    """How many of values (float32, highest first) top-p keeps: a running sum accumulated in
+    float64 and rounded to float32, as torch's CPU cumsum does."""
+    before = np.cumsum(values, dtype=np.float64).astype(np.float32) - values
+    drop = before > np.float32(top_p)
+    return int(drop.argmax()) if drop.any() else values.size
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:
@@ -85,13 +121,6 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
-
-    def _noise(self, row: SamplingRow, vocab: int) -> torch.Tensor:
-        seed = row.params.seed
-        if seed is None:
-            return torch.empty(vocab).exponential_(generator=self.generator)
-        step_seed = hash((seed + row.seed_offset, len(row.output_token_ids))) & 0x7FFF_FFFF_FFFF_FFFF
-        return torch.empty(vocab).exponential_(generator=torch.Generator().manual_seed(step_seed))
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow]
@@ -125,17 +154,26 @@ class Sampler:
         return filter_logits(processed_logits(logits, row), row.params).softmax(-1)
 
     def draw(self, probs: torch.Tensor, row: SamplingRow) -> int:
-        """A token from probs [V] (which may be unnormalised) by the exponential race; a seeded
-        row's noise comes from (seed, tokens generated so far)."""
-        return argmax_rows(probs / self._noise(row, probs.shape[0]).to(probs.device))[0]
+        """A token from probs [V] (which may be unnormalised) by the inverse of its distribution
+        function: the first token whose running sum (float64) passes u times the total, one
+        u ~ U[0, 1) per draw, a seeded row's from (seed, tokens generated so far). A token of
+        probability 0 is never drawn. (One uniform instead of V exponentials: ~0.2 ms instead of
+        ~2 ms for 49,152 tokens on the CPU.)"""
+        cdf = probs.double().cumsum(0)
+        target = self._uniform(row, 0) * cdf[-1]
+        return min(int(torch.searchsorted(cdf, target.reshape(1), right=True)), probs.shape[0] - 1)
 
     def uniform(self, row: SamplingRow) -> float:
         """One U(0, 1) draw for an accept test: a seeded row's from (seed, tokens generated so
-        far), apart from the noise ``draw`` uses at the same position."""
+        far), apart from the one ``draw`` uses at the same position."""
+        return self._uniform(row, 1)
+
+    def _uniform(self, row: SamplingRow, use: int) -> float:
         if row.params.seed is None:
-            return float(torch.rand((), generator=self.generator))
-        step_seed = hash((row.params.seed + row.seed_offset, len(row.output_token_ids), 1))  # ints: hash() is stable
-        return float(torch.rand((), generator=torch.Generator().manual_seed(step_seed & 0x7FFF_FFFF_FFFF_FFFF)))
+            return float(torch.rand((), generator=self.generator, dtype=torch.float64))
+        step_seed = hash((row.params.seed + row.seed_offset, len(row.output_token_ids), use))  # ints: hash() is stable
+        return float(torch.rand((), generator=torch.Generator().manual_seed(step_seed & 0x7FFF_FFFF_FFFF_FFFF),
+                                dtype=torch.float64))
 
 
 def processed_logits(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
