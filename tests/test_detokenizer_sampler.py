@@ -141,3 +141,23 @@ def test_draw_follows_an_unnormalised_distribution_and_never_draws_zeros() -> No
         counts[sampler.draw(probs, row(SamplingParams(temperature=1.0, seed=i)))] += 1
     assert counts[[0, 2, 5]].sum() == 0
     assert torch.allclose(counts / 4000, probs / 4, atol=0.03)
+
+
+def dense_penalties(logits: torch.Tensor, r: SamplingRow) -> torch.Tensor:
+    """The penalties over the whole vocabulary, as written in their definitions."""
+    p, vocab = r.params, logits.shape[0]
+    counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=vocab).to(logits.dtype)
+    seen = counts > 0
+    seen[torch.tensor(r.prompt_token_ids)] = True
+    logits = torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty,
+                                           logits * p.repetition_penalty), logits)
+    return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_sparse_penalties_equal_the_dense_definition(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(5000, generator=g) * 4
+    prompt, out = torch.randint(0, 5000, (300,), generator=g).tolist(), torch.randint(0, 400, (90,), generator=g).tolist()
+    r = row(SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.2), out=out, prompt=prompt)
+    assert torch.equal(apply_penalties(logits, r), dense_penalties(logits, r))

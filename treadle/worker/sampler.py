@@ -7,6 +7,7 @@ the batch, on chunking, or on preemption.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,21 +39,24 @@ def logprobs_at(logprobs: torch.Tensor, token_id: int, top_n: int) -> TokenLogpr
 
 def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """logits [V] -> penalised logits [V] (repetition over prompt+output,
-    presence/frequency over output, as in vLLM/OpenAI)."""
-    p = row.params
-    vocab = logits.shape[0]
-    out_ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
-    counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
+    presence/frequency over output, as in vLLM/OpenAI). Only the tokens seen change, so only
+    they are computed (a few hundred entries, not the whole vocabulary)."""
+    p, dev = row.params, logits.device
+    # Python's Counter and numpy's arrays: torch.unique and torch.tensor(list) of a few hundred
+    # ids cost ~0.15 and ~0.09 ms here
+    count = Counter(row.output_token_ids)
+    out_ids = torch.from_numpy(np.fromiter(count, dtype=np.int64, count=len(count))).to(dev)
+    counts = torch.from_numpy(np.fromiter(count.values(), dtype=np.float32, count=len(count))).to(dev, logits.dtype)
+    logits = logits.clone()
     if p.repetition_penalty != 1.0:
-        seen = counts > 0
-        if row.prompt_token_ids:
-            seen[torch.tensor(row.prompt_token_ids, dtype=torch.long, device=logits.device)] = True
-        penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
-        logits = torch.where(seen, penalised, logits)
+        seen = count.keys() | set(row.prompt_token_ids)
+        seen = torch.from_numpy(np.fromiter(seen, dtype=np.int64, count=len(seen))).to(dev)
+        v = logits[seen]
+        logits[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
     if p.frequency_penalty != 0.0:
-        logits = logits - p.frequency_penalty * counts
+        logits[out_ids] = logits[out_ids] - p.frequency_penalty * counts
     if p.presence_penalty != 0.0:
-        logits = logits - p.presence_penalty * (counts > 0).to(logits.dtype)
+        logits[out_ids] = logits[out_ids] - p.presence_penalty
     return logits
 
 
@@ -60,8 +64,7 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on one row [V]; masked entries -inf."""
     logits = logits / p.temperature
     if 0 < p.top_k < logits.shape[0]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits = logits.masked_fill(logits < _kth_largest(logits, p.top_k), float("-inf"))
     if p.top_p < 1.0:
         keep = top_p_keep(logits.softmax(-1), p.top_p)
         kept = torch.full_like(logits, float("-inf"))
@@ -71,6 +74,13 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     return logits
+
+
+def _kth_largest(x: torch.Tensor, k: int) -> float:
+    if x.device.type == "cpu" and not x.requires_grad:  # numpy's partition: ~2x torch.topk's speed here
+        a = x.float().numpy()
+        return float(np.partition(a, a.shape[0] - k)[a.shape[0] - k])
+    return float(torch.topk(x, k).values[-1])
 
 
 TOP_P_TAIL = 2.0**-12  # top-p first looks among the tokens at least this fraction as likely as the first
