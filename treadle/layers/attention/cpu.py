@@ -138,7 +138,7 @@ class _StepPlan(StepPlan):
 
 
 def build_plan(meta: AttentionMetadata) -> _StepPlan:
-    if meta.max_query_len == 1:  # every sequence decodes one token: the rows are the sequences
+    if meta.max_query_len == 1 and meta.num_tokens == meta.num_seqs:  # one token each: rows are sequences
         return _plan_decode_only(meta)
     row_seqs: list[int] = []  # per decode row: its sequence
     row_index: list[int] = []  # its flat token
