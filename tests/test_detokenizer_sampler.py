@@ -1,6 +1,8 @@
 """Unit tests: incremental detokenization, stop strings, and the sampler."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -161,3 +163,22 @@ def test_sparse_penalties_equal_the_dense_definition(seed: int) -> None:
     prompt, out = torch.randint(0, 5000, (300,), generator=g).tolist(), torch.randint(0, 400, (90,), generator=g).tolist()
     r = row(SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.2), out=out, prompt=prompt)
     assert torch.equal(apply_penalties(logits, r), dense_penalties(logits, r))
+
+
+def test_sampling_among_the_kept_tokens_matches_the_masked_distribution() -> None:
+    """A row with top-k / top-p / min-p draws among the kept tokens only; each token's
+    frequency is its probability under filter_logits (the verifier's p)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, generator=g) * 2
+    params = SamplingParams(temperature=0.9, top_k=12, top_p=0.8, min_p=0.05, seed=0)
+    p = filter_logits(logits, params).softmax(-1)
+    sampler, counts = Sampler(seed=5), torch.zeros(40)
+    for i in range(6000):
+        counts[sampler(logits[None], [row(dataclasses.replace(params, seed=i))])[0][0]] += 1
+    assert counts[p == 0].sum() == 0
+    assert (counts / 6000 - p).abs().max() < 0.025
+
+
+def test_a_row_with_nothing_to_draw_gets_a_token_not_an_error() -> None:
+    nan = torch.full((1, 8), float("nan"))
+    assert 0 <= Sampler()(nan, [row(SamplingParams(temperature=1.0, top_p=0.9, seed=1))])[0][0] < 8

@@ -63,17 +63,29 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on one row [V]; masked entries -inf."""
     logits = logits / p.temperature
+    keep = kept_tokens(logits, p)
+    if keep is None:
+        return logits
+    kept = torch.full_like(logits, float("-inf"))
+    kept[keep] = logits[keep]
+    return kept
+
+
+def kept_tokens(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor | None:
+    """The tokens top-k, then top-p, then min-p keep of one row of logits [V] (already divided
+    by the temperature), in index order; None when every token is kept. Each filter sees the
+    distribution the ones before it left (softmax over the kept tokens only)."""
+    keep = None
     if 0 < p.top_k < logits.shape[0]:
-        logits = logits.masked_fill(logits < _kth_largest(logits, p.top_k), float("-inf"))
+        keep = torch.nonzero(logits >= _kth_largest(logits, p.top_k)).flatten()
     if p.top_p < 1.0:
-        keep = top_p_keep(logits.softmax(-1), p.top_p)
-        kept = torch.full_like(logits, float("-inf"))
-        kept[keep] = logits[keep]
-        logits = kept
+        inner = top_p_keep((logits if keep is None else logits[keep]).softmax(-1), p.top_p).sort().values
+        keep = inner if keep is None else keep[inner]
     if p.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    return logits
+        probs = (logits if keep is None else logits[keep]).softmax(-1)
+        inner = torch.nonzero(probs >= p.min_p * probs.max()).flatten()
+        keep = inner if keep is None else keep[inner]
+    return keep if keep is None or keep.numel() else None  # NaN logits keep nothing: leave them all
 
 
 def _kth_largest(x: torch.Tensor, k: int) -> float:
@@ -156,7 +168,12 @@ class Sampler:
         logits = processed_logits(logits, row)
         if row.params.greedy:
             return argmax_rows(logits)[0]
-        return self.draw(filter_logits(logits, row.params).softmax(-1), row)
+        logits = logits / row.params.temperature
+        keep = kept_tokens(logits, row.params)
+        if keep is None:
+            return self.draw(logits.softmax(-1), row)
+        # among the kept tokens only (in index order, so a given uniform picks what it would over all V)
+        return int(keep[self.draw(logits[keep].softmax(-1), row)])
 
     def target_probs(self, logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
         """The distribution a non-greedy row samples from: logits [V] -> probs [V] after
@@ -170,8 +187,11 @@ class Sampler:
         probability 0 is never drawn. (One uniform instead of V exponentials: ~0.2 ms instead of
         ~2 ms for 49,152 tokens on the CPU.)"""
         cdf = probs.double().cumsum(0)
-        target = self._uniform(row, 0) * cdf[-1]
-        return min(int(torch.searchsorted(cdf, target.reshape(1), right=True)), probs.shape[0] - 1)
+        total = float(cdf[-1])
+        if not total > 0.0:  # nothing to draw from (all zero, or NaN): the largest entry
+            return argmax_rows(probs)[0]
+        target = torch.tensor([self._uniform(row, 0) * total], dtype=torch.float64, device=cdf.device)
+        return min(int(torch.searchsorted(cdf, target, right=True)), probs.shape[0] - 1)
 
     def uniform(self, row: SamplingRow) -> float:
         """One U(0, 1) draw for an accept test: a seeded row's from (seed, tokens generated so
