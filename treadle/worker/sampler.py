@@ -1,9 +1,11 @@
 """The sampler: logits of the rows that sample this step -> one token each.
 
-Each row is processed on its own (penalties, temperature, top-k/top-p/min-p),
-and a seeded row draws its noise from a generator derived from (seed, number
-of tokens generated so far), so its tokens do not depend on what else is in
-the batch, on chunking, or on preemption.
+Each row is processed on its own (penalties, temperature, top-k/top-p/min-p) and
+draws its token by the inverse of its distribution function from one uniform; a
+seeded row's uniform comes from a generator derived from (seed, number of tokens
+generated so far), so its tokens do not depend on what else is in the batch, on
+chunking, or on preemption. Nothing here sorts or draws noise over the whole
+vocabulary: at 49,152 tokens those cost milliseconds per row on the CPU.
 """
 from __future__ import annotations
 
