@@ -291,11 +291,12 @@ def test_speculative_sampling_has_the_target_distribution(point_mass: bool) -> N
     assert tv(always_accept, target) > 3 * bound  # the test can tell a biased verifier
 
 
-def test_seeded_ngram_verify_gives_the_plain_seeded_tokens() -> None:
+@pytest.mark.parametrize("filters", [{}, {"top_p": 0.9, "top_k": 8}, {"min_p": 0.1}])
+def test_seeded_ngram_verify_gives_the_plain_seeded_tokens(filters: dict) -> None:
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 12, generator=g)
     s = Sampler(0)
-    base = row(temperature=1.0, seed=11)
+    base = row(temperature=1.0, seed=11, **filters)
     plain, out = [], list(base.output_token_ids)
     for j in range(4):
         plain.append(s.sample_row(logits[j], SamplingRow(base.params, [1, 2], out + plain, (0,))))

@@ -13,9 +13,10 @@ the accepted drafts plus one more token, exactly as plain decoding would produce
 - Sampling, draft distribution q given (a draft model): accept x with probability
   min(1, p(x) / q(x)); on rejection draw from norm(max(p - q, 0)).
 - Sampling, q a point mass on x (n-gram): then accept with p(x) and, on rejection, draw from
-  p without x. Drawing y ~ p with the row's own noise and accepting iff y == x is exactly that
-  (P[accept] = p(x); given a rejection, y ~ p restricted to tokens != x), and it uses the same
-  noise as plain sampling: a seeded request gives the same tokens with or without n-gram drafts.
+  p without x. Drawing y ~ p as plain sampling does (``Sampler.sample_row``: the same
+  computation, the row's own uniform) and accepting iff y == x is exactly that (P[accept] = p(x);
+  given a rejection, y ~ p restricted to tokens != x): a seeded request gives the same tokens with
+  or without n-gram drafts.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from treadle.core.step_data import TokenLogprobs
-from treadle.worker.sampler import Sampler, SamplingRow, argmax_rows, logprobs_at, processed_logits
+from treadle.worker.sampler import Sampler, SamplingRow, logprobs_at
 
 
 class Verified(NamedTuple):
@@ -49,10 +50,8 @@ def verify(
     for j in range(len(drafts) + 1):
         at = _row_at(row, drafts, j)
         draft = drafts[j] if j < len(drafts) else None
-        if at.params.greedy:
-            token = argmax_rows(processed_logits(logits[j], at))[0]
-        elif draft is None or draft_probs is None:
-            token = sampler.draw(sampler.target_probs(logits[j], at), at)
+        if at.params.greedy or draft is None or draft_probs is None:
+            token = sampler.sample_row(logits[j], at)  # plain sampling's own computation: the same token
         else:
             token = _accept_or_resample(sampler, sampler.target_probs(logits[j], at), draft_probs[j], draft, at)
         tokens.append(token)
