@@ -51,8 +51,8 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     counts = torch.from_numpy(np.fromiter(count.values(), dtype=np.float32, count=len(count))).to(dev, logits.dtype)
     logits = logits.clone()
     if p.repetition_penalty != 1.0:
-        seen = count.keys() | set(row.prompt_token_ids)
-        seen = torch.from_numpy(np.fromiter(seen, dtype=np.int64, count=len(seen))).to(dev)
+        seen_ids = count.keys() | set(row.prompt_token_ids)
+        seen = torch.from_numpy(np.fromiter(seen_ids, dtype=np.int64, count=len(seen_ids))).to(dev)
         v = logits[seen]
         logits[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
     if p.frequency_penalty != 0.0:
