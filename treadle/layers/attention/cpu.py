@@ -155,10 +155,11 @@ def build_plan(meta: AttentionMetadata) -> _StepPlan:
         start += q_len
     decode = None
     if row_seqs:
-        tables = meta.block_tables[_index(row_seqs, meta.block_tables.device)]
+        device = meta.block_tables.device
+        tables = meta.block_tables[_tensor(row_seqs, np.int64, device)]
         all_tokens = len(row_seqs) == meta.num_tokens
-        decode = _decode_plan(meta, _index(row_index, tables.device), tables, lens, all_tokens,
-                              torch.tensor(lens, dtype=torch.int32))
+        decode = _decode_plan(meta, _tensor(row_index, np.int64, device), tables, lens, all_tokens,
+                              _tensor(lens, np.int32, torch.device("cpu")))
     return _finish_plan(meta, decode, prefill)
 
 
@@ -171,8 +172,9 @@ def _plan_decode_only(meta: AttentionMetadata) -> _StepPlan:
     return _finish_plan(meta, decode, [])
 
 
-def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.array(rows, dtype=np.int64)).to(device)
+def _tensor(values: list[int], dtype: type, device: torch.device) -> torch.Tensor:
+    """A small list as a tensor through numpy (torch.tensor(list) is ~10 us a call here)."""
+    return torch.from_numpy(np.array(values, dtype=dtype)).to(device)
 
 
 def _decode_plan(meta: AttentionMetadata, token_index: torch.Tensor, tables: torch.Tensor, lens: list[int],
