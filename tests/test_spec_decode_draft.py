@@ -46,9 +46,9 @@ def test_stories_drafting_for_itself_is_exact_and_always_accepted(variant: str) 
     spec, llm = run(stories, prompts, GREEDY, speculative_config=draft(str(stories)), **kw)
     assert spec == plain
     stats = llm.get_stats()["spec_decode"]
-    # the same model on the same (synced) KV proposes the target's own greedy tokens; a float
-    # difference between batch shapes may flip a rare near-tie, so not exactly 1.0
-    assert stats["drafts"] > 0 and stats["acceptance_rate"] > 0.9
+    # the same model on the same (synced) KV proposes the target's own greedy tokens: a row's
+    # logits do not depend on the batch shape it runs in, so every draft is accepted
+    assert stats["drafts"] > 0 and stats["acceptance_rate"] == 1.0
     if variant == "preemption":
         assert llm.get_stats()["preemptions"] > 0
     assert_no_leaks(llm)
