@@ -53,22 +53,9 @@ def gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
-def spawned_children() -> set[int]:
-    """Processes this one started with multiprocessing's spawn (worker processes)."""
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == os.getpid() and b"spawn_main" in cmdline:
-            found.add(int(stat.parent.name))
-    return found
-
-
-def new_worker(before: set[int]) -> int:
-    (pid,) = spawned_children() - before
+def worker_pid(llm: AsyncLLM) -> int:
+    """The pid of the one worker process of an engine started with the "mp" executor."""
+    (pid,) = llm._core.engine.executor.worker_pids
     return pid
 
 
@@ -197,10 +184,9 @@ def test_two_ranks_share_each_step() -> None:
 
 
 def test_async_engine_and_health_endpoint_see_a_lost_worker() -> None:
-    before = spawned_children()
     llm = AsyncLLM.from_args(str(resolve_model("stories260k")), distributed_executor_backend="mp", **ENGINE_KW)
-    pid = new_worker(before)
     try:
+        pid = worker_pid(llm)
         with ServerThread(build_app(llm, MODEL_NAME)) as srv:
             assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
 
@@ -221,10 +207,9 @@ def test_async_engine_and_health_endpoint_see_a_lost_worker() -> None:
 
 
 def test_idle_engine_reports_a_lost_worker() -> None:
-    before = spawned_children()
     llm = AsyncLLM.from_args(str(resolve_model("stories260k")), distributed_executor_backend="mp", **ENGINE_KW)
-    pid = new_worker(before)
     try:
+        pid = worker_pid(llm)
         assert llm.health() is None
         os.kill(pid, signal.SIGKILL)
         reason = wait_until(llm.health, 5, "health to notice the lost worker")
