@@ -3,7 +3,9 @@ mode, the step with and without its collectives, the collectives alone, and the 
 from __future__ import annotations
 
 import math
+import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -18,11 +20,20 @@ def test_hidden_percent_is_the_share_of_comm_that_did_not_add_time() -> None:
 
 
 def test_bench_comm_reports_both_modes_for_each_step_size() -> None:
-    out = subprocess.run([sys.executable, "-m", "treadle.entrypoints.cli", "bench", "comm", "--model", "stories260k",
-                          "--tokens", "8", "--rounds", "1", "--repeats", "1"],
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = re.findall(r"^\| 8 \| (off|on) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (-?\d+|nan) \|$", out.stdout, re.M)
-    assert [r[0] for r in rows] == ["off", "on"], out.stdout
+    # its own session, so that the rank processes it starts go with it whatever happens
+    proc = subprocess.Popen([sys.executable, "-m", "treadle.entrypoints.cli", "bench", "comm", "--model", "stories260k",
+                             "--tokens", "8", "--rounds", "1", "--repeats", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group is gone: nothing left running
+            pass
+        proc.wait(timeout=10)
+    assert proc.returncode == 0, stderr[-2000:]
+    rows = re.findall(r"^\| 8 \| (off|on) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (-?\d+|nan) \|$", stdout, re.M)
+    assert [r[0] for r in rows] == ["off", "on"], stdout
     for _, with_comm, compute, comm, _hidden in rows:
         assert float(with_comm) > 0 and float(compute) > 0 and float(comm) > 0
