@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import threading
 
 import httpx
 import openai
@@ -74,7 +73,8 @@ def test_less_loaded_instance_is_preferred(pool):
         assert all(next(lines).startswith("data: {") for lines in held)  # each is running on A
         wait_until(lambda: metric_values(a.url)["treadle:num_requests_running"] == 2, 10, "A to run both")
         wait_until(lambda: httpx.get(r.url + "/health").status_code == 200, 5, "router")
-        threading.Event().wait(0.6)  # three polls: the router has read A's load
+        wait_until(lambda: router_metric(r.url, "treadle:router_instance_running", instance=a.url) == 2, 10,
+                   "the router to read A's load")
         before_a, before_b = upstream_count(r.url, a.url), upstream_count(r.url, b.url)
         for p in PROMPTS:  # one at a time: the router's own in-flight counts are 0 for both
             _complete(r.url, model, p + " and", False)

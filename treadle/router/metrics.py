@@ -21,6 +21,8 @@ class _InstanceCollector:
              [(i, float(i.healthy)) for i in self.pool.instances]),
             ("treadle:router_instance_in_flight", "Requests sent to the instance and not finished.",
              [(i, float(i.in_flight)) for i in self.pool.instances]),
+            ("treadle:router_instance_running", "Requests running on the instance, as its last poll reported.",
+             [(i, float(i.load.running)) for i in self.pool.instances]),
         ]
         for name, doc, values in rows:
             g = GaugeMetricFamily(name, doc, labels=["instance", "role"])
