@@ -91,10 +91,13 @@ def test_stream_keeps_outputs_of_requests_finishing_meanwhile(llm, reference):
 
 
 def test_two_interleaved_streams_both_complete(llm):
-    a = llm.stream("Once", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
-    b = llm.stream("Lily", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    alone = [list(o.outputs[0].token_ids) for o in llm.generate(["Once"], params) + llm.generate(["Lily"], params)]
+    a = llm.stream("Once", params)
+    b = llm.stream("Lily", params)
     outs_a, outs_b = [next(a)], [next(b)]
     outs_a += list(a)
     outs_b += list(b)
     assert outs_a[-1].finished and outs_b[-1].finished
-    assert sum(len(o.outputs[0].new_token_ids) for o in outs_b) == 5
+    # each stream's tokens are the ones its prompt gets alone
+    assert [[t for o in outs for t in o.outputs[0].new_token_ids] for outs in (outs_a, outs_b)] == alone
