@@ -16,7 +16,6 @@ from treadle.quantize.spec import QuantizeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CALIBRATION = Path(__file__).resolve().parents[1] / "treadle" / "assets" / "text" / "calibration.txt"
-pytest.importorskip("compressed_tensors")  # a runtime dependency (pyproject); only absent in a broken env
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,10 @@ import random
 from pathlib import Path
 
 import pytest
+import sentencepiece as spm
 
 from treadle.config import TreadleError
 from treadle.tokenizer import Tokenizer
-
-spm = pytest.importorskip("sentencepiece")
 
 TEXTS = ["Hello world", "the quick brown fox", "  two  spaces", "café naïve", "日本語 and emoji 🦊",
          "line\nbreak\ttab", "zebras 123 456", ""]
