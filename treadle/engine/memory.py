@@ -45,10 +45,6 @@ class KVPlan:
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    @property
-    def total_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
-
 
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):

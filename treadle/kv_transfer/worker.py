@@ -39,11 +39,6 @@ class KVConnectorWorker(ABC):
         scheduler side then discards that request's step output and recomputes its prompt.
         Called only on steps with streaming requests; the default (no layer-wise) does nothing."""
 
-    def save_kv_layer(self, layer: int) -> None:  # noqa: B027 - optional hook
-        """After ``layer`` computed this step's KV: a push connector (an RDMA write into the
-        consumer's blocks) would send it here. Pull connectors (tcp, shm) serve held blocks on
-        request instead and do nothing."""
-
     @abstractmethod
     def get_finished(self, wait_s: float = 0.0) -> KVConnectorOutput | None:
         """Transfers that ended since the last call: loads finished or failed (with why: the

@@ -34,9 +34,3 @@ class Grid(NamedTuple):
         """(fake-quantized weight, scales) by round-to-nearest."""
         scales = self.scales(w)
         return self.fake_quant(w, scales), scales
-
-
-def quantize_tokens_int8(x: torch.Tensor) -> torch.Tensor:
-    """Dynamic per-token symmetric int8 fake quantization of activations [..., features]."""
-    s = (x.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-10)
-    return torch.clamp(torch.round(x / s), -128, 127) * s

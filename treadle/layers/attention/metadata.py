@@ -70,10 +70,6 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
 
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
 
 class StepInputs(NamedTuple):
     positions: torch.Tensor  # [num_tokens] int64; on the CPU a view of the builder's buffer (valid until next build)
