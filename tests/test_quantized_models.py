@@ -67,7 +67,13 @@ def test_weight_only_modes_on_tiny_llama(tiny_llama: Path, mode: str, cls: type)
     # only bfloat16 (torch's kernels) or 16-bit-rounded (C kernels) activations differ from the reference
     tolerance = 1e-3 if mode in BLOCKS else 0.03
     assert float((got - expect).abs().max()) < tolerance * float(expect.abs().max())
-    assert float((got.argmax(-1) == expect.argmax(-1)).float().mean()) >= 0.9
+    flipped = got.argmax(-1) != expect.argmax(-1)
+    if mode in BLOCKS:  # exact integer sums: the same argmax everywhere
+        assert not bool(flipped.any())
+    else:  # a different argmax only where the reference's top two lie within the error bound
+        chosen = expect.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
+        gap = expect.max(-1).values - chosen
+        assert bool((gap[flipped] <= 2 * tolerance * float(expect.abs().max())).all())
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4-g64"])
