@@ -108,7 +108,11 @@ def test_min_tokens_masks_stop_tokens():
 
 @pytest.mark.parametrize("kw,param", [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
                                       (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
-                                      (dict(logprobs=21), "logprobs"), (dict(top_p=1.5), "top_p")])
+                                      (dict(logprobs=21), "logprobs"), (dict(top_p=1.5), "top_p"),
+                                      (dict(repetition_penalty=1e-300), "repetition_penalty"),
+                                      (dict(seed=2**64), "seed"), (dict(top_k=-(2**63) - 1), "top_k"),
+                                      (dict(stop=5), "stop"), (dict(stop_token_ids=7), "stop_token_ids"),
+                                      (dict(stop_token_ids=[2**63]), "stop_token_ids")])
 def test_sampling_params_validation(kw, param):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**kw)
@@ -182,3 +186,12 @@ def test_sampling_among_the_kept_tokens_matches_the_masked_distribution() -> Non
 def test_a_row_with_nothing_to_draw_gets_a_token_not_an_error() -> None:
     nan = torch.full((1, 8), float("nan"))
     assert 0 <= Sampler()(nan, [row(SamplingParams(temperature=1.0, top_p=0.9, seed=1))])[0][0] < 8
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily() -> None:
+    """logits / 1e-300 would be inf and the softmax NaN: below 1e-5 a row is greedy (as vLLM)."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9]])
+    for t in (1e-300, 1e-6):
+        p = SamplingParams(temperature=t, seed=3)
+        assert p.greedy and Sampler()(logits, [row(p)])[0] == [1]
+    assert not SamplingParams(temperature=1e-5).greedy

@@ -77,6 +77,15 @@ BAD_BODIES = [
     (CMPL, {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
     (CMPL, {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
     (CMPL, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    (CMPL, {"prompt": "x", "repetition_penalty": 1e-300}, "repetition_penalty"),  # logit / penalty overflows
+    # integers past 64 bits (the engine process's messages carry int64)
+    (CMPL, {"prompt": [1, 2**70]}, None),
+    (CMPL, {"prompt": "x", "seed": 2**65}, "seed"),
+    (CMPL, {"prompt": "x", "seed": -(2**63) - 1}, "seed"),
+    (CMPL, {"prompt": "x", "top_k": 2**70}, "top_k"),
+    (CMPL, {"prompt": "x", "max_tokens": 2**70}, "max_tokens"),
+    (CHAT, {"messages": MSGS, "max_completion_tokens": 2**70}, "max_completion_tokens"),
+    (CHAT, {"messages": MSGS, "seed": 2**70}, "seed"),
     (CHAT, {"messages": MSGS, "max_completion_tokens": 0}, "max_tokens"),
     (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (CHAT, {"messages": MSGS, "top_logprobs": 2}, "top_logprobs"),

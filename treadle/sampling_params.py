@@ -10,6 +10,9 @@ from typing import Any, cast
 from treadle.config import InvalidRequestError
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (as vLLM): logits / T would overflow
+MIN_REPETITION_PENALTY = 0.01  # below it, a seen token's logit / penalty can overflow float32
+INT64 = (-(2**63), 2**63 - 1)  # what the engine's messages and torch's seeds can carry
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -78,6 +81,10 @@ class SamplingParamsError(InvalidRequestError):
 
 @dataclass
 class SamplingParams:
+    """What one request samples with (vLLM's names and defaults). A temperature below 1e-5 is
+    greedy; integers must fit in 64 bits; ``repetition_penalty`` is at least 0.01. Out-of-range
+    or mistyped values raise ``SamplingParamsError`` naming the parameter."""
+
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -103,7 +110,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple, type(None))):
+            raise SamplingParamsError("stop", f"stop must be a string or a list of strings, not {self.stop!r}")
         self.stop = [s for s in (self.stop or []) if s != ""]
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise SamplingParamsError("stop_token_ids", "stop_token_ids must be a list of integers")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._check_types()
         self._validate()
@@ -118,7 +129,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise SamplingParamsError(name, f"{name} must be an integer, not {value!r}")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            if value is not None and not INT64[0] <= value <= INT64[1]:
+                raise SamplingParamsError(name, f"{name} must fit in 64 bits, not {value}")
+        if not all(_is_int(t) and 0 <= t <= INT64[1] for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids", "stop_token_ids must be non-negative integers")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if not all(isinstance(s, str) for s in cast(list[object], self.stop)):  # a list since __post_init__
@@ -134,7 +147,11 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty", "repetition_penalty must be positive"),
+            (
+                self.repetition_penalty >= MIN_REPETITION_PENALTY,
+                "repetition_penalty",
+                f"repetition_penalty must be at least {MIN_REPETITION_PENALTY}",
+            ),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1"),
             (self.min_tokens >= 0, "min_tokens", "min_tokens must be non-negative"),
             (
@@ -162,7 +179,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def needs_penalties(self) -> bool:

@@ -167,10 +167,12 @@ class EngineCoreClient(EngineClient):
             self._pending[request_id] = done
         try:
             self._send(AddRequest(request_id, wire_prompt, params, priority, max_waiting, time.monotonic()))
-        except EngineDeadError:
+        except BaseException as e:  # not queued: forget it
             with self._lock:
                 self._streams.pop(request_id, None)
                 self._pending.pop(request_id, None)
+            if isinstance(e, (OverflowError, TypeError, ValueError)):  # a value the wire format cannot carry
+                raise InvalidRequestError(f"the request holds a value the engine cannot take: {e}") from None
             raise
         await asyncio.wrap_future(done)
 

@@ -38,7 +38,7 @@ def _whole_number(value: Any) -> Any:
     return value
 
 
-Int = Annotated[int, BeforeValidator(_whole_number)]
+Int = Annotated[int, BeforeValidator(_whole_number), Field(ge=-(2**63), le=2**63 - 1)]  # 64-bit, as the engine's
 
 
 class _Body(BaseModel):
