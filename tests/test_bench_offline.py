@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from treadle.entrypoints.cli import main
 
 WORKLOAD = ["--input-len", "8:24", "--output-len", "2:4", "--num-prompts", "4", "--workload-seed", "3"]
@@ -49,3 +51,24 @@ def test_bench_latency_other_checkpoint_beside_the_model(tiny_llama, tmp_path, c
     assert rc == 0
     rows = json.loads((tmp_path / "lat.json").read_text())["rows"]
     assert [r["backend"] for r in rows] == ["treadle", other]
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["--output-len", "-1"], "need 1 <= LO <= HI"),
+    (["--input-len", "8:4"], "need 1 <= LO <= HI"),
+    (["--backends", "nope"], "unknown backend 'nope'"),
+    (["--backends", "hf+int8"], "only treadle and static take a +QUANTIZATION"),
+])
+def test_bench_mistakes_are_one_line(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "throughput", "--model", "stories260k", "--num-prompts", "2", "--threads", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and fragment in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [["bench", "throughput", "--num-prompts", "0"], ["bench", "latency", "--iters", "0"],
+                                  ["generate", "--threads", "-1", "hi"], ["serve", "--max-seqs-per-request", "0"],
+                                  ["serve", "--max-request-bytes", "-1"]])
+def test_counts_below_one_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "is less than 1" in capsys.readouterr().err

@@ -101,3 +101,13 @@ def test_two_interleaved_streams_both_complete(llm):
     assert outs_a[-1].finished and outs_b[-1].finished
     # each stream's tokens are the ones its prompt gets alone
     assert [[t for o in outs for t in o.outputs[0].new_token_ids] for outs in (outs_a, outs_b)] == alone
+
+
+@pytest.mark.parametrize(("prompts", "params", "fragment"), [
+    (5, None, "prompts must be a prompt or a list of prompts, not int"),
+    (["a"], {"max_tokens": 3}, "sampling_params must be a SamplingParams or a list of them, not dict"),
+    (["a", "b"], [SamplingParams(), SamplingParams(), SamplingParams()], "one per prompt"),
+])
+def test_generate_argument_mistakes_are_treadle_errors(llm, prompts, params, fragment):
+    with pytest.raises(TreadleError, match=fragment):
+        llm.generate(prompts, params, use_tqdm=False)

@@ -150,6 +150,11 @@ def test_max_model_len_is_clamped_and_sizes_unchunked_steps(stories: ModelSource
     (dict(tensor_parallel_size=3), "valid sizes: 1, 2, 4, 8"),
     (dict(pipeline_parallel_size=40), "more than the model's"),
     (dict(pipeline_parallel_size=0), "pipeline_parallel_size"),
+    (dict(seed=2**64), "seed must be in"),
+    (dict(seed=None), "seed must be an integer"),
+    (dict(max_model_len="big"), "max_model_len must be an integer"),
+    (dict(kv_cache_memory_fraction="half"), "kv_cache_memory_fraction must be a number"),
+    (dict(kv_cache_memory="1KiB"), "kv_cache_memory 1.0 KiB holds no KV block"),
 ])
 def test_bad_values_are_one_line_errors(stories: ModelSource, kw: dict, fragment: str) -> None:
     assert fragment in one_line_error(stories, **kw)

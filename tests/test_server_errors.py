@@ -86,7 +86,8 @@ BAD_BODIES = [
     (CMPL, {"prompt": "x", "max_tokens": 2**70}, "max_tokens"),
     (CHAT, {"messages": MSGS, "max_completion_tokens": 2**70}, "max_completion_tokens"),
     (CHAT, {"messages": MSGS, "seed": 2**70}, "seed"),
-    (CHAT, {"messages": MSGS, "max_completion_tokens": 0}, "max_tokens"),
+    (CHAT, {"messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens"),
+    (CHAT, {"messages": MSGS, "max_tokens": 0}, "max_tokens"),
     (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (CHAT, {"messages": MSGS, "top_logprobs": 2}, "top_logprobs"),
     # unsupported or empty
@@ -119,6 +120,8 @@ def test_bad_request_is_400_and_harmless(url, path, body, param):
 def test_malformed_body_is_400(url, raw):
     r = httpx.post(url + CMPL, content=raw, headers={"content-type": "application/json"}, timeout=30)
     assert_error(r, 400)
+    if raw in (b"{not json", b"\xff\xfe"):
+        assert r.json()["error"]["code"] == "invalid_json"
     assert_healthy(url)
 
 

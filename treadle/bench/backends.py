@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from treadle.bench import BenchError
 from treadle.bench.metrics import KVWaste, RequestRecord, RunResult
 from treadle.bench.roofline import decode_weight_bytes
 from treadle.bench.workloads import BenchRequest
@@ -174,7 +175,7 @@ def make_backend(name: str, engine_kwargs: dict[str, Any], n_ctx: int) -> Backen
     base, _, quant = spec.partition("+")
     if other_model:
         if base not in ("treadle", "treadle-nospec", "static"):
-            raise ValueError(f"backend {name!r}: only treadle and static take an @MODEL")
+            raise BenchError(f"backend {name!r}: only treadle and static take an @MODEL")
         engine_kwargs = dict(engine_kwargs, model=other_model)
     if base in ("treadle", "treadle-nospec", "static"):
         kw = dict(engine_kwargs, quantization=quant) if quant else dict(engine_kwargs)
@@ -184,7 +185,7 @@ def make_backend(name: str, engine_kwargs: dict[str, Any], n_ctx: int) -> Backen
         backend.name = name
         return backend
     if quant:
-        raise ValueError(f"backend {name!r}: only treadle and static take a +QUANTIZATION")
+        raise BenchError(f"backend {name!r}: only treadle and static take a +QUANTIZATION")
     if base == "hf":
         return HFBackend(engine_kwargs["model"], engine_kwargs.get("dtype", "float32"))
     if base == "llamacpp":
@@ -196,5 +197,5 @@ def make_backend(name: str, engine_kwargs: dict[str, Any], n_ctx: int) -> Backen
 
         return LlamaCppLookupBackend(engine_kwargs["model"], n_ctx, engine_kwargs.get("speculative_config"),
                                      lookup=base == "llamacpp-lookup")
-    raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)} "
+    raise BenchError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)} "
                      "(treadle/static take +QUANT and @MODEL)")

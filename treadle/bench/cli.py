@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from treadle.bench.workloads import WORKLOADS, LengthRange, WorkloadSpec, make_workload, max_total_len
 from treadle.engine.args import EngineArgs
-from treadle.entrypoints.engine_args import DEFAULT_MODEL, add_engine_args, engine_kwargs
+from treadle.entrypoints.engine_args import DEFAULT_MODEL, add_engine_args, engine_kwargs, positive_int
 
 if TYPE_CHECKING:
     from treadle.bench.offline import OfflineSetup
@@ -27,7 +27,7 @@ def add_workload_args(p: argparse.ArgumentParser, input_len: str, output_len: st
     g.add_argument("--workload", default="random", choices=WORKLOADS)
     g.add_argument("--input-len", default=input_len, help="prompt tokens: N or LO:HI (uniform)")
     g.add_argument("--output-len", default=output_len, help="output tokens: N or LO:HI (uniform)")
-    g.add_argument("--num-prompts", type=int, default=num_prompts)
+    g.add_argument("--num-prompts", type=positive_int, default=num_prompts)
     g.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens of the shared system prompt")
     g.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct system prompts")
     g.add_argument("--workload-seed", type=int, default=0)
@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_workload_args(t, "32:512", "16:256", 64)
     t.add_argument("--backends", default="treadle,static", help=f"comma list of {','.join(BACKENDS)}")
     t.add_argument("--concurrency", type=int_list, default=[16], help="comma list, e.g. 1,4,16")
-    t.add_argument("--repeats", type=int, default=3)
+    t.add_argument("--repeats", type=positive_int, default=3)
     t.add_argument("--no-roofline", dest="roofline", action="store_false")
     t.set_defaults(func=cmd_throughput)
     lat = kinds.add_parser("latency", help="one request at a time: TTFT, per-token decode latency")
@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_workload_args(lat, "128", "128", 1)
     lat.set_defaults(workload="fixed")
     lat.add_argument("--backends", default="treadle", help=f"comma list of {','.join(BACKENDS)}")
-    lat.add_argument("--iters", type=int, default=5)
+    lat.add_argument("--iters", type=positive_int, default=5)
     lat.add_argument("--no-roofline", dest="roofline", action="store_false")
     lat.set_defaults(func=cmd_latency)
     s = kinds.add_parser("serve", help="load an OpenAI-compatible server (ours or another)")
@@ -77,9 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--model", default=DEFAULT_MODEL)
     c.add_argument("-tp", "--tensor-parallel-size", dest="tp", type=int, default=2)
     c.add_argument("--tokens", type=int_list, default=[16, 64], help="tokens a step, comma list")
-    c.add_argument("--rounds", type=int, default=5, help="alternating rounds (medians over them)")
-    c.add_argument("--repeats", type=int, default=10, help="steps timed per round")
-    c.add_argument("--threads", type=int, default=1, help="threads a rank")
+    c.add_argument("--rounds", type=positive_int, default=5, help="alternating rounds (medians over them)")
+    c.add_argument("--repeats", type=positive_int, default=10, help="steps timed per round")
+    c.add_argument("--threads", type=positive_int, default=1, help="threads a rank")
     c.add_argument("--device", default="cpu")
     c.add_argument("--save-result", default=None, metavar="FILE.json")
     c.set_defaults(func=cmd_comm)

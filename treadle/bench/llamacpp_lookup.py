@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from treadle.bench import BenchError
 from treadle.bench.llamacpp import open_peer
 from treadle.bench.metrics import RequestRecord, RunResult
 from treadle.bench.workloads import BenchRequest
@@ -49,7 +50,7 @@ class LlamaCppLookupBackend:
 
     def run(self, reqs: list[BenchRequest], concurrency: int, progress: Any = None) -> RunResult:
         if concurrency != 1:
-            raise ValueError(f"{self.name} decodes one sequence at a time: use --concurrency 1")
+            raise BenchError(f"{self.name} decodes one sequence at a time: use --concurrency 1")
         records: list[RequestRecord] = []
         t0 = time.perf_counter()
         for req in reqs:

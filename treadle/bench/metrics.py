@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from treadle.bench import BenchError
+
 SLO_METRICS = ("ttft", "tpot", "e2el")
 
 
@@ -141,10 +143,10 @@ def parse_goodput(items: Sequence[str]) -> dict[str, float]:
         name, sep, value = item.partition(":")
         name = name.strip().lower()
         if not sep or name not in SLO_METRICS:
-            raise ValueError(f"goodput SLO {item!r}: write NAME:MS with NAME one of {', '.join(SLO_METRICS)}")
+            raise BenchError(f"goodput SLO {item!r}: write NAME:MS with NAME one of {', '.join(SLO_METRICS)}")
         ms = float(value)
         if not math.isfinite(ms) or ms < 0:
-            raise ValueError(f"goodput SLO {item!r}: the value must be a non-negative number of ms")
+            raise BenchError(f"goodput SLO {item!r}: the value must be a non-negative number of ms")
         slos[name] = ms
     return slos
 
@@ -172,7 +174,7 @@ def summarize(
 ) -> ServeMetrics:
     ok = [r for r in records if r.success and r.chunk_times]
     if duration_s <= 0:
-        raise ValueError("the benchmark duration must be positive")
+        raise BenchError("the benchmark duration must be positive")
     out_tokens = sum(r.num_output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
     tpots = [t for t in (r.tpot for r in ok) if t is not None]

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from treadle.bench import BenchError
 from treadle.bench.metrics import RequestRecord
 from treadle.bench.workloads import BenchRequest
 
@@ -38,7 +39,7 @@ class Traffic:
         if math.isinf(self.request_rate):
             return [0.0] * n
         if self.request_rate <= 0 or self.burstiness <= 0:
-            raise ValueError("request rate and burstiness must be positive")
+            raise BenchError("request rate and burstiness must be positive")
         rng = np.random.default_rng(self.seed)
         scale = 1.0 / (self.request_rate * self.burstiness)
         return rng.gamma(self.burstiness, scale, size=n).tolist()

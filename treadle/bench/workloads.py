@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from treadle.bench import BenchError
 from treadle.bench.passages import CHAT_QUESTIONS, INSTRUCTIONS, PASSAGES
 
 WORKLOADS = ("fixed", "random", "chat", "shared-prefix", "grounded", "mixed", "chat-text")
@@ -59,7 +60,7 @@ class LengthRange:
         lo_s, _, hi_s = str(text).partition(":")
         lo, hi = int(lo_s), int(hi_s or lo_s)
         if lo < 1 or hi < lo:
-            raise ValueError(f"length {text!r}: need 1 <= LO <= HI (write N or LO:HI)")
+            raise BenchError(f"length {text!r}: need 1 <= LO <= HI (write N or LO:HI)")
         return LengthRange(lo, hi)
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
@@ -110,7 +111,7 @@ def grounded_workload(spec: WorkloadSpec, tokenizer: Any, token_salt: int = 0) -
     (seed, salt, index), the output length is the passage's token count (at most output_len).
     ``token_salt=-1``: every passage x instruction once (for sizing max_model_len)."""
     if tokenizer is None:
-        raise ValueError("the grounded workload needs the model's tokenizer")
+        raise BenchError("the grounded workload needs the model's tokenizer")
     if token_salt == -1:
         return [grounded_request(spec, tokenizer, p, i) for p in PASSAGES for i in INSTRUCTIONS]
     rng = np.random.default_rng([spec.seed, token_salt])
@@ -122,7 +123,7 @@ def chat_text_workload(spec: WorkloadSpec, tokenizer: Any, token_salt: int = 0) 
     """Chat turns from ``CHAT_QUESTIONS``, picked by (seed, salt, index); ``token_salt=-1``:
     every question once (for sizing max_model_len)."""
     if tokenizer is None:
-        raise ValueError("the chat-text workload needs the model's tokenizer")
+        raise BenchError("the chat-text workload needs the model's tokenizer")
     rng = np.random.default_rng([spec.seed, max(0, token_salt)])
     picks = (range(len(CHAT_QUESTIONS)) if token_salt == -1
              else [int(rng.integers(len(CHAT_QUESTIONS))) for _ in range(spec.num_prompts)])
@@ -139,7 +140,7 @@ def make_workload(
     so repeated runs do not hit a prefix cache filled by the previous run
     (``grounded`` prompts are text: the salt picks other passages / instructions)."""
     if spec.kind not in WORKLOADS:
-        raise ValueError(f"unknown workload {spec.kind!r}; choose one of {', '.join(WORKLOADS)}")
+        raise BenchError(f"unknown workload {spec.kind!r}; choose one of {', '.join(WORKLOADS)}")
     if spec.kind == "grounded":
         return grounded_workload(spec, tokenizer, token_salt)
     if spec.kind == "chat-text":
@@ -165,7 +166,7 @@ def make_workload(
             n_out = min(n_out, max_total_len - len(head) - 1)
             n_in = min(n_in, max_total_len - len(head) - n_out)
             if n_out < 1 or n_in < 1:
-                raise ValueError(f"max_model_len {max_total_len} is too short for this workload")
+                raise BenchError(f"max_model_len {max_total_len} is too short for this workload")
         reqs.append(BenchRequest(head + _token_ids(tok_rng, n_in, vocab_size), n_out))
     return reqs
 

@@ -95,6 +95,11 @@ def plan_kv_cache(
             budget = min(budget, CPU_DEFAULT_CAP)
         budget = min(budget, max_num_seqs * min_blocks * per_block)
     blocks = budget // per_block
+    if blocks < 1 and kv_cache_memory is not None:
+        raise TreadleError(
+            f"kv_cache_memory {fmt_bytes(kv_cache_memory)} holds no KV block: one block takes "
+            f"{fmt_bytes(per_block)}, one {max_model_len}-token sequence {fmt_bytes(min_blocks * per_block)}"
+        )
     if blocks < 1:
         need = weights + min_blocks * per_block
         raise TreadleError(

@@ -11,6 +11,17 @@ from treadle.engine.args import EngineArgs
 DEFAULT_MODEL = EngineArgs.model
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (else argparse's one-line usage error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
+
+
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
     """One flag per EngineArgs field (``--max-model-len`` for ``max_model_len``; booleans get
     ``--x`` / ``--no-x``), plus ``--threads``."""
@@ -28,7 +39,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
         else:
             kw.update(default=f.default, type=meta.pop("type", type(f.default)), choices=meta.pop("choices", None))
         p.add_argument(*flags, **kw)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores; serve's engine process: all but one)")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores; serve's engine process: all but one)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

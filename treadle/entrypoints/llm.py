@@ -48,13 +48,18 @@ class LLM:
     ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        if not isinstance(prompts, Sequence):
+            raise TreadleError(f"prompts must be a prompt or a list of prompts, not {type(prompts).__name__}")
+        prompts = cast(list[PromptType], list(prompts))
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
+        elif isinstance(sampling_params, Sequence) and all(isinstance(p, SamplingParams) for p in sampling_params):
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError("give one SamplingParams, or one per prompt")
+                raise TreadleError("give one SamplingParams, or one per prompt")
+        else:
+            raise TreadleError("sampling_params must be a SamplingParams or a list of them, "
+                               f"not {type(sampling_params).__name__}")
         ids = [str(next(self._ids)) for _ in prompts]
         try:
             for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from treadle import envs
-from treadle.entrypoints.engine_args import add_engine_args, engine_kwargs
+from treadle.entrypoints.engine_args import add_engine_args, engine_kwargs, positive_int
 
 if TYPE_CHECKING:
     from treadle.engine.engine_client import EngineClient
@@ -29,11 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: the model argument)")
     p.add_argument("--api-key", default=envs.api_key(),
                    help="require 'Authorization: Bearer KEY' (default: $TREADLE_API_KEY; none: open)")
-    p.add_argument("--max-waiting", type=int, default=None,
+    p.add_argument("--max-waiting", type=positive_int, default=None,
                    help="refuse new requests with 503 + Retry-After while this many sequences wait")
-    p.add_argument("--max-seqs-per-request", type=int, default=None,
+    p.add_argument("--max-seqs-per-request", type=positive_int, default=None,
                    help="refuse (400) a request whose prompts x n exceeds this")
-    p.add_argument("--max-request-bytes", type=int, default=None,
+    p.add_argument("--max-request-bytes", type=positive_int, default=None,
                    help="refuse (413) larger request bodies (default: from max_model_len, at least 1 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before exiting")

@@ -86,7 +86,12 @@ class _ChatView(GenerationView):
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise APIError.bad_request("top_logprobs must be in [0, 20]", "top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return self.make_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        try:
+            return self.make_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        except APIError as e:  # name the field the client sent
+            if e.param == "max_tokens" and body.max_completion_tokens is not None:
+                e.param, e.message = "max_completion_tokens", e.message.replace("max_tokens", "max_completion_tokens")
+            raise
 
     def num_prompts(self) -> int:
         return 1

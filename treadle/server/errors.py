@@ -98,6 +98,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and str(exc.detail).startswith("There was an error parsing the body"):
+            # FastAPI's answer to a body json cannot decode (not UTF-8, nested too deeply)
+            return APIError(400, "request body is not valid JSON (UTF-8 text, not nested too deeply)", None,
+                            "invalid_json").response()
         return APIError(exc.status_code, str(exc.detail), None, None, dict(exc.headers or {})).response()
 
     @app.exception_handler(TreadleError)
