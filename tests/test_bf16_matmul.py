@@ -123,8 +123,16 @@ def test_greedy_matches_transformers_float32_on_the_rounded_weights(tiny_bf16: P
     torch.testing.assert_close(logits, expect, rtol=0, atol=1e-4 * float(expect.abs().max()))
 
 
-def test_a_sequence_gets_the_same_logits_alone_and_in_a_batch(tiny_bf16: Path) -> None:
-    lm = load_model(str(tiny_bf16), CPUBackend(), dtype="bfloat16")
+@pytest.fixture(scope="module")
+def odd_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """hidden 90: no input width is a multiple of 8, so every linear layer takes torch's path."""
+    return make_tiny_model(tmp_path_factory.mktemp("odd-bf16"), seed=5, hidden_size=90, num_attention_heads=3,
+                           num_key_value_heads=1, intermediate_size=100)
+
+
+@pytest.mark.parametrize("model", ["tiny_bf16", "odd_bf16"])
+def test_a_sequence_gets_the_same_logits_alone_and_in_a_batch(model: str, request: pytest.FixtureRequest) -> None:
+    lm = load_model(str(request.getfixturevalue(model)), CPUBackend(), dtype="bfloat16")
     prompts = [[5, 17, 33, 2], [60, 3, 3, 28, 71, 19], [9, 9, 40]]
     batch = PagedSession(lm, 3, 12)
     together = [batch.feed(prompts), batch.feed([[7], [8], [9]])]

@@ -25,7 +25,8 @@ from treadle.quantization import MethodFactory
 class BFloat16CPUMethod(UnquantizedLinearMethod):
     """A plain float linear layer whose weight is held in bfloat16 whatever the model's
     (float32) activation dtype, and multiplies on the C kernel (CPU inputs, an input width
-    divisible by 8; anything else goes to torch, in float32). Output: float32."""
+    divisible by 8; anything else goes to torch, in float32, one row at a time so that a row's
+    result does not depend on its batch either). Output: float32."""
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=torch.bfloat16),
@@ -42,7 +43,14 @@ class BFloat16CPUMethod(UnquantizedLinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if not (x.is_cpu and self.on_kernel(layer)):
             bias = None if layer.bias is None else layer.bias.float()
-            return torch.nn.functional.linear(x.float(), layer.weight.float(), bias)
+            w = layer.weight.float()
+            if not x.is_cpu or x.dim() < 2:
+                return torch.nn.functional.linear(x.float(), w, bias)
+            # one row at a time, each copied to its own (aligned) buffer: torch's CPU matmul rounds a
+            # row differently with other rows beside it, or at another alignment
+            rows = x.float().reshape(-1, x.shape[-1])
+            out = torch.cat([torch.nn.functional.linear(r.clone(), w, bias) for r in rows.split(1)])
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         return native.bf16_matmul(x, layer.weight, layer.bias, torch.float32)
 
 
