@@ -191,3 +191,31 @@ def test_prefix_caching_can_be_turned_off(tiny_llama):
         assert again.metrics.num_cached_tokens == hits  # two full 16-token blocks, or nothing
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
         assert_no_leaks(llm)
+
+
+def test_prompt_logprobs_survive_prefix_hits_chunking_and_preemption(tiny_llama):
+    """Every prompt position scored once, in place: a prompt that would hit the prefix cache is
+    computed anyway (its cached positions have no logits), and a preempted request that
+    computes its prompt again does not score it twice."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    shared = random_prompts(1, 258, seed=7, lo=40, hi=41)[0]
+    prompts = [shared + [5, 6, 7], shared + [5, 6, 7], shared + [9, 10]] + random_prompts(3, 258, seed=8, lo=30, hi=45)
+    params = SamplingParams(temperature=0.0, max_tokens=24, prompt_logprobs=1, ignore_eos=True)
+
+    def check(outs):
+        for p, out in zip(prompts, outs, strict=True):
+            with torch.no_grad():
+                ref = hf(torch.tensor([p])).logits[0].float().log_softmax(-1)
+            assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
+            for j in range(1, len(p)):
+                assert abs(out.prompt_logprobs[j][p[j]].logprob - float(ref[j - 1, p[j]])) < 1e-4
+
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, block_size=8, max_num_batched_tokens=16)
+    check([llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts])  # one by one
+    tight = LLM(str(tiny_llama), num_kv_blocks=18, block_size=8, max_num_batched_tokens=32)
+    check(tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))  # all at once
+    assert tight.get_stats()["preemptions"] > 0
+    assert_no_leaks(llm)
+    assert_no_leaks(tight)

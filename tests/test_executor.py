@@ -152,7 +152,7 @@ def test_step_frames_round_trip() -> None:
                             [ScheduledRequest("a", [4, 5], 16, 3, [8, 9])], ["gone"], num_preemptions=2)
     assert codec.decode_step(codec.encode(sched)) == sched
     out = ModelRunnerOutput({"a": [7, 8]}, {"a": [TokenLogprobs(7, -0.1234567890123, 1, [(7, -0.1234567890123)])]},
-                            {"a": [TokenLogprobs(2, -3.5, 4, [(9, -0.5)])]}, {"a": [3, 4]})
+                            {"a": (1, [TokenLogprobs(2, -3.5, 4, [(9, -0.5)])])}, {"a": [3, 4]})
     assert codec.decode_output(codec.encode(out)) == out  # float64: logprobs unchanged
 
 

@@ -32,8 +32,9 @@ class KVCacheManager:
 
     def match_prefix(self, request: Request) -> list[KVBlock]:
         """Cached blocks holding a prefix of the request's tokens. At least one
-        token is always left to compute, so the step yields logits to sample."""
-        if not self.enable_prefix_caching:
+        token is always left to compute, so the step yields logits to sample. None for a
+        request that asks for prompt logprobs: every prompt position must be computed."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         tokens = request.all_token_ids
         bs = self.block_size

@@ -73,6 +73,7 @@ class ModelRunnerOutput:
     # speculation the accepted drafts then the correction / bonus token
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # per sampled token
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # this step's chunk
+    # this step's chunk: (prompt position its first entry scores, one entry per position)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step
     kv_connector_output: KVConnectorOutput | None = None  # P/D: transfers that ended

@@ -75,11 +75,14 @@ class OutputProcessor:
         stop string. Returns the parent ids that have something new."""
         now = time.monotonic()
         updated: list[str] = []
-        for rid, lps in result.prompt_logprobs.items():
+        for rid, (pos, lps) in result.prompt_logprobs.items():
             parent = self.parents.get(self.parent_of.get(rid, ""))
             # n > 1: every child scores the same prompt; keep the first child's
             if parent is not None and parent.prompt_logprobs is not None and rid == next(iter(parent.children)):
-                parent.prompt_logprobs.extend(self._decoded(lp) for lp in lps)
+                # by position: a preempted request computes its prompt again, and its first
+                # chunks' entries are already here
+                got = parent.prompt_logprobs
+                got.extend(self._decoded(lp) for lp in lps[max(0, len(got) - pos):])
         for req in touched:
             pid = self.parent_of.get(req.request_id)
             if pid is None:

@@ -292,21 +292,22 @@ class ModelRunner:
             return tokens, logprobs
         return self.parallel.broadcast_tokens(tokens, len(states)), logprobs
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, batch: BatchInputs) -> dict[str, list[TokenLogprobs]]:
-        """Logprob of each prompt token given the ones before it, for this chunk.
-        The chunk's row at position p scores prompt token p + 1."""
-        out: dict[str, list[TokenLogprobs]] = {}
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         batch: BatchInputs) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """Logprob of each prompt token given the ones before it, for this chunk, with the
+        position of the first token scored. The chunk's row at position p scores prompt token p + 1."""
+        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         for rid, flat_start, first_pos, count in batch.prompt_rows:
             state = self.requests[rid]
             prompt = state.data.prompt_token_ids
             top_n = state.data.sampling_params.prompt_logprobs or 0
             count = min(count, len(prompt) - 1 - first_pos)  # the last prompt row predicts output
             if count <= 0:
-                out[rid] = []
+                out[rid] = (first_pos + 1, [])
                 continue
             logits = self.model.compute_logits(hidden[flat_start : flat_start + count])
             if logits is None:  # another rank samples
                 continue
             lps = logits.log_softmax(-1)
-            out[rid] = [logprobs_at(lps[j], prompt[first_pos + j + 1], top_n) for j in range(count)]
+            out[rid] = (first_pos + 1, [logprobs_at(lps[j], prompt[first_pos + j + 1], top_n) for j in range(count)])
         return out
