@@ -111,3 +111,29 @@ def test_two_interleaved_streams_both_complete(llm):
 def test_generate_argument_mistakes_are_treadle_errors(llm, prompts, params, fragment):
     with pytest.raises(TreadleError, match=fragment):
         llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    """As vLLM: a stop string ends a request only once it has more than min_tokens tokens, and
+    one completed before that does not count later."""
+    prompt = "Once upon a time, there was a little girl named Lily. She liked to play. Once upon a time, there was"
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=60, stop=["Lily"]), use_tqdm=False)[0]
+    assert len(free.outputs[0].token_ids) < 10 and free.outputs[0].stop_reason == "Lily"
+    held = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=60, min_tokens=10, stop=["Lily"]),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) > 10 and held.stop_reason == "Lily" and held.text.count("Lily") == 1
+
+
+def test_a_stop_token_stays_out_of_the_text(llm):
+    """As vLLM: the token that matched stop_token_ids is in token_ids, not in the text."""
+    prompt = "Tom had a big red ball. Tom had a big red ball. Tom had"
+    stop_id = llm.get_tokenizer().encode(" ball", add_special_tokens=False)[-1]
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[-1] == stop_id and out.stop_reason == stop_id
+    before = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=len(out.token_ids) - 1),
+                          use_tqdm=False)[0].outputs[0]  # the same tokens but the stop token
+    assert out.text == before.text and not before.text.endswith(" ball")
+    streamed = "".join(o.outputs[0].new_text for o in llm.stream(prompt, SamplingParams(
+        temperature=0.0, max_tokens=60, stop_token_ids=[stop_id])))
+    assert streamed == out.text

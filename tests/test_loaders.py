@@ -287,3 +287,18 @@ def test_tensors_checked_against_config_before_loading(model_dir: Path, tmp_path
     save_file(tensors, path / "model.safetensors")
     msg = _one_line_error(open_hf_dir, path)
     assert msg == f"{path}: unexpected tensor 'model.layers.1.mlp.extra.weight' for LlamaForCausalLM"
+
+
+@pytest.mark.parametrize(("md", "factor"), [
+    ({}, None),
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, None),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, 4.0),
+    ({"llama.rope.scaling.factor": 4.0}, 4.0),  # no type: linear, as llama.cpp reads it
+    ({"llama.rope.scale_linear": 2.0}, 2.0),  # the older key
+    ({"llama.rope.scaling.factor": 1.0}, None),
+])
+def test_gguf_rope_scaling_is_read_as_llama_cpp_reads_it(md: dict, factor: float | None) -> None:
+    from treadle.loaders.gguf import _rope_scaling
+
+    got = _rope_scaling(md, Path("m.gguf"))
+    assert (got and got.factor) == factor and (got is None or got.kind == "linear")

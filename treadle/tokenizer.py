@@ -181,7 +181,8 @@ class Tokenizer:
         kind = metadata.get("tokenizer.ggml.model")
         pieces: list[str] = list(metadata.get("tokenizer.ggml.tokens", []))
         if not pieces:
-            raise TreadleError("GGUF metadata has no tokenizer.ggml.tokens")
+            raise TreadleError("GGUF metadata has no tokenizer.ggml.tokens: give token ids with "
+                               "skip_tokenizer_init=True (--skip-tokenizer-init), or use a file with a tokenizer")
         types = list(metadata.get("tokenizer.ggml.token_type", [1] * len(pieces)))
         if kind == "gpt2":
             backend = byte_level_bpe(

@@ -19,6 +19,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special = params.skip_special_tokens
         self.stops: list[str] = list(params.stop or [])
+        self.min_tokens = params.min_tokens  # stop strings end a request only after this many tokens (as vLLM)
+        self._n_out = 0
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._ids = list(prompt_token_ids[-_CONTEXT:])
         self._prefix_offset = 0
@@ -30,6 +32,7 @@ class IncrementalDetokenizer:
         """Append one token; returns the stop string it completed, if any."""
         if self.tokenizer is None:
             return None
+        self._n_out += 1
         self._ids.append(token_id)
         decode = self.tokenizer.decode
         prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self.skip_special)
@@ -39,7 +42,7 @@ class IncrementalDetokenizer:
         before = len(self.text)
         self.text += full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return self._match_stop(before)
+        return self._match_stop(before) if self._n_out > self.min_tokens else None
 
     def _match_stop(self, before: int) -> str | None:
         hits = [(at, stop) for stop in self.stops if (at := self.text.find(stop, max(0, before - len(stop) + 1))) >= 0]

@@ -93,12 +93,17 @@ class OutputProcessor:
                 parent.metrics.num_cached_tokens = req.num_cached_prompt_tokens
             new_tokens = req.output_token_ids[len(req.output_token_ids) - req.num_new_tokens:]
             lps = result.logprobs.get(req.request_id) or []
+            # a request that ended on a stop token (EOS, stop_token_ids) keeps it in token_ids, not in its text
+            stop_token = req.stop_reason if req.status is RequestStatus.FINISHED_STOPPED and isinstance(
+                req.stop_reason, int) else None
             for i, token in enumerate(new_tokens):
                 child.token_ids.append(token)
                 child.new_token_ids.append(token)
                 if i < len(lps) and child.logprobs is not None:
                     child.logprobs.append(self._decoded(lps[i]))
                     child.cumulative_logprob = (child.cumulative_logprob or 0.0) + lps[i].logprob
+                if i == len(new_tokens) - 1 and token == stop_token:
+                    break
                 stop = child.detok.add_token(token)
                 if stop is not None and not req.status.finished:
                     stop_cb(req)

@@ -106,12 +106,18 @@ def open_gguf_reader(path: Path) -> GGUFReader:
 
 
 def _rope_scaling(md: dict[str, Any], path: Path) -> RopeScaling | None:
-    kind = md.get("llama.rope.scaling.type")
-    if kind in (None, "none"):
+    """As llama.cpp reads it: the type defaults to linear, the factor comes from
+    ``rope.scaling.factor`` or the older ``rope.scale_linear``, and a factor of 0 or 1 (or none)
+    scales nothing."""
+    kind = md.get("llama.rope.scaling.type", "linear")
+    if kind == "none":
+        return None
+    factor = float(md.get("llama.rope.scaling.factor") or md.get("llama.rope.scale_linear") or 0.0)
+    if factor in (0.0, 1.0):
         return None
     if kind != "linear":
         raise TreadleError(f"{path}: rope scaling {kind!r} is not supported (supported: linear)")
-    return RopeScaling(kind="linear", factor=float(md["llama.rope.scaling.factor"]))
+    return RopeScaling(kind="linear", factor=factor)
 
 
 def gguf_model_config(md: dict[str, Any], tensor_names: set[str], path: Path) -> ModelConfig:
