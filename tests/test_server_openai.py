@@ -41,8 +41,9 @@ def reference(offline: LLM, prompts, **params):
 
 
 def token_texts(tok, ids: list[int]) -> list[str]:
-    """Per-token texts, as the logprobs ``tokens`` field spells the sampled tokens."""
-    return [tok.decode([t], skip_special_tokens=False) for t in ids]
+    """Per-token texts, as the logprobs ``tokens`` field spells the sampled tokens (with the
+    leading space a SentencePiece token carries, so they join into the text)."""
+    return [tok.token_text(t) for t in ids]
 
 
 def test_greedy_completions_match_offline(client, offline):
@@ -53,6 +54,9 @@ def test_greedy_completions_match_offline(client, offline):
     assert [c.text for c in resp.choices] == [r.text for r in ref]
     tok = offline.get_tokenizer()
     assert [c.logprobs.tokens for c in resp.choices] == [token_texts(tok, r.token_ids) for r in ref]
+    for c in resp.choices:  # the tokens join into the text, and each offset is where its token starts in it
+        assert "".join(c.logprobs.tokens) == c.text
+        assert c.logprobs.text_offset == [len("".join(c.logprobs.tokens[:i])) for i in range(len(c.logprobs.tokens))]
     assert all(c.finish_reason == "length" for c in resp.choices)
     assert resp.usage.completion_tokens == 36
     assert resp.usage.prompt_tokens == sum(len(offline.get_tokenizer().encode(p)) for p in PROMPTS)
@@ -194,3 +198,33 @@ def test_offline_rejects_what_server_rejects(offline):
     # the 400 for an over-long prompt comes from the same engine check the offline API uses
     with pytest.raises(TreadleError):
         offline.generate(["x" * 600], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+@pytest.mark.parametrize("extra", [
+    {"stop_token_ids": [383]},  # " there": ends at once
+    {"min_tokens": 30, "stop": ["Lily"]},  # the stop string waits for 30 tokens
+    {"stop": ["was"], "include_stop_str_in_output": True},
+    {"skip_special_tokens": False, "max_tokens": 60},
+])
+def test_vllm_sampling_extras_reach_the_engine(client, offline, extra):
+    """vLLM's extra sampling fields (extra_body) act as they do offline, streamed or not."""
+    kw = {"max_tokens": 40, "temperature": 0.0, **extra}
+    ref = reference(offline, ["Once upon a time"], **kw)[0]
+    body = {k: v for k, v in kw.items() if k not in ("max_tokens", "temperature", "stop")}
+    resp = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=kw["max_tokens"],
+                                     temperature=0, stop=kw.get("stop"), extra_body=body)
+    assert resp.choices[0].text == ref.text and resp.usage.completion_tokens == len(ref.token_ids)
+    assert resp.choices[0].finish_reason == ref.finish_reason
+    stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=kw["max_tokens"],
+                                       temperature=0, stop=kw.get("stop"), extra_body=body, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == ref.text
+
+
+def test_echo_offsets_continue_after_the_prompt_when_streamed(client):
+    kw = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=0, echo=True,
+              extra_body=GREEDY_EXTRA)
+    chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert chunks[0].choices[0].text == "Once upon a time"  # the echo comes first
+    generated = [o for c in chunks[1:] for o in c.choices[0].logprobs.text_offset]
+    assert generated[0] == len("Once upon a time") and generated == sorted(generated)
+    assert len(generated) == 6

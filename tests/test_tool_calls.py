@@ -91,6 +91,8 @@ def test_named_function_streamed_and_not(client: openai.OpenAI) -> None:
     assert len(calls) == 1 and calls[0].function.arguments == call.function.arguments
     assert chunks[-1].finish_reason == "tool_calls"
     assert not "".join(ch.delta.content or "" for ch in chunks)
+    # no chunk says nothing: the role opens the stream, the call and finish_reason close it
+    assert all(ch.delta.role or ch.delta.content or ch.delta.tool_calls or ch.finish_reason for ch in chunks)
 
 
 def test_auto_parses_a_hermes_call_streamed_and_not(client: openai.OpenAI) -> None:

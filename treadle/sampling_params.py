@@ -102,6 +102,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep the matched stop string (or stop token's text) in the text
     structured_outputs: StructuredOutputsParams | None = None  # the output must match this grammar
     # P/D disaggregation (vLLM's name): {"do_remote_decode": true} to a producer, the producer's
     # answer ({"do_remote_prefill": true, ...}) to a consumer; see treadle/kv_transfer

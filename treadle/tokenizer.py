@@ -117,6 +117,31 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text as it reads after other text (logprob entries): decoded after an
+        anchor token and cut off it, because decoding a lone token drops the leading space
+        SentencePiece vocabularies mark ("▁there" -> "there" alone, " there" after "a")."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            anchor = self._anchor
+            if anchor is None:
+                text = self.decode([token_id], skip_special_tokens=False)
+            else:
+                base = self.decode([anchor], skip_special_tokens=False)
+                both = self.decode([anchor, token_id], skip_special_tokens=False)
+                text = both[len(base):] if both.startswith(base) else self.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+    @functools.cached_property
+    def _anchor(self) -> int | None:
+        ids = self.encode("a", add_special_tokens=False)
+        return ids[-1] if ids else None
+
+    @functools.cached_property
+    def _token_texts(self) -> dict[int, str]:
+        return {}
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None) -> str:
         """``tools``: OpenAI tool definitions, handed to the template as ``tools`` (templates

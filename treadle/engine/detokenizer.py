@@ -20,6 +20,7 @@ class IncrementalDetokenizer:
         self.skip_special = params.skip_special_tokens
         self.stops: list[str] = list(params.stop or [])
         self.min_tokens = params.min_tokens  # stop strings end a request only after this many tokens (as vLLM)
+        self.keep_stop = params.include_stop_str_in_output
         self._n_out = 0
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._ids = list(prompt_token_ids[-_CONTEXT:])
@@ -49,7 +50,7 @@ class IncrementalDetokenizer:
         if not hits:
             return None
         at, stop = min(hits)
-        self.text = self.text[:at]
+        self.text = self.text[: at + len(stop) if self.keep_stop else at]
         return stop
 
     def take_delta(self, finished: bool) -> str:

@@ -62,7 +62,7 @@ class OutputProcessor:
                                                RequestMetrics(arrival), first)
 
     def _token_text(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return None if self.tokenizer is None else self.tokenizer.token_text(token_id)
 
     def _decoded(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         entries = {tid: Logprob(v, r + 1, self._token_text(tid)) for r, (tid, v) in enumerate(lp.top)}
@@ -95,7 +95,7 @@ class OutputProcessor:
             lps = result.logprobs.get(req.request_id) or []
             # a request that ended on a stop token (EOS, stop_token_ids) keeps it in token_ids, not in its text
             stop_token = req.stop_reason if req.status is RequestStatus.FINISHED_STOPPED and isinstance(
-                req.stop_reason, int) else None
+                req.stop_reason, int) and not req.sampling_params.include_stop_str_in_output else None
             for i, token in enumerate(new_tokens):
                 child.token_ids.append(token)
                 child.new_token_ids.append(token)

@@ -40,7 +40,7 @@ def legacy_logprobs(tokenizer: Tokenizer | None, ids: list[int], entries: list[d
         if chosen and chosen.decoded_token is not None:
             text = chosen.decoded_token
         else:
-            text = "" if tokenizer is None else tokenizer.decode([tid], skip_special_tokens=False)
+            text = "" if tokenizer is None else tokenizer.token_text(tid)
         tokens.append(text)
         token_logprobs.append(chosen.logprob if chosen else None)
         top: dict[str, float] = {}
@@ -123,6 +123,8 @@ class _CompletionView(GenerationView):
         logprobs = None
         if self.body.logprobs is not None:
             logprobs = legacy_logprobs(self.tokenizer, list(out.prompt_token_ids), self._prompt_entries(out), 0)
+        for c in out.outputs:  # the generated tokens' offsets continue after the echoed prompt
+            self._offsets[self.choice_index(out, c)] = len(text)
         return [self.chunk([{"index": self.choice_index(out, c), "text": text, "logprobs": logprobs,
                              "finish_reason": None}]) for c in out.outputs]
 

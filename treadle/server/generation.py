@@ -137,6 +137,9 @@ class GenerationView(ABC):
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, seed=body.seed, stop=body.stop, max_tokens=max_tokens,
                 ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                min_tokens=body.min_tokens, stop_token_ids=list(body.stop_token_ids or []),
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
                 structured_outputs=self.structured.spec if self.structured is not None else None,
                 kv_transfer_params=body.kv_transfer_params,
             )
@@ -188,7 +191,10 @@ class GenerationView(ABC):
                     continue
                 if c.finish_reason is not None:
                     done.add(index)
-                yield self.chunk([self.delta(out, c, index)])
+                choice = self.delta(out, c, index)
+                if choice.get("delta") == {} and choice.get("logprobs") is None and choice["finish_reason"] is None:
+                    continue  # nothing to say yet (a tool call still being written): no empty chunk
+                yield self.chunk([choice])
             if out.finished:
                 finals.append(out)
         if self.body.include_usage:

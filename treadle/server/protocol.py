@@ -92,6 +92,11 @@ class SamplingFields(_Body):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    # vLLM's extra sampling fields
+    min_tokens: Int = 0
+    stop_token_ids: list[Int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
