@@ -287,3 +287,14 @@ def test_int8_weight_only_any_input_width(k: int) -> None:
     want = (x.float() @ (q.float() * scale.float()[:, None]).t())
     got = int8_mm(x, q, scale.to(torch.bfloat16)).float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)")
+def test_int8_refuses_a_tensor_parallel_split_that_cuts_its_blocks() -> None:
+    """A layer quantizes to the same blocks whatever the rank count: 192 inputs over 4 ranks
+    (48 each) would cut the blocks of 32, so the split is refused; 2 ranks (96 each) is not."""
+    layer = "model.layers.0.self_attn.o_proj"
+    with pytest.raises(TreadleError, match="leave 48 per rank, which cuts its blocks of 32"):
+        weight_only_factory("int8", lambda _: 48, lambda _: 192)(layer)
+    assert isinstance(weight_only_factory("int8", lambda _: 96, lambda _: 192)(layer), GGUFBlockMethod)
+    assert not isinstance(weight_only_factory("int8", lambda _: 48)(layer), GGUFBlockMethod)  # one rank: per-row

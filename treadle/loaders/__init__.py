@@ -91,7 +91,9 @@ def quantization_plan(
         assert source.raw_weights is not None and source.tensor_types is not None
         plan, raw_weights = GGUFNativePlan(source.tensor_types, layout.shard_names), source.raw_weights
         return plan.method, lambda: raw_weights(plan.keeps_raw)
-    return weight_only_factory(quantization, partial(layout.in_features, local_config or source.config)), source.weights
+    full = partial(layout.in_features, source.config)
+    return weight_only_factory(quantization, partial(layout.in_features, local_config or source.config),
+                               full if local_config is not None else None), source.weights
 
 
 def load_model(

@@ -78,9 +78,12 @@ def _keep_float(layer_name: str) -> bool:
     return layer_name in ("lm_head", "model.embed_tokens")
 
 
-def weight_only_factory(name: str, in_features: Callable[[str], int]) -> MethodFactory:
+def weight_only_factory(name: str, in_features: Callable[[str], int],
+                        full_in_features: Callable[[str], int] | None = None) -> MethodFactory:
     """The factory for one of WEIGHT_ONLY_NAMES; ``in_features`` gives a layer's input width
-    from its name (the model layout's ``in_features``, bound to the config)."""
+    from its name (the model layout's ``in_features``, bound to this rank's config), and
+    ``full_in_features`` the whole model's (tensor parallelism): a layer quantizes to the same
+    blocks on every rank count, so a split that would cut its blocks is refused."""
     if name == "int4":
         name = "int4-g32"
     if name not in WEIGHT_ONLY_NAMES:
@@ -94,6 +97,11 @@ def weight_only_factory(name: str, in_features: Callable[[str], int]) -> MethodF
             return None
         if blocks is not None and native.available() and in_features(layer) % 32 == 0:
             return GGUFBlockMethod(blocks)
+        if blocks is not None and native.available() and full_in_features is not None \
+                and full_in_features(layer) % 32 == 0:
+            raise TreadleError(f"{name}: {layer}'s {full_in_features(layer)} inputs split across tensor-parallel "
+                               f"ranks leave {in_features(layer)} per rank, which cuts its blocks of 32; "
+                               "choose another tensor_parallel_size")
         return Int8WeightOnlyMethod() if name == "int8" else Int4WeightOnlyMethod(int(name.removeprefix("int4-g")))
 
     return method

@@ -30,6 +30,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from treadle import envs
+from treadle.config import TreadleError
 from treadle.kernels import native
 from treadle.layers.linear import Linear, LinearMethod
 from treadle.quantization.weight_only import shard_rows
@@ -73,6 +74,10 @@ def quantize_blocks(w: torch.Tensor, qtype: str) -> GGUFBlocks:
     return GGUFBlocks(qtype, torch.from_numpy(data), (w.shape[0], w.shape[1]))
 
 
+class BlockWidthError(TreadleError, ValueError):
+    """A layer's input width is not a whole number of its block type's inputs."""
+
+
 class GGUFBlockMethod(LinearMethod):
     """A layer whose weight is GGUF blocks, one type per shard (``qtypes``: one name for every
     shard, or one per shard of ``output_sizes``), stored as one uint8 vector: each shard's rows
@@ -99,7 +104,9 @@ class GGUFBlockMethod(LinearMethod):
         for qtype, rows in zip(self._shard_types(layer), layer.output_sizes):
             inputs = block_shape(qtype)[0]
             if layer.in_features % inputs:
-                raise ValueError(f"{qtype} blocks need in_features divisible by {inputs}, not {layer.in_features}")
+                raise BlockWidthError(f"{qtype} blocks need in_features divisible by {inputs}, not "
+                                      f"{layer.in_features} (a layer split across tensor-parallel ranks must keep "
+                                      "whole blocks: choose another tensor_parallel_size)")
             if segments and segments[-1][0] == qtype:
                 segments[-1] = (qtype, segments[-1][1] + rows)
             else:
