@@ -137,3 +137,27 @@ def test_a_stop_token_stays_out_of_the_text(llm):
     streamed = "".join(o.outputs[0].new_text for o in llm.stream(prompt, SamplingParams(
         temperature=0.0, max_tokens=60, stop_token_ids=[stop_id])))
     assert streamed == out.text
+
+
+def test_priority_list_and_num_cached_tokens(llm):
+    """A priority list must match the prompts; RequestOutput.num_cached_tokens is there, as in vLLM."""
+    with pytest.raises(TreadleError, match="one priority per prompt"):
+        llm.generate(["a", "b"], GREEDY, use_tqdm=False, priority=[0])
+    first = llm.generate(["Once upon a time there was a girl who liked to play in the sun"], GREEDY,
+                         use_tqdm=False)[0]
+    again = llm.generate(["Once upon a time there was a girl who liked to play in the sun"], GREEDY,
+                         use_tqdm=False)[0]
+    assert again.num_cached_tokens == again.metrics.num_cached_tokens > first.num_cached_tokens
+
+
+def test_chat_takes_add_generation_prompt_and_tools(tmp_path):
+    from server_harness import stories_with_chat_template
+
+    chat_llm = LLM(str(stories_with_chat_template(tmp_path)), num_kv_blocks=32)
+    msgs = [{"role": "user", "content": "Tell me a story"}]
+    tok = chat_llm.get_tokenizer()
+    for add in (True, False):
+        out = chat_llm.chat(msgs, GREEDY, use_tqdm=False, add_generation_prompt=add)[0]
+        assert out.prompt == tok.apply_chat_template(msgs, add_generation_prompt=add)
+    assert chat_llm.chat(msgs, GREEDY, use_tqdm=False)[0].prompt != chat_llm.chat(
+        msgs, GREEDY, use_tqdm=False, add_generation_prompt=False)[0].prompt

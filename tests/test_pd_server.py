@@ -238,3 +238,17 @@ def test_router_releases_the_producer_when_no_decode_step_starts(held) -> None:
     # a request both can take still goes through, and its KV is pulled
     assert complete(front, max_tokens=8) == complete(consumer, max_tokens=8)
     wait_until(lambda: engine_idle(producer) and engine_idle(consumer), 20, "both sides idle")
+
+
+def test_echoed_prompt_logprobs_through_the_router(held) -> None:
+    """echo with logprobs asks for the prompt's own logprobs, which a loaded KV cannot give: the
+    router sends such a request straight to the decode instance, which computes the prompt, and
+    the answer equals that instance's own (the prompt's entries were all None through P/D)."""
+    producer, consumer, front, _ = held
+    kw = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    pulled = counter(producer, "pulled")
+    got = client(front).completions.create(**kw).choices[0].logprobs
+    want = client(consumer).completions.create(**kw).choices[0].logprobs
+    assert got.tokens == want.tokens and got.token_logprobs == pytest.approx(want.token_logprobs, abs=1e-5)
+    assert got.token_logprobs[0] is None and all(lp is not None for lp in got.token_logprobs[1:])
+    assert counter(producer, "pulled") == pulled  # no prefill on the producer

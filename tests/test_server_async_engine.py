@@ -170,3 +170,28 @@ def test_utility_calls_run_in_the_engine_process():
 
         pid, snap = asyncio.run(run())
         assert pid == llm.engine_pid != os.getpid() and snap["num_blocks"] == ENGINE_KW["num_kv_blocks"]
+
+
+def test_async_llm_as_vllm_users_write_it():
+    """`from treadle import AsyncLLM, EngineArgs`, from_engine_args, generate(sampling_params=...),
+    and an abort from outside the loop: the generator ends with a finish_reason "abort" output
+    (it used to wait forever), and ``await engine.abort(...)`` works as in vLLM."""
+    from treadle import AsyncLLM, EngineArgs
+
+    llm = AsyncLLM.from_engine_args(EngineArgs(model="stories260k", **ENGINE_KW))
+    try:
+        async def run() -> list:
+            outs = []
+            async for out in llm.generate("Once upon a time", sampling_params=SamplingParams(
+                    max_tokens=400, ignore_eos=True), request_id="outside"):
+                outs.append(out)
+                if len(out.outputs[0].token_ids) == 2:
+                    await llm.abort("outside")
+            return outs
+
+        outs = asyncio.run(asyncio.wait_for(run(), 30))
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        wait_until(lambda: idle(llm), 10, "the abort to free the request's blocks")
+        assert llm.num_open_requests == 0
+    finally:
+        llm.shutdown()

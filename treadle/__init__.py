@@ -8,10 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "AsyncLLM", "EngineArgs", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
+           "__version__"]
 
 _LAZY = {
     "LLM": "treadle.entrypoints.llm",
+    "AsyncLLM": "treadle.engine.async_engine",
+    "EngineArgs": "treadle.engine.args",
     "SamplingParams": "treadle.sampling_params",
     "StructuredOutputsParams": "treadle.sampling_params",
     "RequestOutput": "treadle.engine.outputs",

@@ -72,7 +72,7 @@ class Request:
         params = self.sampling_params
         if n_out >= params.min_tokens:
             if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
-                self.stop_reason = last
+                self.stop_reason = last if last in params.stop_token_ids else None  # EOS: None, as vLLM
                 return RequestStatus.FINISHED_STOPPED
         if n_out >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH

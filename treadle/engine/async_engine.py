@@ -29,12 +29,14 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from treadle.config import EngineDeadError, TreadleError
+from treadle.engine.args import EngineArgs
 from treadle.engine.engine_client import EngineClient, Sink, post_by_loop
 from treadle.engine.engine_core import EngineCore
 from treadle.engine.llm_engine import LLMEngine, PromptType
@@ -63,6 +65,13 @@ class _Abort:
     request_ids: list[str]
 
 
+class _Done:
+    """Nothing to wait for: awaiting it returns at once."""
+
+    def __await__(self) -> Generator[None, None, None]:
+        yield from ()
+
+
 class AsyncLLM(EngineClient):
     def __init__(self, engine: LLMEngine, heartbeat_timeout: float = 60.0) -> None:
         self._core = EngineCore(engine)  # touched only by the engine thread after start
@@ -88,6 +97,11 @@ class AsyncLLM(EngineClient):
         """``engine_kwargs``: EngineArgs fields; unset ones take EngineArgs' defaults."""
         return cls(LLMEngine.from_args(model, **engine_kwargs), heartbeat_timeout)
 
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, heartbeat_timeout: float = 60.0) -> AsyncLLM:
+        """vLLM's spelling: ``AsyncLLM.from_engine_args(EngineArgs(model=...))``."""
+        return cls(LLMEngine.from_engine_args(args), heartbeat_timeout)
+
     # -- event-loop side ------------------------------------------------------------
     async def admit(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
                     max_waiting: int | None, sink: Sink) -> None:
@@ -99,8 +113,11 @@ class AsyncLLM(EngineClient):
         """Into the cache the engine's add_request and an in-process runner read."""
         self._compile_grammar(spec)
 
-    def abort(self, request_ids: list[str] | str) -> None:
+    def abort(self, request_ids: list[str] | str) -> _Done:
+        """Queue the abort for the engine thread; ``await engine.abort(rid)`` (vLLM's form)
+        works as well as a plain call."""
         self._submit(_Abort([request_ids] if isinstance(request_ids, str) else list(request_ids)))
+        return _Done()
 
     def is_alive(self) -> bool:
         return self.dead_error is None and self._thread.is_alive()
@@ -154,7 +171,9 @@ class AsyncLLM(EngineClient):
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
-            self._core.abort(command.request_ids)
+            finals = self._core.abort(command.request_ids)
+            # a generator still waiting (an abort from outside it) gets its final "abort" output
+            post_by_loop([(self._sinks[out.request_id], out) for out in finals if out.request_id in self._sinks])
             for rid in command.request_ids:
                 self._sinks.pop(rid, None)
             return

@@ -80,9 +80,11 @@ class EngineClient(ABC):
         caller is cancelled meanwhile, the request may still land: abort it."""
 
     @abstractmethod
-    def abort(self, request_ids: list[str] | str) -> None:
+    def abort(self, request_ids: list[str] | str) -> Any:
         """Abort these requests (unknown or finished ids are ignored); their blocks are
-        freed and no more outputs are posted for them. Never blocks on the engine."""
+        freed. Never blocks on the engine. (AsyncLLM: a ``generate`` still iterating one of
+        them gets a last output with finish_reason "abort", and the call may be awaited, as
+        vLLM's is.)"""
 
     @abstractmethod
     def is_alive(self) -> bool:
@@ -107,13 +109,13 @@ class EngineClient(ABC):
     def group(self) -> OutputGroup:
         return OutputGroup(self)
 
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput each step the request advances; the last has ``finished``.
         Leaving the loop early (or being cancelled) aborts the request."""
         group = self.group()
         try:
-            await group.add(request_id, prompt, params, priority)
+            await group.add(request_id, prompt, sampling_params, priority)
             async for out in group:
                 yield out
         finally:

@@ -70,8 +70,8 @@ class EngineCore:
             self.engine.abort_request(request_id)
             raise TreadleError(f"the engine could not admit the request: {e}") from None
 
-    def abort(self, request_ids: list[str]) -> None:
-        self.engine.abort_request(request_ids)
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        return self.engine.abort_request(request_ids)
 
     def has_work(self) -> bool:
         """Requests to step, or KV transfers to see through (P/D: held or loading blocks)."""

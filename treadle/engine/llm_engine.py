@@ -136,8 +136,11 @@ class LLMEngine:
         return list(ids)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> str:
-        """Validate the request completely, then queue it; on any TreadleError nothing is queued."""
+                    priority: int = 0, arrival_time: float | None = None, fit_max_tokens: bool = False) -> str:
+        """Validate the request completely, then queue it; on any TreadleError nothing is queued.
+        ``fit_max_tokens`` (the offline API, as vLLM's): a ``max_tokens`` that would run past
+        ``max_model_len`` stops there instead of refusing the request (the server refuses, as
+        OpenAI does)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TreadleError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
@@ -152,6 +155,8 @@ class LLMEngine:
         self._token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
         max_len = self.scheduler_config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, max_len - len(ids))
+        if fit_max_tokens and len(ids) < max_len:
+            max_tokens = min(max_tokens, max_len - len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         reqs = [Request(cid, ids, params, max_tokens, self.model_config.stop_token_ids, arrival, priority,
@@ -163,7 +168,10 @@ class LLMEngine:
             self.scheduler.add_request(req)
         return request_id
 
-    def abort_request(self, request_ids: list[str] | str) -> None:
+    def abort_request(self, request_ids: list[str] | str) -> list[RequestOutput]:
+        """Abort these requests (unknown or finished ids are ignored); their final outputs,
+        ``finish_reason`` "abort" on every unfinished completion."""
+        finals = []
         for pid in [request_ids] if isinstance(request_ids, str) else request_ids:
             parent = self.outputs.parents.get(pid)
             if parent is None:
@@ -173,7 +181,8 @@ class LLMEngine:
                 if req is not None:
                     self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                     self.outputs.finish_child(req)
-            self.outputs.make_output(pid)  # drops the finished parent
+            finals.append(self.outputs.make_output(pid))  # drops the finished parent
+        return finals
 
     def has_unfinished_requests(self) -> bool:
         """Requests are live, or steps are still in flight (they must come back first)."""

@@ -94,8 +94,9 @@ class OutputProcessor:
             new_tokens = req.output_token_ids[len(req.output_token_ids) - req.num_new_tokens:]
             lps = result.logprobs.get(req.request_id) or []
             # a request that ended on a stop token (EOS, stop_token_ids) keeps it in token_ids, not in its text
-            stop_token = req.stop_reason if req.status is RequestStatus.FINISHED_STOPPED and isinstance(
-                req.stop_reason, int) and not req.sampling_params.include_stop_str_in_output else None
+            token_stop = req.status is RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)
+            stop_token = new_tokens[-1] if token_stop and new_tokens and \
+                not req.sampling_params.include_stop_str_in_output else None
             for i, token in enumerate(new_tokens):
                 child.token_ids.append(token)
                 child.new_token_ids.append(token)

@@ -50,3 +50,8 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
     kv_transfer_params: dict[str, Any] | None = None  # P/D producer: where a consumer pulls this KV
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (vLLM has it here too)."""
+        return self.metrics.num_cached_tokens if self.metrics is not None else 0

@@ -62,8 +62,10 @@ class LLM:
                                f"not {type(sampling_params).__name__}")
         ids = [str(next(self._ids)) for _ in prompts]
         try:
+            if priority is not None and len(priority) != len(prompts):
+                raise TreadleError(f"give one priority per prompt: {len(priority)} for {len(prompts)} prompts")
             for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
-                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0, fit_max_tokens=True)
             return self.collect(ids, use_tqdm)
         finally:  # all or nothing: a refused prompt (or a failed step) leaves none of this call queued
             self.engine.abort_request(ids)
@@ -102,13 +104,18 @@ class LLM:
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several, through the model's chat template
+        (``tools``: OpenAI tool definitions handed to the template, as vLLM's ``LLM.chat``)."""
         one = bool(messages) and isinstance(messages[0], dict)
         conversations = cast(list[list[dict[str, Any]]], [messages] if one else messages)
         tok = self.engine.tokenizer_for("chat")
-        texts = [tok.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        texts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tools=tools)
+                 for c in conversations]
         prompts = [{"prompt": t, "prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -116,7 +123,7 @@ class LLM:
         """Yield a RequestOutput each step the request advances (``new_text`` holds the delta).
         Other requests already in the engine keep running alongside."""
         rid = str(next(self._ids))
-        self.engine.add_request(rid, prompt, sampling_params)
+        self.engine.add_request(rid, prompt, sampling_params, fit_max_tokens=True)
         buffer: deque[RequestOutput] = deque()
         self._streams[rid] = buffer
         try:

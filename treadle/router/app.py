@@ -133,6 +133,8 @@ async def _with_kv(forwarder: Forwarder, job: Job) -> Job:
     """P/D: the job for the decode step (with the producer's kv_transfer_params)."""
     if not forwarder.config.disaggregated:
         return job
+    if job.body.get("echo") and job.body.get("logprobs") is not None or job.body.get("prompt_logprobs") is not None:
+        return job  # the prompt's own logprobs: computed where they are answered, not loaded as KV
     params = await forwarder.prefill(job)
     return job if params is None else Job(job.path, {**job.body, "kv_transfer_params": params}, job.headers)
 
