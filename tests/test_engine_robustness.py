@@ -161,3 +161,20 @@ def test_chat_takes_add_generation_prompt_and_tools(tmp_path):
         assert out.prompt == tok.apply_chat_template(msgs, add_generation_prompt=add)
     assert chat_llm.chat(msgs, GREEDY, use_tqdm=False)[0].prompt != chat_llm.chat(
         msgs, GREEDY, use_tqdm=False, add_generation_prompt=False)[0].prompt
+
+
+def test_tokenizer_answers_what_transformers_code_asks(tmp_path):
+    """get_tokenizer() is Treadle's own tokenizer, with the calls code written against
+    transformers' tokenizers makes most: __call__, len, eos_token_id, convert_ids_to_tokens,
+    apply_chat_template(tokenize=...)."""
+    from server_harness import stories_with_chat_template
+
+    tok = LLM(str(stories_with_chat_template(tmp_path)), num_kv_blocks=8).get_tokenizer()
+    ids = tok.encode("Once upon a time")
+    assert tok("Once upon a time") == {"input_ids": ids, "attention_mask": [1] * len(ids)}
+    assert len(tok) == tok.vocab_size and tok.eos_token_id == tok.eos_token_ids[0]
+    pieces = tok.convert_ids_to_tokens(tok.encode("Once upon a time", add_special_tokens=False))
+    assert "".join(p or "" for p in pieces).replace("\u2581", " ").strip() == "Once upon a time"
+    msgs = [{"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    assert tok.apply_chat_template(msgs, tokenize=True) == tok.encode(text, add_special_tokens=False)

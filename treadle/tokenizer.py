@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -142,10 +142,39 @@ class Tokenizer:
     def _token_texts(self) -> dict[int, str]:
         return {}
 
+    @overload
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None, *, tokenize: Literal[False] = False) -> str: ...
+
+    @overload
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, *, tokenize: Literal[True]) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, *, tokenize: bool = False) -> str | list[int]:
         """``tools``: OpenAI tool definitions, handed to the template as ``tools`` (templates
-        that know tools format them into the prompt; None when the request has none)."""
+        that know tools format them into the prompt; None when the request has none).
+        ``tokenize``: the prompt's token ids instead of its text (as transformers' tokenizers)."""
+        text = self._render_chat(messages, add_generation_prompt, tools)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    # -- what transformers' tokenizers also offer (for code written against them) ------------
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
+        return [self.backend.id_to_token(int(i)) for i in ids]
+
+    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None) -> str:
         if self.chat_template is None:
             raise TreadleError("this model has no chat template; send plain prompts instead")
         if self._template is None:
