@@ -82,6 +82,7 @@ class Tokenizer:
         added = backend.get_added_tokens_decoder()
         self.all_special_ids: set[int] = {i for i, t in added.items() if t.special}
         self.all_special_ids.update(i for i in (self.bos_token_id, *self.eos_token_ids) if i is not None)
+        self._token_texts: dict[int, str] = {}  # token_text's cache
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
@@ -137,10 +138,6 @@ class Tokenizer:
     def _anchor(self) -> int | None:
         ids = self.encode("a", add_special_tokens=False)
         return ids[-1] if ids else None
-
-    @functools.cached_property
-    def _token_texts(self) -> dict[int, str]:
-        return {}
 
     @overload
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

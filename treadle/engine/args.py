@@ -88,6 +88,23 @@ KV_TRANSFER_DEFAULTS: dict[str, Any] = {
 }
 
 
+# annotation -> (types, None allowed, what to say)
+_NUMERIC: dict[str, tuple[type | tuple[type, ...], bool, str]] = {
+    "int": (int, False, "an integer"), "int | None": (int, True, "an integer"), "float": ((int, float), False, "a number"),
+}
+
+
+def check_numeric_types(args: EngineArgs) -> None:
+    """Every field annotated int / int | None / float holds one (a bool does not count)."""
+    for f in dataclasses.fields(EngineArgs):
+        if str(f.type) not in _NUMERIC:
+            continue
+        types, optional, what = _NUMERIC[str(f.type)]
+        value = getattr(args, f.name)
+        if not (value is None and optional) and (not isinstance(value, types) or isinstance(value, bool)):
+            raise TreadleError(f"{f.name} must be {what}, not {value!r}")
+
+
 def engine_args(model: str | None = None, **kwargs: Any) -> EngineArgs:
     """EngineArgs from keyword arguments; an unknown name is one clear TreadleError."""
     names = {f.name for f in dataclasses.fields(EngineArgs)}

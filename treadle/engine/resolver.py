@@ -56,6 +56,7 @@ from treadle.engine.args import (
     KV_TRANSFER_DEFAULTS,
     SPECULATIVE_DEFAULTS,
     EngineArgs,
+    check_numeric_types,
     parse_bytes,
 )
 from treadle.engine.memory import available_memory, plan_kv_cache, weight_bytes
@@ -216,19 +217,8 @@ def resolve_kv_transfer(raw: dict[str, Any] | str | None) -> KVTransferConfig | 
                             layerwise_start=kv["layerwise_start"])
 
 
-_INT_ARGS = ("seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-             "tensor_parallel_size", "pipeline_parallel_size")
-
-
 def _check_ranges(args: EngineArgs) -> None:
-    for name in _INT_ARGS:  # types first, so that the comparisons below cannot fail
-        value = getattr(args, name)
-        optional = name in ("max_model_len", "num_kv_blocks")
-        if not (value is None and optional) and (not isinstance(value, int) or isinstance(value, bool)):
-            raise TreadleError(f"{name} must be an integer, not {value!r}")
-    fraction = args.kv_cache_memory_fraction
-    if not isinstance(fraction, (int, float)) or isinstance(fraction, bool):
-        raise TreadleError(f"kv_cache_memory_fraction must be a number, not {fraction!r}")
+    check_numeric_types(args)  # first, so that the comparisons below cannot fail
     checks = [
         (0 <= args.seed < 2**63, "seed must be in [0, 2**63)"),
         (args.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
