@@ -158,6 +158,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool
+    # waiting order and victim choice (core/cost_policy.py); these defaults are EngineArgs' too
+    scheduling_policy: str = "priority"  # fcfs | priority | predicted
+    scheduling_aging_s: float = 60.0  # predicted: never passed over by a request arriving this much later
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ generated). A step hands out ``max_num_batched_tokens``: running requests
 first (decodes, or the rest of a chunked prompt), then chunks of waiting
 prompts. Chunked prefill (SplitFuse), prefix-cache hits and preemption by
 recompute all fall out of that rule; the policy pieces (queue order, victim
-choice) are small functions below.
+choice) live in ``core/cost_policy.py``.
 
 Speculative decoding reserves lookahead slots only: a running request's target is its
 tokens plus the drafts the runner proposed last step (``Request.spec_token_ids``, when the
@@ -24,22 +24,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from treadle.config import InvalidRequestError, SchedulerConfig
+from treadle.core.cost_policy import SchedulingPolicy
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.request import Request, RequestStatus
 from treadle.core.step_data import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from treadle.core.waiting_queue import WaitingQueue
 from treadle.kv_transfer.metadata import KVConnectorMetadata
 from treadle.spec_decode.fallback import FallbackController
-
-
-def queue_key(req: Request) -> tuple[int, float]:
-    """Waiting order: priority (lower first), then arrival (FCFS)."""
-    return (req.priority, req.arrival_time)
-
-
-def choose_victim(running: list[Request]) -> Request:
-    """Preempt the lowest-priority request, the latest arrival among equals."""
-    return max(running, key=lambda r: (r.priority, r.arrival_time))
 
 
 class Scheduler:
@@ -63,7 +54,8 @@ class Scheduler:
         self._tokens_sent: dict[str, int] = {}  # output tokens the workers have, per request
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
-        self._waiting: WaitingQueue[Request] = WaitingQueue(queue_key)
+        self.policy = SchedulingPolicy.from_config(config)  # waiting order, victim choice
+        self._waiting: WaitingQueue[Request] = WaitingQueue(self.policy.queue_key)
         self._seen_by_runner: set[str] = set()
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
@@ -162,7 +154,7 @@ class Scheduler:
                            if r.status is RequestStatus.RUNNING and r.request_id not in self._in_flight]
                 if not victims:  # every other request is in a step in flight: wait for one
                     break
-                victim = choose_victim(victims)
+                victim = self.policy.choose_victim(victims)
                 self._preempt(victim)
                 budget += scheduled.pop(victim.request_id, 0)
                 preempted += 1

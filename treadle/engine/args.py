@@ -13,7 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from treadle.config import TreadleError
+from treadle.config import SchedulerConfig, TreadleError
+from treadle.core.cost_policy import SCHEDULING_POLICIES
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
@@ -70,6 +71,16 @@ class EngineArgs:
         None, 'prefill/decode disaggregation as JSON, e.g. \'{"kv_connector": "tcp", "kv_role": "kv_producer"}\' '
               '(keys: kv_connector tcp|shm, kv_role kv_producer|kv_consumer|kv_both, kv_ip, kv_port, '
               'transfer_timeout_s, producer_block_timeout_s, layerwise_start)', type=str)
+    scheduling_policy: str = _arg(SchedulerConfig.scheduling_policy,
+                                  "waiting order and preemption victims: fcfs (arrival), priority (explicit "
+                                  "priority, then arrival), predicted (priority, then predicted remaining cost "
+                                  "with aging; see docs/scheduling.md)", choices=SCHEDULING_POLICIES)
+    scheduling_aging_s: float = _arg(SchedulerConfig.scheduling_aging_s,
+                                     "predicted: no request is passed over by one that arrived this many "
+                                     "seconds after it")
+    length_predictor: str = _arg(
+        "auto", "predicted: the output-length predictor, a directory written by treadle train-length-predictor "
+                "(auto: the one shipped for the model, if any; none: no prediction)", type=str)
     skip_tokenizer_init: bool = _arg(False, "load no tokenizer: prompts are token ids and outputs carry token "
                                             "ids only (no text, stop strings, chat or structured output)")
 

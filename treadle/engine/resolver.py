@@ -262,7 +262,8 @@ def _scheduler_config(args: EngineArgs, model_limit: int) -> SchedulerConfig:
     if not args.enable_chunked_prefill:
         batched = max(batched, max_model_len)  # a whole prompt must fit one step
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
-                           max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill)
+                           max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+                           scheduling_policy=args.scheduling_policy, scheduling_aging_s=float(args.scheduling_aging_s))
 
 
 def _parallel_config(args: EngineArgs, model: ModelConfig) -> ParallelConfig:
