@@ -20,3 +20,11 @@ def runnable(variant: str) -> str:
 
 def rand(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def force(monkeypatch: pytest.MonkeyPatch, variant: str) -> str:
+    """Run the engine's kernels as ``variant`` (``TREADLE_CPU_KERNELS``) for this test, or skip
+    naming the features this CPU lacks."""
+    monkeypatch.setenv("TREADLE_CPU_KERNELS", runnable(variant))
+    assert native.selected_variant() == variant
+    return variant

@@ -32,7 +32,8 @@ def test_every_variant_compiles(variant: str) -> None:
     assert native.build_variant(variant) is not None
 
 
-def test_the_best_runnable_variant_is_selected_and_described() -> None:
+def test_the_best_runnable_variant_is_selected_and_described(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TREADLE_CPU_KERNELS", raising=False)  # tests/test_kernels_override.py forces one
     best = next(v.name for v in native.VARIANTS if not native.missing_features(v.name))
     assert native.selected_variant() == best
     line = native.describe()

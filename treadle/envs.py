@@ -19,6 +19,10 @@ class EnvVar:
 VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("TREADLE_CACHE_DIR", None, "where compiled C kernels are cached (default ~/.cache/treadle)"),
     EnvVar("TREADLE_NATIVE_KERNELS", "1", "0: never compile or use Treadle's C kernels (torch fallbacks)"),
+    EnvVar("TREADLE_CPU_KERNELS", None, "the C kernels' variant to run instead of the best one this CPU runs: a "
+                                       "name from kernels/native.py VARIANTS (plain, avx2, avx-vnni, avx512-vnni, "
+                                       "avx512-bf16, ...); refused when the CPU lacks its features; unset or auto: "
+                                       "the best"),
     EnvVar("TREADLE_ACTIVATION_BITS", "16", "8 or 16: how the C kernels round activations for GGUF Q4_0/Q4_1/Q5_0/"
                                            "Q5_1/Q8_0 weights (int8 or int16 per block of 32; K-quants: 16)"),
     EnvVar("CC", None, "the C compiler for Treadle's kernels (default: gcc, else cc)"),
@@ -63,6 +67,12 @@ def cache_dir() -> str:
 
 def native_kernels() -> bool:
     return get_flag("TREADLE_NATIVE_KERNELS")
+
+
+def cpu_kernels() -> str | None:
+    """The forced kernel variant's name (checked by kernels/native.py), or None for the automatic choice."""
+    value = (get("TREADLE_CPU_KERNELS") or "").strip().lower()
+    return None if value in ("", "auto") else value
 
 
 def activation_bits() -> int:

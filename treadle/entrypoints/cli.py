@@ -24,7 +24,10 @@ class _Version(argparse.Action):
         from treadle import __version__
         from treadle.kernels import native
 
-        print(f"treadle {__version__}\ncpu kernels: {native.describe()}")
+        try:
+            print(f"treadle {__version__}\ncpu kernels: {native.describe()}")
+        except TreadleError as e:
+            parser.exit(2, f"error: {e}\n")
         parser.exit()
 
 

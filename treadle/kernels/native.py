@@ -14,7 +14,10 @@ compiler (one warning, then callers fall back to plain torch).
 Runtime dispatch: the same sources are built once per *variant* (``VARIANTS``, best first:
 AVX-512 BF16, AVX-512 VNNI, AVX2, plain C), each with its own ``-m`` flags; the first variant whose CPU
 features (``/proc/cpuinfo`` flags) this machine has, and that builds, is chosen once per process
-and logged (``describe()``, also shown by ``treadle --version``). ``plain=True`` or
+and logged (``describe()``, also shown by ``treadle --version`` and ``treadle doctor``).
+``TREADLE_CPU_KERNELS=<name>`` forces one variant instead (a name the CPU cannot run, or an
+unknown one, is a one-line ``TreadleError`` naming the missing features or the valid names).
+``plain=True`` or
 ``variant="plain"`` (tests) builds and calls the plain-C reference paths (``-DTQ_PLAIN_C``)
 even where the machine has the SIMD ones; a variant the CPU lacks is never built or run.
 """
@@ -35,6 +38,7 @@ from pathlib import Path
 import torch  # noqa: F401  (loads torch's libgomp first, so the kernels share it)
 
 from treadle import envs
+from treadle.config import TreadleError
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +86,17 @@ def cpu_features() -> frozenset[str]:
     return frozenset(line.split(":", 1)[1].split()) if line.startswith("flags") else frozenset()
 
 
-def missing_features(variant: str) -> tuple[str, ...]:
-    """The CPU features ``variant`` needs that this machine lacks (empty: it can run here)."""
-    return tuple(f for f in _BY_NAME[variant].needs if f not in cpu_features())
+def rounds_activations_to_bf16(variant: str) -> bool:
+    """Whether ``variant``'s bfloat16-weight matmul (csrc/bf16matmul.c, TQ_BF16) rounds float32
+    activations to bfloat16 (vdpbf16ps, where K % 32 == 0): its accuracy contract is then the
+    reference on bfloat16-rounded activations, to summation order, not the reference itself."""
+    return "-mavx512bf16" in _BY_NAME[variant].flags
+
+
+def missing_features(variant: str, features: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The CPU features ``variant`` needs that this machine (or ``features``) lacks (empty: it can run)."""
+    have = cpu_features() if features is None else features
+    return tuple(f for f in _BY_NAME[variant].needs if f not in have)
 
 
 def _cache_dir() -> Path:
@@ -129,24 +141,56 @@ def build_variant(name: str) -> ctypes.CDLL | None:
         return None
 
 
+def check_runnable(name: str, features: frozenset[str] | None = None) -> None:
+    """A ``TreadleError`` (one line) unless ``name`` is a variant this CPU (or ``features``) can run."""
+    if name not in _BY_NAME:
+        raise TreadleError(f"TREADLE_CPU_KERNELS={name!r} is not a kernel variant; choose one of "
+                           f"{', '.join(_BY_NAME)} (or auto)")
+    missing = missing_features(name, features)
+    if missing:
+        raise TreadleError(f"TREADLE_CPU_KERNELS={name}: this CPU lacks {' '.join(missing)}, which that variant needs")
+
+
+def best_runnable() -> str:
+    """The first variant in ``VARIANTS`` whose features this CPU has ("plain" at worst)."""
+    return next(v.name for v in VARIANTS if not missing_features(v.name))
+
+
 @cache
-def selected_variant() -> str | None:
-    """The variant this process runs: the best one the CPU can run that builds (chosen once)."""
-    if not envs.native_kernels():
-        return None
+def _choose(forced: str | None) -> str | None:
+    if forced is not None:
+        check_runnable(forced)
+        if build_variant(forced) is None:
+            raise TreadleError(f"TREADLE_CPU_KERNELS={forced}: that variant could not be built (see the warning)")
+        logger.info("Treadle CPU kernels: %s", describe(forced, forced=True))
+        return forced
     for v in VARIANTS:
         if not missing_features(v.name) and build_variant(v.name) is not None:
-            logger.info("Treadle CPU kernels: %s", describe(v.name))
+            logger.info("Treadle CPU kernels: %s", describe(v.name, forced=False))
             return v.name
     logger.warning("Treadle's CPU kernels are off (plain torch is used)")
     return None
 
 
-def describe(chosen: str | None = None) -> str:
-    """One line: the chosen variant and the better ones this CPU cannot run, with what they need."""
+def selected_variant() -> str | None:
+    """The variant this process runs: ``TREADLE_CPU_KERNELS``'s when set (checked by
+    ``check_runnable``), else the best one the CPU can run that builds; chosen once per value of
+    the variable, read at each call (so a test may set it)."""
+    if not envs.native_kernels():
+        return None
+    return _choose(envs.cpu_kernels())
+
+
+def describe(chosen: str | None = None, forced: bool | None = None) -> str:
+    """One line: the chosen variant and why -- forced by ``TREADLE_CPU_KERNELS``, or the best this
+    CPU runs, with the better ones it cannot run and what they lack."""
+    if forced is None:
+        forced = chosen is None and envs.cpu_kernels() is not None
     chosen = chosen or selected_variant()
     if chosen is None:
         return "off (plain torch)"
+    if forced:
+        return f"{chosen} (forced by TREADLE_CPU_KERNELS; the best this CPU runs: {best_runnable()})"
     better = [v.name for v in VARIANTS][: [v.name for v in VARIANTS].index(chosen)]
     passed = [f"{name} (CPU lacks {' '.join(missing_features(name))})" for name in better if missing_features(name)]
     return chosen + (f"; skipped {', '.join(passed)}" if passed else "")
@@ -168,11 +212,15 @@ def library(plain: bool = False, variant: str | None = None) -> ctypes.CDLL | No
 _ARG = {"P": ctypes.c_void_p, "I": ctypes.c_int64, "C": ctypes.c_int, "F": ctypes.c_float}
 
 
-@cache
 def kernel(name: str, signature: str, plain: bool = False, variant: str | None = None):  # noqa: ANN201
     """The C function ``name`` with ctypes argument types from ``signature`` (e.g. "CPPI"), from
     the selected variant's build (``plain``: the reference build; ``variant``: that one's)."""
-    lib = library(plain, variant)
+    return _kernel(name, signature, "plain" if plain else variant or selected_variant())
+
+
+@cache
+def _kernel(name: str, signature: str, variant: str | None):  # noqa: ANN202
+    lib = library(variant=variant) if variant is not None else None
     assert lib is not None, "Treadle's CPU kernels are not available"
     fn = getattr(lib, name)
     fn.argtypes = [_ARG[c] for c in signature]
