@@ -35,7 +35,7 @@ import torch
 from treadle.config import KVTransferConfig
 from treadle.kv_transfer import create_connector
 from treadle.kv_transfer.heads import RankPlacement
-from treadle.kv_transfer.metadata import KVConnectorMetadata, LoadSpec
+from treadle.core.kv_connector_data import KVConnectorMetadata, LoadSpec
 
 SHAPES = {  # layers, KV heads, head dim, dtype
     "smollm2-135m": (30, 3, 64, torch.float32),

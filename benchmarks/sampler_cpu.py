@@ -16,7 +16,7 @@ import time
 import torch
 
 from treadle import LLM, SamplingParams
-from treadle.worker.sampler import Sampler, SamplingRow
+from treadle.sample.sampler import Sampler, SamplingRow
 
 CASES = {
     "greedy": SamplingParams(temperature=0.0),

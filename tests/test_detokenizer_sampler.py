@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from treadle.engine.detokenizer import IncrementalDetokenizer
+from treadle.sample import sampler as sampler_mod
+from treadle.sample.sampler import Sampler, SamplingRow, apply_penalties, filter_logits
 from treadle.sampling_params import SamplingParams, SamplingParamsError
 from treadle.tokenizer import Tokenizer
-from treadle.worker import sampler as sampler_mod
-from treadle.worker.sampler import Sampler, SamplingRow, apply_penalties, filter_logits
 
 TEXT = "héllo wörld — 日本語 🌍🎉 done"
 

@@ -19,12 +19,12 @@ import zmq
 
 from treadle.config import KVTransferConfig, SchedulerConfig, TreadleError
 from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.kv_connector_data import KVConnectorMetadata, KVConnectorOutput, LoadSpec, RemoteRelease
 from treadle.core.request import Request, RequestStatus
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.engine.llm_engine import LLMEngine
 from treadle.engine.resolver import resolve_kv_transfer
 from treadle.kv_transfer import create_connector
-from treadle.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, LoadSpec, RemoteRelease
 from treadle.kv_transfer.release import send_release
 from treadle.kv_transfer.scheduler import KVTransferScheduler
 from treadle.kv_transfer.wire import LayerHeader, PullHeader, PullRequest, TransferError, check_frame

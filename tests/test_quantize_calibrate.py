@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny_model
+from treadle.calibrate.grid import Grid
+from treadle.calibrate.spec import QuantizeSpec
 from treadle.config import TreadleError
 from treadle.entrypoints.cli import main
-from treadle.quantize.grid import Grid
-from treadle.quantize.spec import QuantizeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CALIBRATION = Path(__file__).resolve().parents[1] / "treadle" / "assets" / "text" / "calibration.txt"
@@ -25,15 +25,15 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _hf_float(path: Path) -> torch.nn.Module:
+    from treadle.calibrate.hf_model import build_hf_model, hf_config_dict
     from treadle.loaders import open_model_source
-    from treadle.quantize.hf_model import build_hf_model, hf_config_dict
 
     source = open_model_source(str(path))
     return build_hf_model(source, hf_config_dict(source))
 
 
 def _calibration_inputs(model: torch.nn.Module, samples: int = 4, seq: int = 48):
-    from treadle.quantize.layers import first_layer_inputs
+    from treadle.calibrate.layers import first_layer_inputs
 
     batch = torch.randint(2, 200, (samples, seq), generator=torch.Generator().manual_seed(1))
     return batch, first_layer_inputs(model, batch)
@@ -41,10 +41,10 @@ def _calibration_inputs(model: torch.nn.Module, samples: int = 4, seq: int = 48)
 
 @pytest.mark.parametrize("method", ["smoothquant", "awq"])
 def test_smoothing_fold_leaves_float_outputs_unchanged(tiny: Path, method: str) -> None:
-    from treadle.quantize.awq import group_inputs, search_scales
-    from treadle.quantize.layers import SMOOTH_GROUPS, decoder_layers, run_layer
-    from treadle.quantize.smooth import fold_scales
-    from treadle.quantize.smoothquant import smooth_layer
+    from treadle.calibrate.awq import group_inputs, search_scales
+    from treadle.calibrate.layers import SMOOTH_GROUPS, decoder_layers, run_layer
+    from treadle.calibrate.smooth import fold_scales
+    from treadle.calibrate.smoothquant import smooth_layer
 
     model = _hf_float(tiny)
     batch, inputs = _calibration_inputs(model)
@@ -65,8 +65,8 @@ def test_smoothing_fold_leaves_float_outputs_unchanged(tiny: Path, method: str) 
 
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_reduces_layer_output_error_against_rtn(tiny: Path, act_order: bool) -> None:
-    from treadle.quantize.gptq import HessianSum, gptq_quantize
-    from treadle.quantize.layers import decoder_layers, linear_inputs, run_layer
+    from treadle.calibrate.gptq import HessianSum, gptq_quantize
+    from treadle.calibrate.layers import decoder_layers, linear_inputs, run_layer
 
     model = _hf_float(tiny)
     _, inputs = _calibration_inputs(model, samples=8)
@@ -119,9 +119,9 @@ def test_quantize_writes_a_compressed_tensors_checkpoint_transformers_loads(
     assert "model.layers.0.self_attn.q_proj.weight_scale" in keys
 
     # transformers decompresses exactly the weights the algorithm produced in memory
+    from treadle.calibrate.calibration import calibration_batch
+    from treadle.calibrate.pipeline import quantize_model
     from treadle.loaders import open_model_source
-    from treadle.quantize.calibration import calibration_batch
-    from treadle.quantize.pipeline import quantize_model
 
     spec = QuantizeSpec.build(method, bits, group_size, 0.8, 4, 64)
     expected = _hf_float(tiny)

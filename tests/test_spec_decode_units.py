@@ -15,17 +15,17 @@ from treadle.config import SchedulerConfig, SpeculativeConfig, TreadleError
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.request import Request, RequestStatus
 from treadle.core.scheduler import Scheduler
+from treadle.core.spec_fallback import FallbackController
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.engine.resolver import resolve_speculative
 from treadle.entrypoints.engine_args import add_engine_args, engine_kwargs
 from treadle.layers.attention import AttentionSpec, ReferenceBackend, build_attention_metadata
 from treadle.layers.attention.cpu import CPUBackend
+from treadle.sample.rejection_sampler import verify
+from treadle.sample.sampler import Sampler, SamplingRow
 from treadle.sampling_params import SamplingParams
-from treadle.spec_decode.fallback import FallbackController
 from treadle.spec_decode.ngram import NgramProposer
 from treadle.spec_decode.proposer import DraftLength, ProposerStep, RequestProgress
-from treadle.spec_decode.rejection_sampler import verify
-from treadle.worker.sampler import Sampler, SamplingRow
 
 # -- config ---------------------------------------------------------------------------------
 

@@ -79,8 +79,8 @@ def evaluate_text(model: str, text: Path, quantization: str | None, reference: s
 
 
 def _checkpoint(model: str, row: Row, workdir: Path, quantize: bool) -> str:
-    from treadle.quantize.pipeline import quantize_checkpoint
-    from treadle.quantize.spec import QuantizeSpec
+    from treadle.calibrate.pipeline import quantize_checkpoint
+    from treadle.calibrate.spec import QuantizeSpec
 
     assert row.method is not None
     out = workdir / (f"{Path(model).name}-{row.method}-w{row.bits}" + (f"-g{row.group_size}" if row.group_size else ""))

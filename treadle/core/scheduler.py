@@ -26,11 +26,11 @@ from collections.abc import Iterable
 from treadle.config import InvalidRequestError, SchedulerConfig
 from treadle.core.cost_policy import SchedulingPolicy
 from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.kv_connector_data import KVConnectorMetadata
 from treadle.core.request import Request, RequestStatus
+from treadle.core.spec_fallback import FallbackController
 from treadle.core.step_data import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from treadle.core.waiting_queue import WaitingQueue
-from treadle.kv_transfer.metadata import KVConnectorMetadata
-from treadle.spec_decode.fallback import FallbackController
 
 
 class Scheduler:

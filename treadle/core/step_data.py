@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from treadle.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
+from treadle.core.kv_connector_data import KVConnectorMetadata, KVConnectorOutput
 from treadle.sampling_params import SamplingParams
 
 

@@ -21,6 +21,8 @@ from treadle.config import EngineConfig, EngineDeadError, InvalidRequestError, T
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.request import Request, RequestStatus
 from treadle.core.scheduler import Scheduler
+from treadle.core.spec_fallback import FallbackController
+from treadle.core.spec_metrics import SpecDecodeStats
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.engine.args import EngineArgs, engine_args
 from treadle.engine.memory import fmt_bytes
@@ -31,8 +33,6 @@ from treadle.executor import Executor, create_executor
 from treadle.kv_transfer.scheduler import KVTransferScheduler
 from treadle.loaders import ModelSource, open_model_source
 from treadle.sampling_params import SamplingParams
-from treadle.spec_decode.fallback import FallbackController
-from treadle.spec_decode.metrics import SpecDecodeStats
 from treadle.structured import StructuredOutputsParams
 from treadle.tokenizer import Tokenizer
 

@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from treadle.quantize.spec import METHODS
+from treadle.calibrate.spec import METHODS
 
 
 def register(subparsers: Any) -> None:
@@ -31,8 +31,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from treadle.quantize.pipeline import quantize_checkpoint
-    from treadle.quantize.spec import QuantizeSpec
+    from treadle.calibrate.pipeline import quantize_checkpoint
+    from treadle.calibrate.spec import QuantizeSpec
 
     spec = QuantizeSpec.build(args.method, args.bits, args.group_size, args.alpha, args.num_samples, args.seq_len,
                               args.act_order)

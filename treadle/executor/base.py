@@ -37,9 +37,9 @@ from typing import NamedTuple
 
 from treadle import envs
 from treadle.config import EngineConfig, EngineDeadError
+from treadle.core.kv_connector_data import KVConnectorOutput
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.kv_transfer.aggregate import KVOutputAggregator
-from treadle.kv_transfer.metadata import KVConnectorOutput
 
 
 class KVCapacity(NamedTuple):

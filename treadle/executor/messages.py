@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import msgspec
 
+from treadle.core.kv_connector_data import KVConnectorOutput
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
-from treadle.kv_transfer.metadata import KVConnectorOutput
 
 STEP, STOP = b"step", b"stop"
 READY, OK, OUT, ERR = b"ready", b"ok", b"out", b"err"

@@ -27,9 +27,9 @@ import torch
 
 from treadle import envs
 from treadle.config import EngineConfig, EngineDeadError, TreadleError
+from treadle.core.kv_connector_data import KVConnectorOutput
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.executor.base import Executor, KVCapacity
-from treadle.kv_transfer.metadata import KVConnectorOutput
 
 logger = logging.getLogger("treadle")
 

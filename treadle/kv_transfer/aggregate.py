@@ -17,7 +17,7 @@ if any rank stopped because of a release message.
 """
 from __future__ import annotations
 
-from treadle.kv_transfer.metadata import KVConnectorOutput
+from treadle.core.kv_connector_data import KVConnectorOutput
 
 
 class KVOutputAggregator:

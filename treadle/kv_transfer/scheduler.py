@@ -46,17 +46,17 @@ from typing import Any
 
 from treadle.config import KVTransferConfig, SchedulerConfig
 from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.core.request import Request, RequestStatus
-from treadle.core.scheduler import Scheduler
-from treadle.core.step_data import ModelRunnerOutput
-from treadle.kv_transfer.metadata import (
+from treadle.core.kv_connector_data import (
     KVConnectorMetadata,
     LoadSpec,
     RemotePrefill,
     RemoteRelease,
     wants_remote_decode,
 )
-from treadle.spec_decode.fallback import FallbackController
+from treadle.core.request import Request, RequestStatus
+from treadle.core.scheduler import Scheduler
+from treadle.core.spec_fallback import FallbackController
+from treadle.core.step_data import ModelRunnerOutput
 
 logger = logging.getLogger("treadle")
 STREAMING, LOADED, FAILED = "streaming", "loaded", "failed"  # a started load, layer-wise start

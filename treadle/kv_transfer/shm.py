@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import zmq
 
+from treadle.core.kv_connector_data import LoadSpec
 from treadle.kv_transfer.heads import HeadSlice
-from treadle.kv_transfer.metadata import LoadSpec
 from treadle.kv_transfer.tcp import TcpConnector
 from treadle.kv_transfer.wire import LayerHeader, PullRequest, TransferError, check_frame, crc
 

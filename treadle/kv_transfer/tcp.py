@@ -38,8 +38,8 @@ import torch
 import zmq
 
 from treadle.config import KVTransferConfig
+from treadle.core.kv_connector_data import KVConnectorMetadata, KVConnectorOutput, LoadSpec
 from treadle.kv_transfer.heads import HeadSlice, RankPlacement, check_tp_size, num_pullers, pull_plan
-from treadle.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, LoadSpec
 from treadle.kv_transfer.progress import LoadProgress
 from treadle.kv_transfer.release import decode_release, send_release
 from treadle.kv_transfer.wire import (

@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from treadle.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
+from treadle.core.kv_connector_data import KVConnectorMetadata, KVConnectorOutput
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v): [num_blocks, block_size, kv_heads, head_dim]
 

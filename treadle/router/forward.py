@@ -32,7 +32,7 @@ import httpx
 import zmq
 from starlette.responses import Response
 
-from treadle.kv_transfer.metadata import RemotePrefill
+from treadle.core.kv_connector_data import RemotePrefill
 from treadle.kv_transfer.release import send_release
 from treadle.router.config import Role, RouterConfig
 from treadle.router.instances import Instance, InstancePool, describe

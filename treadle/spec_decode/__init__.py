@@ -3,9 +3,9 @@
     proposer            (proposer.py: the contract; ngram.py, draft_model.py,
                          head_proposers.py: EAGLE / Medusa heads, heads.py, head_format.py)
                                                the runner hands it the step, gets K drafts per request
-    verifier            (rejection_sampler.py) the runner's target logits at the 1 + K rows ->
+    verifier            (sample/rejection_sampler.py) the runner's target logits at the 1 + K rows ->
                                                the accepted drafts plus one token
-    fallback controller (fallback.py)         torch-free, beside the scheduler: whether drafts
+    fallback controller (core/spec_fallback.py) torch-free, in the scheduler's package: whether drafts
                                                are scheduled at all (per request, per batch size)
 
 The scheduler only reserves lookahead slots: a speculating request's target is its tokens

@@ -26,8 +26,8 @@ import torch
 from treadle.distributed.vocab import vocab_embedding
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, StepInputBuilder
 from treadle.models.llama import KVCache, LlamaForCausalLM
+from treadle.sample.sampler import argmax_rows
 from treadle.spec_decode.proposer import CatchUp, Proposer, ProposerStep, ProposerWork, RequestProgress
-from treadle.worker.sampler import argmax_rows
 
 
 class DraftLM(Protocol):

@@ -36,9 +36,9 @@ import torch
 
 from treadle.layers.attention import StepInputBuilder
 from treadle.models.llama import KVCache, LlamaForCausalLM
+from treadle.sample.sampler import argmax_rows
 from treadle.spec_decode.heads import EagleLayer, MedusaHeads
 from treadle.spec_decode.proposer import CatchUp, DraftLength, Proposer, ProposerStep, ProposerWork, RequestProgress
-from treadle.worker.sampler import argmax_rows
 
 
 class DraftVocab:

@@ -27,12 +27,12 @@ from treadle.distributed.overlap import split_tokens
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, StepInputBuilder
 from treadle.layers.attention.kv_quant import row_width
 from treadle.models.llama import LlamaForCausalLM
+from treadle.sample.rejection_sampler import verify
+from treadle.sample.sampler import Sampler, SamplingRow, logprobs_at
 from treadle.spec_decode.proposer import Proposer, ProposerStep, RequestProgress
-from treadle.spec_decode.rejection_sampler import verify
 from treadle.structured.matchers import GrammarMatchers
 from treadle.worker.cuda_graph import CUDAGraphRunner
 from treadle.worker.fused_layers import fuse_decoder_layers
-from treadle.worker.sampler import Sampler, SamplingRow, logprobs_at
 
 
 @dataclass

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from treadle.spec_decode.metrics import SpecDecodeStats
+from treadle.core.spec_metrics import SpecDecodeStats
 
 EMA = 0.2  # weight of a new measurement
 DEFAULT_COST_RATIO = 1.1  # verify / plain step time before both are measured

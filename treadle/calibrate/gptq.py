@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from treadle.calibrate.grid import Grid
+from treadle.calibrate.layers import SMOOTH_GROUPS, LayerInput, linear_inputs, linears, run_layer
 from treadle.config import TreadleError
-from treadle.quantize.grid import Grid
-from treadle.quantize.layers import SMOOTH_GROUPS, LayerInput, linear_inputs, linears, run_layer
 
 BLOCK = 128
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from treadle.quantize.grid import Grid
-from treadle.quantize.layers import SMOOTH_GROUPS, LayerInput, SmoothGroup, linear_inputs, run_layer
-from treadle.quantize.smooth import fold_scales, group_weight, tie_heads
-from treadle.quantize.smoothquant import rtn_layer
+from treadle.calibrate.grid import Grid
+from treadle.calibrate.layers import SMOOTH_GROUPS, LayerInput, SmoothGroup, linear_inputs, run_layer
+from treadle.calibrate.smooth import fold_scales, group_weight, tie_heads
+from treadle.calibrate.smoothquant import rtn_layer
 
 GRID_POINTS = 20
 MAX_TOKENS = 1024  # calibration tokens the search uses per group (a fixed subsample)

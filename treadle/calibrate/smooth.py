@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from treadle.quantize.layers import SmoothGroup, linear
+from treadle.calibrate.layers import SmoothGroup, linear
 
 
 def head_groups(layer: nn.Module) -> tuple[int, int]:

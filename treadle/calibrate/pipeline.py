@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from treadle.calibrate.calibration import calibration_batch
+from treadle.calibrate.grid import Grid
+from treadle.calibrate.layers import LayerInput, decoder_layers, first_layer_inputs, run_layer
+from treadle.calibrate.spec import QuantizeSpec
 from treadle.config import TreadleError
-from treadle.quantize.calibration import calibration_batch
-from treadle.quantize.grid import Grid
-from treadle.quantize.layers import LayerInput, decoder_layers, first_layer_inputs, run_layer
-from treadle.quantize.spec import QuantizeSpec
 
 log = logging.getLogger(__name__)
 
@@ -21,9 +21,9 @@ def quantize_layer(layer: nn.Module, inputs: list[LayerInput], spec: QuantizeSpe
     returns the scales [out, groups] of each linear by its name inside the layer. A linear
     whose input width is not a multiple of the group size stays float (the writer lists it
     in ``ignore``)."""
-    from treadle.quantize.awq import awq_layer
-    from treadle.quantize.gptq import gptq_layer
-    from treadle.quantize.smoothquant import rtn_layer, smoothquant_layer
+    from treadle.calibrate.awq import awq_layer
+    from treadle.calibrate.gptq import gptq_layer
+    from treadle.calibrate.smoothquant import rtn_layer, smoothquant_layer
 
     grid = Grid(spec.bits, spec.group_size)
     skip = {name for name, m in layer.named_modules()
@@ -55,9 +55,9 @@ def quantize_model(model: nn.Module, batch: torch.Tensor, spec: QuantizeSpec) ->
 
 
 def quantize_checkpoint(model_name: str, out: Path, calibration: Path | None, spec: QuantizeSpec) -> None:
+    from treadle.calibrate.hf_model import build_hf_model, copy_tokenizer_files, hf_config_dict, require_transformers
+    from treadle.calibrate.writer import write_checkpoint
     from treadle.loaders import open_model_source
-    from treadle.quantize.hf_model import build_hf_model, copy_tokenizer_files, hf_config_dict, require_transformers
-    from treadle.quantize.writer import write_checkpoint
 
     require_transformers()
     if spec.method != "rtn" and calibration is None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from treadle.quantize.grid import Grid
-from treadle.quantize.layers import SMOOTH_GROUPS, LayerInput, SmoothGroup, linear_inputs, run_layer
-from treadle.quantize.smooth import fold_scales, group_weight, tie_heads
+from treadle.calibrate.grid import Grid
+from treadle.calibrate.layers import SMOOTH_GROUPS, LayerInput, SmoothGroup, linear_inputs, run_layer
+from treadle.calibrate.smooth import fold_scales, group_weight, tie_heads
 
 
 def activation_absmax(layer: nn.Module, inputs: list[LayerInput]) -> dict[str, torch.Tensor]:

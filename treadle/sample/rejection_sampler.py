@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from treadle.core.step_data import TokenLogprobs
-from treadle.worker.sampler import Sampler, SamplingRow, logprobs_at
+from treadle.sample.sampler import Sampler, SamplingRow, logprobs_at
 
 
 class Verified(NamedTuple):

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from treadle.quantize.spec import QuantizeSpec
+from treadle.calibrate.spec import QuantizeSpec
 
 
 def scheme_config(spec: QuantizeSpec, ignore: list[str]) -> object:
