@@ -40,8 +40,48 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-_SLIDING_WHEN_ENABLED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # sliding_window only with use_sliding_window
+# sliding_window only with use_sliding_window
+_SLIDING_WHEN_ENABLED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_QKV_BIAS_BY_DEFAULT = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts model's routed MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE): each token goes
+    to ``top_k`` of ``num_experts`` SwiGLU experts, weighted by the router's softmax (over all
+    experts, then the top k kept, renormalized to sum 1 when ``norm_topk_prob``)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool  # Mixtral: always; Qwen: the config's flag
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-on expert, gated by sigmoid; 0: none
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and it is not listed here (those keep a dense MLP)
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any], architecture: str) -> MoEConfig | None:
+        experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        if not experts:
+            return None
+        mixtral = architecture == "MixtralForCausalLM"
+        return MoEConfig(
+            num_experts=experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]),
+            norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+        )
 
 
 @dataclass(frozen=True)
@@ -63,12 +103,31 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # None: every layer has a dense MLP
+    # Gemma 3: each layer's attention kind ("sliding_attention" | "full_attention"; empty: every
+    # layer alike, windowed when ``sliding_window`` is set), the sliding layers' RoPE base, and
+    # the softmax scale's denominator (scale = query_pre_attn_scalar ** -0.5; None: head_dim)
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` routes tokens to experts (else: a dense MLP)."""
+        return self.moe is not None and self.moe.is_sparse(layer)
+
+    def layer_window(self, layer: int) -> int | None:
+        """Decoder layer ``layer``'s sliding window (None: it attends to every earlier key)."""
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @staticmethod
     def from_hf(cfg: dict[str, Any], eos_override: tuple[int, ...] | None = None) -> ModelConfig:
         archs = cfg.get("architectures") or [_ARCH_BY_MODEL_TYPE.get(cfg.get("model_type", ""), "LlamaForCausalLM")]
         # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        local_rope = rope.get("sliding_attention") or {}  # Gemma 3 under transformers >= 5: a dict per layer kind
+        rope = rope.get("full_attention", rope)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         rope_scaling = parse_rope_scaling(rope)
@@ -92,11 +151,13 @@ class ModelConfig:
             rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", archs[0] == "Qwen2ForCausalLM")),
+            qkv_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", archs[0] in _QKV_BIAS_BY_DEFAULT))),
             rope_scaling=rope_scaling,
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_override if eos_override is not None else eos_ids,
+            **_gemma_fields(cfg, archs[0], local_rope),
+            moe=MoEConfig.from_hf(cfg, archs[0]),
         )
 
     @property
@@ -104,6 +165,24 @@ class ModelConfig:
         """Ids that end generation: the checkpoint's EOS ids (generation_config.json's
         list when there is one, e.g. stories260K stops on BOS too)."""
         return tuple(dict.fromkeys(self.eos_token_ids))
+
+
+def _gemma_fields(cfg: dict[str, Any], architecture: str, local_rope: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's interleaved sliding / full layers (``layer_types``, or the older
+    ``sliding_window_pattern``: every pattern-th layer is full), local RoPE base and softmax scale."""
+    if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
+        raise TreadleError("logit soft-capping (final_logit_softcapping / attn_logit_softcapping) is not supported")
+    if architecture != "Gemma3ForCausalLM":
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+    kinds = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    return dict(
+        layer_types=tuple(str(k) for k in kinds),
+        rope_local_theta=float(local_rope.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+    )
 
 
 def parse_rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
@@ -169,6 +248,8 @@ class ParallelConfig:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     comm_overlap: bool  # TP: two micro-batches per step, all-reduces overlapped with compute
+    # MoE under TP: each rank holds E / T whole experts (else: every expert, 1 / T of its columns)
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:

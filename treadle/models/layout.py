@@ -52,6 +52,10 @@ class LinearLayout:
     split: Split
     bias: Callable[[ModelConfig], bool] = _no
     packed_in_checkpoint: bool = False  # the checkpoint holds ``name`` itself, not its parts
+    layers: str = "all"  # which decoder layers hold it: "all", or (MoE models) "dense" / "sparse"
+
+    def present(self, cfg: ModelConfig, layer: int) -> bool:
+        return self.layers == "all" or (self.layers == "sparse") == cfg.is_sparse_layer(layer)
 
     def output_sizes(self, cfg: ModelConfig) -> list[int]:
         return [rows(cfg) for _, rows in self.parts]
@@ -59,6 +63,44 @@ class LinearLayout:
     def checkpoint_names(self) -> tuple[str, ...]:
         """The module paths this layer's tensors have in a checkpoint, in shard order."""
         return (self.name,) if self.packed_in_checkpoint else tuple(name for name, _ in self.parts)
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """A sparse layer's routed experts (SwiGLU MLPs, ``cfg.moe``): one checkpoint tensor per
+    expert and projection, held by the model stacked by expert (``treadle.layers.moe``)::
+
+        {checkpoint}.{e}.{gate}.weight [I, hidden] --.
+        {checkpoint}.{e}.{up}.weight   [I, hidden] ---+-> {name}.w13 [E, 2I, hidden], shard 2e (gate), 2e + 1 (up)
+        {checkpoint}.{e}.{down}.weight [hidden, I] ----> {name}.w2  [E, hidden, I],  shard e
+
+    Tensor parallelism cuts them in the layer's own weight loader (each expert's I columns, or
+    whole experts under expert parallelism), not by ``Split``."""
+
+    name: str  # our module path inside a decoder layer, e.g. "mlp.experts"
+    checkpoint: str  # the checkpoint's: "mlp.experts" (Qwen), "block_sparse_moe.experts" (Mixtral)
+    projections: tuple[str, str, str]  # gate, up, down: ("gate_proj", "up_proj", "down_proj") or ("w1", "w3", "w2")
+
+    def expected_tensors(self, cfg: ModelConfig, prefix: str) -> dict[str, Shape]:
+        assert cfg.moe is not None
+        h, inter = cfg.hidden_size, cfg.moe.intermediate_size
+        gate, up, down = self.projections
+        shapes: dict[str, Shape] = {}
+        for e in range(cfg.moe.num_experts):
+            p = f"{prefix}.{self.checkpoint}.{e}"
+            shapes |= {f"{p}.{gate}.weight": (inter, h), f"{p}.{up}.weight": (inter, h), f"{p}.{down}.weight": (h, inter)}
+        return shapes
+
+    def parameter_for(self, module: str) -> tuple[str, int] | None:
+        """A decoder-layer module path (``block_sparse_moe.experts.5.w3``) -> (our parameter
+        inside the layer, shard), or None when it is not an expert's."""
+        if not module.startswith(self.checkpoint + "."):
+            return None
+        index, _, proj = module[len(self.checkpoint) + 1:].partition(".")
+        if not index.isdigit() or proj not in self.projections:
+            return None
+        j = self.projections.index(proj)
+        return (f"{self.name}.w2", int(index)) if j == 2 else (f"{self.name}.w13", 2 * int(index) + j)
 
 
 @dataclass(frozen=True)
@@ -78,6 +120,7 @@ class ModelLayout:
     final_norm: str = "model.norm"  # [hidden], Split.REPLICATED
     lm_head: str = "lm_head"  # [vocab, hidden], Split.VOCAB; tied to ``embed`` when the config says so
     ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    experts: ExpertsLayout | None = None  # MoE models: the sparse layers' routed experts
 
     def linear(self, name: str) -> LinearLayout:
         return next(lin for lin in self.linears if lin.name == name)
@@ -106,7 +149,11 @@ class ModelLayout:
         for i in range(cfg.num_layers):
             p = f"{self.layer_prefix}.{i}"
             shapes |= {f"{p}.{n.name}.weight": (n.size(cfg),) for n in self.norms}
+            if self.experts is not None and cfg.is_sparse_layer(i):
+                shapes |= self.experts.expected_tensors(cfg, p)
             for lin in self.linears:
+                if not lin.present(cfg, i):
+                    continue
                 sizes = lin.output_sizes(cfg)
                 rows = [sum(sizes)] if lin.packed_in_checkpoint else sizes
                 for name, r in zip(lin.checkpoint_names(), rows):
@@ -124,9 +171,12 @@ class ModelLayout:
         name = hf_name.removeprefix("model.")
         layer_prefix = self.layer_prefix.removeprefix("model.") + "."
         lin, shard = self.linear_for(hf_name)
+        index, _, module = name[len(layer_prefix):].rpartition(".")[0].partition(".")
         if lin is not None:
-            index = name[len(layer_prefix):].partition(".")[0]
             return f"{layer_prefix}{index}.{lin.name}.{hf_name.rpartition('.')[2]}", shard
+        expert = None if self.experts is None or not name.startswith(layer_prefix) else self.experts.parameter_for(module)
+        if expert is not None:
+            return f"{layer_prefix}{index}.{expert[0]}", expert[1]
         return name, None
 
     def linear_for(self, hf_name: str) -> tuple[LinearLayout | None, int | None]:

@@ -90,7 +90,7 @@ class LlamaDecoderLayer(nn.Module):
     """Under tensor parallelism the attention's o_proj and the MLP's down_proj are row-parallel:
     each rank's output is a partial sum, completed here by an all-reduce over the TP group."""
 
-    def __init__(self, attention: LlamaAttention, mlp: LlamaMLP, cfg: ModelConfig,
+    def __init__(self, attention: LlamaAttention, mlp: nn.Module, cfg: ModelConfig,
                  parallel: ParallelContext) -> None:
         super().__init__()
         self.parallel = parallel
@@ -165,9 +165,7 @@ class LlamaForCausalLM(nn.Module):
             if i not in self.stage:
                 self.layers.append(nn.Identity())
                 continue
-            p = f"{layout.layer_prefix}.{i}"
-            attn = self.attention_cls(cfg, layout, backend, dtype, method, p, rotary)
-            self.layers.append(LlamaDecoderLayer(attn, LlamaMLP(cfg, layout, dtype, method, p), cfg, parallel))
+            self.layers.append(self.make_layer(cfg, i, backend, dtype, method, rotary))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # every layer as one call on the steps it takes (x, kv_caches, meta -> (x, residual) or None);
         # set by the runner's planner (treadle.worker.fused_layers)
@@ -179,6 +177,20 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype, method(layout.lm_head))
+
+    def make_layer(self, cfg: ModelConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype,
+                   method: MethodFactory, rotary: RotaryEmbedding) -> nn.Module:
+        """Decoder layer ``layer`` (``cfg``: this rank's part; ``rotary``: the model's RoPE
+        table); Gemma 3 gives each layer its own window and table here."""
+        p = f"{self.layout.layer_prefix}.{layer}"
+        attn = self.attention_cls(cfg, self.layout, backend, dtype, method, p, rotary)
+        return LlamaDecoderLayer(attn, self.make_mlp(cfg, layer, dtype, method, p), cfg, self.parallel)
+
+    def make_mlp(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, method: MethodFactory,
+                 prefix: str) -> nn.Module:
+        """Decoder layer ``layer``'s MLP (``cfg``: this rank's part); mixture-of-experts
+        families return their sparse block here (``treadle.models.moe``)."""
+        return LlamaMLP(cfg, self.layout, dtype, method, prefix)
 
     def forward(
         self,

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 from treadle.config import TreadleError
+from treadle.models.gemma3 import Gemma3ForCausalLM
 from treadle.models.layout import ModelLayout
 from treadle.models.llama import LlamaForCausalLM
+from treadle.models.mixtral import MixtralForCausalLM
 from treadle.models.phi3 import Phi3ForCausalLM
 from treadle.models.qwen3 import Qwen3ForCausalLM
+from treadle.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -13,6 +16,10 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
