@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_tiny_model
-from kernel_variants import VARIANTS, rand, runnable
+from kernel_variants import VARIANTS, force, rand, runnable
 from paged_session import PagedSession
 
 from treadle import LLM, SamplingParams
@@ -38,7 +38,7 @@ def test_variant_matches_plain_c_and_torch(variant: str, m: int, n: int, k: int)
     got = native.bf16_matmul(x, w, b, variant=variant)
     ref = native.bf16_matmul(x, w, b, plain=True)
     oracle = F.linear(x.double(), w.double(), b.double()).float()
-    if variant == "avx512-bf16" and k % 32 == 0:  # vdpbf16ps: x rounded to bfloat16, another order
+    if native.rounds_activations_to_bf16(variant) and k % 32 == 0:  # vdpbf16ps: x rounded to bfloat16, another order
         oracle = F.linear(x.bfloat16().double(), w.double(), b.double()).float()
         torch.testing.assert_close(got, oracle, rtol=0, atol=1e-5 * float(oracle.abs().max()))
         return
@@ -95,20 +95,34 @@ def test_float_layers_of_a_bfloat16_model_use_the_kernel(tiny_bf16: Path) -> Non
     assert not any(isinstance(m.method, BFloat16CPUMethod) for m in f32.model.modules() if isinstance(m, Linear))
 
 
-def test_greedy_matches_transformers_float32_on_the_rounded_weights(tiny_bf16: Path) -> None:
+def bf16_rounded_inputs(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return (args[0].bfloat16().float(), *args[1:])
+
+
+@VARIANTS
+def test_greedy_matches_transformers_float32_on_the_rounded_weights(tiny_bf16: Path, variant: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Oracle: transformers in float32 with every weight rounded to bfloat16 (what the model
     holds). Treadle's bfloat16 model computes in float32 too: through the engine (fused C decoder
     layers, a bfloat16 KV cache, which rounds K and V) greedy tokens are identical; over a float32
-    cache the logits differ only by summation order."""
+    cache the logits differ only by summation order. The contract follows the variant the engine
+    runs (forced here, each in turn): one whose bfloat16 matmul rounds activations to bfloat16
+    (avx512-bf16: vdpbf16ps, where K % 32 == 0) is held to transformers with each such linear
+    layer's input rounded the same way -- then too only the summation order differs."""
     import transformers
 
+    force(monkeypatch, variant)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_bf16, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.copy_(p.bfloat16().float())
+    if native.rounds_activations_to_bf16(variant):
+        for m in hf.modules():
+            if isinstance(m, torch.nn.Linear) and m.in_features % 32 == 0:
+                m.register_forward_pre_hook(bf16_rounded_inputs)
     prompts = [[5, 17, 33, 2, 90, 41, 7], [60, 3, 3, 28, 71, 19, 44, 12, 8, 50, 23]]
     llm = LLM(str(tiny_bf16), dtype="bfloat16", num_kv_blocks=64, block_size=4)
-    assert all(isinstance(layer, FusedDecoderLayer) for layer in llm.engine.executor.worker.runner.model.layers)
+    assert all(isinstance(layer, FusedDecoderLayer) for layer in llm.engine.model_runner().model.layers)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, got in zip(prompts, ours):
