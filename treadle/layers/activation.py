@@ -1,4 +1,4 @@
-"""SwiGLU: silu(gate) * up over the fused gate_up projection."""
+"""Gated activations over the fused gate_up projection: SwiGLU (silu(gate) * up) and GeGLU."""
 from __future__ import annotations
 
 import torch
@@ -21,3 +21,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return ops.silu_mul(gate_up)
     d = gate_up.shape[-1] // 2
     return F.silu(gate_up[..., :d]).mul_(gate_up[..., d:])
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): gelu(gate, tanh approximation) * up; [..., 2 * d] -> [..., d]."""
+    d = gate_up.shape[-1] // 2
+    return F.gelu(gate_up[..., :d], approximate="tanh").mul_(gate_up[..., d:])

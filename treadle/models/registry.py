@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from treadle.config import TreadleError
+from treadle.models.gemma3 import Gemma3ForCausalLM
 from treadle.models.layout import ModelLayout
 from treadle.models.llama import LlamaForCausalLM
 from treadle.models.mixtral import MixtralForCausalLM
@@ -15,6 +16,7 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
