@@ -2,7 +2,8 @@
 batching, chunked prefill; with ``--speculative-config`` it speculates, ``treadle-nospec``
 is the same engine without), Treadle in static batches, Hugging Face
 transformers generate() and llama.cpp (through llama-cpp-python, in llamacpp.py; its
-prompt-lookup decoding, batch 1 only, in llamacpp_lookup.py).
+prompt-lookup decoding, batch 1 only, in llamacpp_lookup.py; llama.cpp's own llama-server
+with one slot per concurrent request, built by tools/build_llamacpp.sh, in llamacpp_server.py).
 
 Every backend runs greedy decoding with EOS ignored, so each request yields
 exactly its ``output_len`` tokens, and reports a RequestRecord per request
@@ -27,7 +28,8 @@ from treadle.bench.workloads import BenchRequest
 
 Progress = Callable[[int], Any] | None  # called with the number of requests just finished
 
-BACKENDS = ("treadle", "treadle-nospec", "static", "hf", "llamacpp", "llamacpp-lookup", "llamacpp-hl")
+BACKENDS = ("treadle", "treadle-nospec", "static", "hf", "llamacpp", "llamacpp-lookup", "llamacpp-hl",
+            "llamacpp-server")
 
 
 class Backend(Protocol):
@@ -192,6 +194,10 @@ def make_backend(name: str, engine_kwargs: dict[str, Any], n_ctx: int) -> Backen
         from treadle.bench.llamacpp import LlamaCppBackend
 
         return LlamaCppBackend(engine_kwargs["model"], n_ctx)
+    if base == "llamacpp-server":  # llama.cpp's own server, -np = the concurrency (llamacpp_server.py)
+        from treadle.bench.llamacpp_server import make_server_backend
+
+        return make_server_backend(engine_kwargs["model"], n_ctx)
     if base in ("llamacpp-lookup", "llamacpp-hl"):
         from treadle.bench.llamacpp_lookup import LlamaCppLookupBackend
 

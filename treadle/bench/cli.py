@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ from treadle.entrypoints.engine_args import DEFAULT_MODEL, add_engine_args, engi
 if TYPE_CHECKING:
     from treadle.bench.offline import OfflineSetup
 
-BACKENDS = ("treadle", "treadle-nospec", "static", "hf", "llamacpp", "llamacpp-lookup", "llamacpp-hl")  # torch, transformers, httpx load only when a command runs
+BACKENDS = ("treadle", "treadle-nospec", "static", "hf", "llamacpp", "llamacpp-lookup", "llamacpp-hl",
+            "llamacpp-server")  # torch, transformers, httpx load only when a command runs
 
 
 def int_list(text: str) -> list[int]:
@@ -61,7 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     lat.set_defaults(func=cmd_latency)
     s = kinds.add_parser("serve", help="load an OpenAI-compatible server (ours or another)")
     s.add_argument("--base-url", action="append", required=True, metavar="[LABEL=]URL",
-                   help="server root, e.g. http://127.0.0.1:8000 (repeat to compare servers)")
+                   help="server root, e.g. http://127.0.0.1:8000 (repeat to compare servers); llamacpp-server "
+                        "starts llama.cpp's server on --model's GGUF with one slot per concurrent request")
     s.add_argument("--model", default=DEFAULT_MODEL, help="local model whose vocabulary the prompts use")
     s.add_argument("--served-model-name", default=None, help="model id to send (default: the server's first)")
     s.add_argument("--prompt-format", default="ids", choices=["ids", "text"], help="send token ids or decoded text")
@@ -214,8 +217,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for ci, conc in enumerate(args.max_concurrency):
             reqs, prompts = _serve_prompts(args, salt=ci + 1)  # the same per level for every server
             traffic = Traffic(args.request_rate, args.burstiness, conc or None, args.seed)
-            with tqdm(total=len(reqs), desc=f"bench serve {label} c={conc or 'inf'}", file=sys.stderr) as bar:
-                recs, dur, model = asyncio.run(run_serve(url, reqs, prompts, traffic, args.served_model_name,
+            with (_launched(url, args.model, reqs, conc) as base,
+                  tqdm(total=len(reqs), desc=f"bench serve {label} c={conc or 'inf'}", file=sys.stderr) as bar):
+                recs, dur, model = asyncio.run(run_serve(base, reqs, prompts, traffic, args.served_model_name,
                                                          bar.update))
             m = summarize(recs, dur, percentiles, slos or None)
             desc = f"rate {args.request_rate} req/s, burstiness {args.burstiness}, max concurrency {conc or 'inf'}"
@@ -235,6 +239,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.save_result:
         save_result(args.save_result, {"kind": "serve", "args": vars_of(args), "results": results})
     return 0
+
+
+def _launched(url: str, model: str, reqs: list, conc: int) -> contextlib.AbstractContextManager[str]:
+    """``url`` itself, or for ``llamacpp-server`` llama.cpp's server started on ``model``'s GGUF
+    with one slot per concurrent request (stopped when the context ends)."""
+    if url != "llamacpp-server":
+        return contextlib.nullcontext(url)
+    from treadle.bench.llamacpp_server import launched_server
+
+    return launched_server(model, slots=conc or len(reqs), ctx_per_slot=max(r.prompt_len + r.output_len for r in reqs) + 16)
 
 
 def _plot_serve(args: argparse.Namespace, results: list[dict], records: dict) -> None:
