@@ -35,6 +35,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="refuse (400) a request whose prompts x n exceeds this")
     p.add_argument("--max-request-bytes", type=positive_int, default=None,
                    help="refuse (413) larger request bodies (default: from max_model_len, at least 1 MiB)")
+    p.add_argument("--max-logprob-entries", type=positive_int, default=None,
+                   help="refuse (400) a request that could produce more logprob entries than this "
+                        "(prompts x n x max_tokens x (logprobs+1), plus prompt logprobs; default 1,000,000)")
+    p.add_argument("--stream-stall-timeout", type=float, default=None,
+                   help="abort a streamed request whose client has read nothing for this many seconds (default 30)")
+    p.add_argument("--header-timeout", type=float, default=None,
+                   help="close a connection whose request headers are not complete this many seconds after its "
+                        "first byte (or after it opened; default 10)")
+    p.add_argument("--max-idle-connections-per-client", type=positive_int, default=None,
+                   help="keep at most this many idle connections per client address; beyond it the oldest "
+                        "is closed (default 64)")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (the tokenizer's special tokens, chat template, ...), as vLLM")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before exiting")
     p.add_argument("--heartbeat-timeout", type=float, default=60.0,
@@ -69,10 +82,9 @@ def start_engine(args: argparse.Namespace, engine_factory: Callable[..., LLMEngi
 
 
 def run_serve(args: argparse.Namespace, engine_factory: Callable[..., LLMEngine] | None = None) -> int:
-    import uvicorn
-
     from treadle.config import TreadleError
     from treadle.server import build_app
+    from treadle.server.connections import uvicorn_config
     from treadle.server.lifecycle import DrainingServer
 
     if not 0 <= args.port <= 65535:  # checked before the model loads, as one line
@@ -82,9 +94,10 @@ def run_serve(args: argparse.Namespace, engine_factory: Callable[..., LLMEngine]
     llm, model = start_engine(args, engine_factory)
     try:
         app = build_app(llm, served_model_name=args.served_model_name or model, api_key=args.api_key,
-                        limits=_limits(args))
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=1, access_log=args.log_level == "debug")
+                        limits=_limits(args), enable_tokenizer_info=args.enable_tokenizer_info_endpoint)
+        config = uvicorn_config(app, args.header_timeout, args.max_idle_connections_per_client, host=args.host,
+                                port=args.port, log_level=args.log_level, timeout_graceful_shutdown=1,
+                                access_log=args.log_level == "debug")
         DrainingServer(config, app.state.treadle, args.shutdown_timeout,
                        on_ready=lambda: _announce(args, app.state.treadle.served_model_name)).run()
     finally:
@@ -96,7 +109,8 @@ def _limits(args: argparse.Namespace):  # noqa: ANN202 - ServerLimits, imported 
     from treadle.server.state import ServerLimits
 
     given = {"max_waiting": args.max_waiting, "max_seqs_per_request": args.max_seqs_per_request,
-             "max_request_bytes": args.max_request_bytes}
+             "max_request_bytes": args.max_request_bytes, "max_logprob_entries": args.max_logprob_entries,
+             "stream_stall_timeout": args.stream_stall_timeout}
     return ServerLimits(**{k: v for k, v in given.items() if v is not None})
 
 

@@ -46,10 +46,11 @@ router = APIRouter()
 
 
 def build_app(llm: EngineClient, served_model_name: str, api_key: str | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, enable_tokenizer_info: bool = False) -> FastAPI:
     """An app serving ``llm`` as ``served_model_name``. ``api_key``: required as a
     Bearer token on everything but /health, /metrics and /version. ``limits``: what one
-    request may ask for (see ServerLimits)."""
+    request may ask for (see ServerLimits). ``enable_tokenizer_info``: serve
+    GET /tokenizer_info (vLLM's opt-in; otherwise it is a 404)."""
     app = FastAPI(title="Treadle", version=treadle.__version__, docs_url=None, redoc_url=None)
     limits = limits or ServerLimits()
     app.state.treadle = ServerState(
@@ -65,6 +66,8 @@ def build_app(llm: EngineClient, served_model_name: str, api_key: str | None = N
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(router)
+    if enable_tokenizer_info:
+        app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"], responses={401: BODY_RESPONSES[401]})
     return app
 
 
@@ -152,6 +155,21 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
         raise APIError(400, f"the text has {len(text)} characters, more than this model's context holds",
                        param, "context_length_exceeded")
     return tok.encode(text, add_special_tokens=special)
+
+
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    """The tokenizer's description, as vLLM's /tokenizer_info gives it (behind
+    --enable-tokenizer-info-endpoint): what a client needs to tokenize as the server does
+    (special tokens, the chat template, the context length) without downloading it."""
+    state = _state(request)
+    tok = state.tokenizer("tokenizer_info")
+    eos_ids = list(tok.eos_token_ids)
+    return {"tokenizer_class": "PreTrainedTokenizerFast",  # a Hugging Face `tokenizers` backend, as that class
+            "bos_token": tok.bos_token, "eos_token": tok.eos_token, "pad_token": None, "unk_token": None,
+            "bos_token_id": tok.bos_token_id, "eos_token_id": eos_ids[0] if eos_ids else None,
+            "eos_token_ids": eos_ids, "all_special_ids": sorted(tok.all_special_ids),
+            "vocab_size": tok.vocab_size, "model_max_length": state.llm.max_model_len,
+            "chat_template": tok.chat_template, "served_model_name": state.served_model_name}
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=BODY_RESPONSES)

@@ -12,7 +12,7 @@ from treadle.engine.llm_engine import PromptType
 from treadle.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from treadle.sampling_params import SamplingParams
 from treadle.server.errors import APIError
-from treadle.server.generation import GenerationView
+from treadle.server.generation import GenerationView, prompt_logprobs_json
 from treadle.server.openapi import GENERATION_RESPONSES
 from treadle.server.protocol import ChatCompletionRequest, ChatCompletionResponse, ChatMessage
 from treadle.server.state import ServerState
@@ -99,7 +99,13 @@ class _ChatView(GenerationView):
     def prompts(self) -> list[PromptType]:
         text = render_chat(self.state.tokenizer("messages"), self.body.messages, self.body.add_generation_prompt,
                            self.tools.tools if self.tools is not None else None)
-        return [self.tokenized(text, add_special_tokens=False)]
+        return [self.tokenized(text, add_special_tokens=self.body.add_special_tokens)]
+
+    def response_extras(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        """vLLM's chat response carries prompt_logprobs at its top level (one prompt)."""
+        if self.body.prompt_logprobs is None or not finals:
+            return {}
+        return {"prompt_logprobs": prompt_logprobs_json(finals[0])}
 
     def _logprobs(self, c: CompletionOutput, start: int, end: int) -> dict[str, Any] | None:
         if not self.body.logprobs:

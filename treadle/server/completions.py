@@ -11,7 +11,7 @@ from treadle.engine.llm_engine import PromptType
 from treadle.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from treadle.sampling_params import SamplingParams
 from treadle.server.errors import APIError
-from treadle.server.generation import GenerationView, prompt_index
+from treadle.server.generation import GenerationView, prompt_index, prompt_logprobs_json
 from treadle.server.openapi import GENERATION_RESPONSES
 from treadle.server.protocol import CompletionRequest, CompletionResponse
 from treadle.server.state import ServerState
@@ -63,6 +63,9 @@ class _CompletionView(GenerationView):
         super().__init__(state, body)
         self.tokenizer = state.llm.tokenizer
         self._offsets: dict[int, int] = {}  # streamed text so far, per choice
+        # max_tokens 0 with echo (how scoring tools ask for a prompt's logprobs): the engine
+        # makes one token, which is never shown; the choice is the prompt, finish_reason "length"
+        self.echo_only = body.echo and body.max_tokens == 0
 
     def sampling_params(self) -> SamplingParams:
         body = self.body
@@ -72,7 +75,8 @@ class _CompletionView(GenerationView):
             raise APIError.bad_request("best_of must equal n (or be left out)", "best_of")
         if not body.prompts():
             raise APIError.bad_request("prompt must not be empty", "prompt")
-        return self.make_params(body.max_tokens, body.logprobs, body.logprobs if body.echo else None)
+        max_tokens = 1 if self.echo_only else body.max_tokens
+        return self.make_params(max_tokens, body.logprobs, body.logprobs if body.echo else None)
 
     def num_prompts(self) -> int:
         return len(self.body.prompts())
@@ -82,7 +86,7 @@ class _CompletionView(GenerationView):
         out: list[PromptType] = []
         for p in self.body.prompts():
             if isinstance(p, str):
-                out.append(self.tokenized(p))
+                out.append(self.tokenized(p, self.body.add_special_tokens))
             elif len(p) > max_len:
                 raise APIError(400, f"the prompt has {len(p)} tokens, more than max_model_len ({max_len})",
                                "prompt", "context_length_exceeded")
@@ -98,17 +102,25 @@ class _CompletionView(GenerationView):
     def choice_index(self, out: RequestOutput, c: CompletionOutput) -> int:
         return prompt_index(out.request_id) * self.body.n + c.index
 
+    def completion_tokens(self, c: CompletionOutput) -> int:
+        return 0 if self.echo_only else len(c.token_ids)
+
     def choice(self, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
         prefix = self.prompt_text(out) if self.body.echo else ""
+        new = 0 if self.echo_only else len(c.token_ids)
         logprobs = None
         if self.body.logprobs is not None:
-            ids = list(c.token_ids)
-            entries: list[dict[int, Logprob] | None] = list((c.logprobs or [])[: len(c.token_ids)])
+            ids = list(c.token_ids[:new])
+            entries: list[dict[int, Logprob] | None] = list((c.logprobs or [])[:new])
             if self.body.echo:
                 ids, entries = list(out.prompt_token_ids) + ids, self._prompt_entries(out) + entries
             logprobs = legacy_logprobs(self.tokenizer, ids, entries, 0)
-        return {"index": self.choice_index(out, c), "text": prefix + c.text, "logprobs": logprobs,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        choice = {"index": self.choice_index(out, c), "text": prefix + (c.text if new else ""),
+                  "logprobs": logprobs, "finish_reason": "length" if self.echo_only else c.finish_reason,
+                  "stop_reason": None if self.echo_only else c.stop_reason}
+        if self.body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(out)
+        return choice
 
     @staticmethod
     def _prompt_entries(out: RequestOutput) -> list[dict[int, Logprob] | None]:
@@ -129,6 +141,9 @@ class _CompletionView(GenerationView):
                              "finish_reason": None}]) for c in out.outputs]
 
     def delta(self, out: RequestOutput, c: CompletionOutput, index: int) -> dict[str, Any]:
+        if self.echo_only:  # the prompt went in the first chunk; the one hidden token ends it
+            return {"index": index, "text": "", "logprobs": None,
+                    "finish_reason": "length" if c.finish_reason else None, "stop_reason": None}
         logprobs = None
         offset = self._offsets.get(index, 0)
         if self.body.logprobs is not None:

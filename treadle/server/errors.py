@@ -68,6 +68,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {first.get('msg', '')}", None, "invalid_json")
     param = _param_path(first.get("loc", ()))
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"{param}: this field is not supported by this server (see docs/serving.md)",
+                        param, "unsupported_field")
     message = f"{param or 'request body'}: {first.get('msg', 'invalid value')}"
     return APIError(400, message, param, "invalid_type" if param else "invalid_body")
 

@@ -27,6 +27,7 @@ from treadle.engine.engine_client import OutputGroup
 from treadle.engine.llm_engine import PromptType, StepFailedError
 from treadle.engine.outputs import CompletionOutput, RequestOutput
 from treadle.sampling_params import SamplingParams
+from treadle.server.backpressure import bounded_outputs, check_logprob_budget
 from treadle.server.errors import APIError, engine_error
 from treadle.server.protocol import MAX_N, SamplingFields
 from treadle.server.sse import SSE_DONE, sse, sse_error
@@ -50,6 +51,8 @@ class GenerationView(ABC):
         self.request_id = new_id(self.id_prefix)
         self.created = int(time.time())
         self.structured: StructuredRequest | None = None  # set by make_params
+        self.prompt_lens: list[int] = []  # tokens per prompt, set once the prompts are ready
+        self._generated: dict[int, int] = {}  # tokens generated so far, per choice (streamed usage)
 
     # -- what subclasses give ----------------------------------------------------------
     @abstractmethod
@@ -88,6 +91,19 @@ class GenerationView(ABC):
         """What the output must match (chat adds tool calls); None: free text."""
         return structured_request(self.body)
 
+    def response_extras(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        """Top-level fields of the whole (non-streamed) response beyond the common ones."""
+        return {}
+
+    def completion_tokens(self, c: CompletionOutput) -> int:
+        """Tokens ``c`` counts in usage (completions' echo-only requests count none)."""
+        return len(c.token_ids)
+
+    def usage(self, finals: list[RequestOutput]) -> dict[str, int]:
+        prompt = sum(len(o.prompt_token_ids) for o in finals)
+        completion = sum(self.completion_tokens(c) for o in finals for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
     # -- the skeleton ----------------------------------------------------------------------
     async def respond(self, request: Request) -> Response:
         state = self.state
@@ -96,14 +112,19 @@ class GenerationView(ABC):
         state.check_num_sequences(self.num_prompts(), params.n)
         state.check_admitting()
         prompts = await asyncio.to_thread(self._prepare)
-        group = await submit(state, self.request_id, prompts, params, self.prompt_param)
+        self.prompt_lens = [prompt_length(p) for p in prompts]
+        check_logprob_budget(state, params, self.prompt_lens)
+        group = await submit(state, self.request_id, prompts, params, self.prompt_param, self.body.priority)
         if self.body.stream:
-            return StreamingResponse(self._sse(stream_outputs(state, group)), media_type="text/event-stream",
+            outputs = bounded_outputs(stream_outputs(state, group), state.limits.stream_stall_timeout,
+                                      lambda: release(state, group))
+            return StreamingResponse(self._sse(outputs), media_type="text/event-stream",
                                      background=BackgroundTask(release, state, group))
         finals = await until_disconnect(request, collect(state, group, len(prompts)))
         choices = [self.choice(out, c) for out in finals for c in out.outputs]
         data = {"id": self.request_id, "object": self.object_name, "created": self.created,
-                "model": state.served_model_name, "choices": choices, "usage": usage(finals)}
+                "model": state.served_model_name, "choices": choices, "usage": self.usage(finals)}
+        data.update(self.response_extras(finals))
         kv_params = [out.kv_transfer_params for out in finals if out.kv_transfer_params is not None]
         if kv_params:  # a P/D producer's answer (one prompt, n == 1): where the consumer pulls the KV
             data["kv_transfer_params"] = kv_params[0]
@@ -123,10 +144,18 @@ class GenerationView(ABC):
     def make_params(self, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
         body = self.body
+        if body.prompt_logprobs is not None:
+            if body.stream:
+                raise APIError.bad_request("prompt_logprobs cannot be streamed; send it with stream false",
+                                           "prompt_logprobs")
+            prompt_logprobs = body.prompt_logprobs
         if not 1 <= body.n <= MAX_N:
             raise APIError.bad_request(f"n must be in [1, {MAX_N}]", "n")
         if body.logit_bias:
             raise APIError.bad_request("logit_bias is not supported", "logit_bias")
+        if body.kv_transfer_params is not None and self.state.llm.snapshot.kv_transfer is None:
+            raise APIError.bad_request("kv_transfer_params needs a server started with --kv-transfer-config",
+                                       "kv_transfer_params")
         self.structured = self.structured_request()
         if self.structured is not None and self.state.llm.tokenizer is None:
             raise APIError.bad_request("structured output needs a tokenizer, and this server was started with "
@@ -160,11 +189,19 @@ class GenerationView(ABC):
         return {"prompt": text, "prompt_token_ids": ids}
 
     def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> str:
+        """One SSE chunk; with stream_options.continuous_usage_stats every chunk carries the
+        usage so far (all prompts' tokens, the tokens generated up to this chunk)."""
         data: dict[str, Any] = {"id": self.request_id, "object": self.chunk_object, "created": self.created,
                                 "model": self.state.served_model_name, "choices": choices}
+        if usage_ is None and self.body.continuous_usage:
+            usage_ = self._usage_so_far()
         if usage_ is not None:
             data["usage"] = usage_
         return sse(data)
+
+    def _usage_so_far(self) -> dict[str, int]:
+        prompt, completion = sum(self.prompt_lens), sum(self._generated.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     async def _sse(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
         try:
@@ -191,6 +228,7 @@ class GenerationView(ABC):
                     continue
                 if c.finish_reason is not None:
                     done.add(index)
+                self._generated[index] = self.completion_tokens(c)
                 choice = self.delta(out, c, index)
                 if choice.get("delta") == {} and choice.get("logprobs") is None and choice["finish_reason"] is None:
                     continue  # nothing to say yet (a tool call still being written): no empty chunk
@@ -198,7 +236,7 @@ class GenerationView(ABC):
             if out.finished:
                 finals.append(out)
         if self.body.include_usage:
-            yield self.chunk([], usage(finals))
+            yield self.chunk([], self.usage(finals))
 
 
 def new_id(prefix: str) -> str:
@@ -210,13 +248,13 @@ def prompt_index(request_id: str) -> int:
 
 
 async def submit(state: ServerState, base_id: str, prompts: list[PromptType], params: SamplingParams,
-                 prompt_param: str = "prompt") -> OutputGroup:
+                 prompt_param: str = "prompt", priority: int = 0) -> OutputGroup:
     """Admit every prompt (ids ``base_id-i``) or none: all adds go to the engine at once;
     on any refusal the admitted ones are aborted and the refusal becomes an APIError."""
     state.check_admitting()
     group = state.llm.group()
     limit = state.limits.max_waiting
-    adds = [group.add(f"{base_id}-{i}", prompt, params,
+    adds = [group.add(f"{base_id}-{i}", prompt, params, priority,
                       max_waiting=None if limit is None else limit + i * params.n)  # earlier prompts of ours
             for i, prompt in enumerate(prompts)]
     try:
@@ -300,7 +338,18 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None (the first) or
+    {token_id: {logprob, rank, decoded_token}}."""
+    entries = list(out.prompt_logprobs or [])[: len(out.prompt_token_ids)]
+    entries += [None] * (len(out.prompt_token_ids) - len(entries))
+    return [None if e is None else {str(tid): {"logprob": lp.logprob, "rank": lp.rank,
+                                               "decoded_token": lp.decoded_token} for tid, lp in e.items()}
+            for e in entries]
+
+
+def prompt_length(prompt: PromptType) -> int:
+    """Tokens of a prepared prompt (token ids, or a dict holding them)."""
+    if isinstance(prompt, dict):
+        return len(prompt.get("prompt_token_ids") or [])
+    return len(prompt) if isinstance(prompt, list) else 0

@@ -2,8 +2,9 @@
 
 Strict mode: a string where a number belongs is a 400, not a silent coercion;
 non-finite floats are refused. Range checks live in SamplingParams (one place),
-except the few that only the server knows about (n, top_logprobs). Unknown
-fields are ignored, as OpenAI clients send extras.
+except the few that only the server knows about (n, top_logprobs). A field this
+server does not know is a 400 that names it (never silently dropped); a null value,
+or one of vLLM's fields at its neutral default (``NEUTRAL``), counts as not sent.
 """
 from __future__ import annotations
 
@@ -41,18 +42,39 @@ def _whole_number(value: Any) -> Any:
 Int = Annotated[int, BeforeValidator(_whole_number), Field(ge=-(2**63), le=2**63 - 1)]  # 64-bit, as the engine's
 
 
+# vLLM request fields Treadle does not implement, at the values that ask for nothing
+# beyond what Treadle does anyway; any other value of them is refused by name.
+NEUTRAL: dict[str, Any] = {
+    "use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "echo": False,
+    "continue_final_message": False, "include_reasoning": True, "return_tokens_as_token_ids": False,
+    "spaces_between_special_tokens": True,
+}
+
+
+def _neutral(key: str, value: Any) -> bool:
+    if key not in NEUTRAL:
+        return False
+    default = NEUTRAL[key]
+    return value == default and isinstance(value, bool) == isinstance(default, bool)
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
         _check_unicode(data)
+        if isinstance(data, dict):  # unknown fields that ask for nothing count as not sent
+            known = {f.alias or name for name, f in cls.model_fields.items()} | set(cls.model_fields)
+            data = {k: v for k, v in data.items()
+                    if k in known or not (v is None or _neutral(k, v))}
         return data
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
 class JSONSchemaFormat(_Body):
@@ -100,7 +122,9 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user id (OpenAI): accepted, not used
+    prompt_logprobs: Int | None = None  # vLLM: top-k logprobs of each prompt token, in each choice
+    priority: Int = 0  # vLLM: lower is served first (scheduling policies priority and predicted)
     # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -115,6 +139,11 @@ class SamplingFields(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats: usage on every streamed chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 PromptField = str | list[str] | list[Int] | list[list[Int]]
 
@@ -126,6 +155,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: Int | None = None
+    add_special_tokens: bool = True  # vLLM: BOS etc. on text prompts
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (a string, or token ids, each)."""
@@ -212,6 +242,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # vLLM: special tokens on top of what the template writes
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -10,6 +10,8 @@ from treadle.server.metrics import ServerMetrics
 from treadle.tokenizer import Tokenizer
 
 DEFAULT_MAX_SEQS_PER_REQUEST = 512
+DEFAULT_MAX_LOGPROB_ENTRIES = 1_000_000  # a few hundred MB at most in the API process
+DEFAULT_STREAM_STALL_TIMEOUT_S = 30.0
 _MIN_REQUEST_BYTES = 1 << 20
 _REQUEST_BYTES_PER_TOKEN = 128  # a token as JSON text or as an id in a list, generously
 
@@ -24,11 +26,16 @@ class ServerLimits:
     """What one client may ask for. ``max_waiting``: new requests get 503 (Retry-After)
     while admitting them would put more than this many sequences in the waiting queue.
     ``max_seqs_per_request``: prompts x n of one request (400 above). ``max_request_bytes``:
-    body size (413 above; None: sized from max_model_len)."""
+    body size (413 above; None: sized from max_model_len). ``max_logprob_entries``: the
+    logprob entries one request may ask for (400 above; see backpressure.py).
+    ``stream_stall_timeout``: seconds a streaming client may read nothing before its
+    request is aborted."""
 
     max_waiting: int | None = None
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
     max_request_bytes: int | None = None
+    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
+    stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT_S
 
 
 @dataclass
