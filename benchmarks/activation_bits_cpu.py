@@ -34,7 +34,7 @@ def engines(model: str, batch: int, prompt_len: int, steps: int) -> dict[str, tu
             eng.add_request(str(i), {"prompt_token_ids": [100 + (i + j) % 1000 for j in range(prompt_len)]}, params)
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
             eng.step()  # prefill
-        out[bits] = (llm, eng, TimedBackend(eng.executor.worker.runner.backend))
+        out[bits] = (llm, eng, TimedBackend(eng.model_runner().backend))
     return out
 
 

@@ -39,13 +39,13 @@ def engine(model: str, feature: str, on: bool, batch: int, prompt_len: int, step
         method.process_weights_after_loading = hook  # type: ignore[method-assign]
     eng = llm.engine
     if feature == "stack" and not on:
-        eng.executor.worker.runner.model.fused_stack = None
+        eng.model_runner().model.fused_stack = None
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
         eng.add_request(str(i), {"prompt_token_ids": [100 + (i + j) % 1000 for j in range(prompt_len)]}, params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
         eng.step()  # prefill
-    return llm, eng, TimedBackend(eng.executor.worker.runner.backend)
+    return llm, eng, TimedBackend(eng.model_runner().backend)
 
 
 def main() -> None:

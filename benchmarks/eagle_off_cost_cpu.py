@@ -61,7 +61,7 @@ def main() -> None:
     stats = llms["eagle"].get_stats()["spec_decode"]
     print(f"  eagle: {stats['drafts']} verifies, mean acceptance length {stats['mean_acceptance_length']}, "
           f"fallbacks batch {stats['batch_fallbacks']} request {stats['request_fallbacks']}, probes {stats['probes']}")
-    proposer = llms["eagle"].engine.executor.worker.runner.proposer  # type: ignore[attr-defined]
+    proposer = llms["eagle"].engine.model_runner().proposer
     work = getattr(proposer, "work", None)
     if work is not None:
         print(f"  eagle layer: {work.rows} rows in {work.forwards} forward calls")

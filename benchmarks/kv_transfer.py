@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from treadle.config import KVTransferConfig
+from treadle.core.kv_connector_data import KVConnectorMetadata, LoadSpec
 from treadle.kv_transfer import create_connector
 from treadle.kv_transfer.heads import RankPlacement
-from treadle.core.kv_connector_data import KVConnectorMetadata, LoadSpec
 
 SHAPES = {  # layers, KV heads, head dim, dtype
     "smollm2-135m": (30, 3, 64, torch.float32),

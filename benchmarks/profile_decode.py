@@ -39,7 +39,7 @@ PARTS = ("schedule", "prepare", "model", "attention", "sample", "update", "outpu
 
 def time_decode_step(eng, timed: TimedBackend, clock=time.perf_counter) -> tuple[float, ...]:  # noqa: ANN001
     """One engine step, as LLMEngine.step runs it, with a timer around each part (seconds, in PARTS order)."""
-    runner = eng.executor.worker.runner
+    runner = eng.model_runner()
     timed.seconds = 0.0
     t0 = clock()
     sched = eng.scheduler.schedule()
@@ -87,7 +87,7 @@ def main() -> None:
     llm = LLM(args.model, quantization=args.quantization, dtype=args.dtype, kv_cache_memory="512MiB",
               fused_layers=not args.module_path)
     eng = llm.engine
-    runner = eng.executor.worker.runner
+    runner = eng.model_runner()
     timed = TimedBackend(runner.backend)
     for module in runner.model.modules():
         if isinstance(module, LlamaAttention):  # the module path's attention calls (fused layers make none)

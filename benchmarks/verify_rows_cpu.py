@@ -34,7 +34,7 @@ def main() -> None:
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     rows = [int(r) for r in args.rows.split(",")]
     llm = LLM(args.model, max_model_len=args.context + max(rows) + 16, kv_cache_memory="64MiB")
-    runner = llm.engine.executor.worker.runner  # type: ignore[attr-defined]
+    runner = llm.engine.model_runner()
     model, kv = runner.model, runner.kv_caches
     builder = StepInputBuilder(runner.block_size)
     table = list(range(-(-(args.context + max(rows)) // runner.block_size)))

@@ -89,7 +89,7 @@ def test_fused_layer_reads_the_quantized_cache(tiny_llama: Path) -> None:
     prompts = prompts_for(tiny_llama)
     kw = dict(quantization="int4", kv_cache_dtype="int8")
     fused, llm = run(tiny_llama, prompts, GREEDY, **kw)
-    layers = llm.engine.executor.worker.runner.model.layers
+    layers = llm.engine.model_runner().model.layers
     assert all(type(layer).__name__ == "FusedDecoderLayer" for layer in layers)
     modules, _ = run(tiny_llama, prompts, GREEDY, fused_layers=False, **kw)
     assert fused == modules

@@ -316,7 +316,7 @@ def test_handover_is_bitwise_and_output_matches_colocated(connector: str, layerw
         # the consumer's blocks hold the producer's KV of prompt[:-1]; the colocated engine computed the
         # same prompt into the same block ids (both started empty): bitwise equal
         n = params["num_tokens"] - 1
-        for (ck, cv), (rk, rv) in zip(cons.executor.worker.runner.kv_caches, ref.executor.worker.runner.kv_caches):
+        for (ck, cv), (rk, rv) in zip(cons.model_runner().kv_caches, ref.model_runner().kv_caches):
             for c, r in ((ck, rk), (cv, rv)):
                 assert torch.equal(c.flatten(0, 1)[:n], r.flatten(0, 1)[:n])
         stop.set()

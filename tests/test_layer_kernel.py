@@ -153,7 +153,7 @@ def test_engine_switch_selects_the_path(tmp_path: Path, monkeypatch: pytest.Monk
     outs = {}
     for fused in (True, False):
         llm = LLM(str(path), quantization="int4", fused_layers=fused, num_kv_blocks=64, block_size=4)
-        layers = llm.engine.executor.worker.runner.model.layers  # the in-process worker
+        layers = llm.engine.model_runner().model.layers  # the in-process worker
         assert all(isinstance(layer, FusedDecoderLayer) == fused for layer in layers)
         calls = count_calls(monkeypatch)
         outs[fused] = llm.generate(prompts, params, use_tqdm=False)

@@ -66,7 +66,6 @@ class TreadleBackend:
 
     def __init__(self, engine_kwargs: dict[str, Any], continuous: bool = True) -> None:
         from treadle.engine.llm_engine import LLMEngine
-        from treadle.executor.uniproc import UniProcExecutor
 
         kw = dict(engine_kwargs)
         kw["enable_chunked_prefill"] = continuous and kw.get("enable_chunked_prefill", True)
@@ -74,9 +73,8 @@ class TreadleBackend:
         self.engine = LLMEngine.from_args(model, **kw)
         self.continuous = continuous
         self.name = "treadle" if continuous else "static"
-        executor = self.engine.executor  # weights are only visible when they live in this process
-        worker = executor.worker if isinstance(executor, UniProcExecutor) else None
-        self.weight_bytes = decode_weight_bytes(worker.runner.model) if worker is not None else 0
+        worker = self.engine.executor.local_worker()  # weights are only visible when they live in this process
+        self.weight_bytes = decode_weight_bytes(self.engine.model_runner().model) if worker is not None else 0
         self._ids = itertools.count()
 
     def run(self, reqs: list[BenchRequest], concurrency: int, progress: Progress = None) -> RunResult:

@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from treadle.config import EngineConfig, EngineDeadError, InvalidRequestError, TreadleError
 from treadle.core.kv_cache_manager import KVCacheManager
@@ -32,9 +32,13 @@ from treadle.engine.resolver import create_engine_config
 from treadle.executor import Executor, create_executor
 from treadle.kv_transfer.scheduler import KVTransferScheduler
 from treadle.loaders import ModelSource, open_model_source
+from treadle.predict.model import LengthPredictor
 from treadle.sampling_params import SamplingParams
 from treadle.structured import StructuredOutputsParams
 from treadle.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from treadle.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("treadle")
 
@@ -71,6 +75,8 @@ class LLMEngine:
         # submitted, not collected: (step, start time, the exception its submit raised, if any)
         self._in_flight: deque[tuple[SchedulerOutput, float, Exception | None]] = deque()
         self.outputs = OutputProcessor(self.tokenizer)
+        path = config.scheduler.length_predictor  # predicted output lengths, put on each request at admission
+        self.length_predictor = None if path is None else LengthPredictor.load(path)
         self._ids = itertools.count()
         self.stats = EngineStats(None if self.spec is None else self.spec.stats)
 
@@ -91,6 +97,16 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the workers; the engine cannot step afterwards. Idempotent."""
         self.executor.shutdown()
+
+    def model_runner(self) -> ModelRunner:
+        """The in-process model runner (its model, KV caches, attention backend, proposer): the one
+        inspection hook for tools, benchmarks and tests. Only the ``uni`` executor has one; with
+        workers in other processes this is a TreadleError."""
+        worker = self.executor.local_worker()
+        if worker is None or worker.runner is None:
+            raise TreadleError(f"the {self.config.parallel.distributed_executor_backend!r} executor runs the model in other processes: "
+                               "nothing to inspect here (use executor='uni')")
+        return worker.runner
 
     # -- requests --------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -162,6 +178,10 @@ class LLMEngine:
         reqs = [Request(cid, ids, params, max_tokens, self.model_config.stop_token_ids, arrival, priority,
                         wait_for=child_ids[0] if i else None, seed_offset=i)
                 for i, cid in enumerate(child_ids)]
+        if self.length_predictor is not None:
+            predicted = self.length_predictor.predict([ids])[0]
+            for req in reqs:
+                req.predicted_output_tokens = predicted
         self.scheduler.check_admissible(reqs[0])
         self.outputs.add(request_id, text, ids, params, child_ids, arrival)
         for req in reqs:
