@@ -588,5 +588,6 @@ static void group_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t l
 
 void tq_q8_rows(int qtype, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
                 int64_t N, int64_t K) {
-    group_rows(qtype, w, x, y, ldy, bias, M, N, K);
+    const int64_t done = tq_q8_batch_rows(qtype, w, x, y, ldy, bias, M, N, K); /* q8batch.c: batches on AVX-512 */
+    if (done < N) group_rows(qtype, w + done * row_bytes(qtype, K), x, y + done, ldy, bias ? bias + done : NULL, M, N - done, K);
 }

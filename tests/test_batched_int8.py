@@ -1,0 +1,80 @@
+"""The batched 8-bit activation path (``csrc/q8batch.c``: AVX-512 VNNI, each weight block unpacked
+once per call and reused by every activation row). Its contract is q8act.c's: exact integer block
+sums and one fixed float order, so every variant equals the plain-C reference bit for bit at every
+batch (1, 4 and below: the direct paths; 5 and up: the batched one, tails of 1..7 rows, a lone last
+group of 8 weight rows, N % 8 leftover rows), and a row's result does not depend on the rows
+beside it."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf_files import random_blocks
+from kernel_variants import VARIANTS, rand, runnable
+
+from treadle.kernels import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)")
+
+BATCHES = (1, 4, 5, 16, 17, 64)
+# (K, N): SmolLM2's hidden size (18 blocks); its MLP width (48 blocks); N = 5 groups (two strips
+# and a lone group), N = 24 + 3 (a lone group, then rows that go alone)
+SHAPES = ((576, 40), (1536, 24))
+
+
+def weights(qtype: str, n: int, k: int, seed: int) -> tuple[tuple[tuple[str, int], ...], torch.Tensor]:
+    """Random ``qtype`` rows as the engine holds them: Q4_0 / Q4_1 whole groups of 8 packed (as with
+    8-bit activations), the rows past them a segment of their own."""
+    w = random_blocks(qtype, n, k, seed=seed).data.reshape(-1).clone()
+    whole = n // 8 * 8
+    if qtype not in native.PACKED.values():
+        return ((qtype, n),), w
+    packed = native.pack_rows(qtype, w[: whole * w.numel() // n], whole, k)
+    return ((packed, whole), *(((qtype, n - whole),) if n > whole else ())), w
+
+
+@VARIANTS
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_every_batch_equals_the_plain_reference_bitwise(variant: str, qtype: str, k: int, n: int) -> None:
+    runnable(variant)
+    seg, w = weights(qtype, n, k, seed=101)
+    bias = rand(n, seed=102)
+    for m in BATCHES:
+        x = rand(m, k, seed=103 + m)
+        y = native.qmatmul(seg, w, x, bias, variant=variant, act_bits=8)
+        assert torch.equal(y, native.qmatmul(seg, w, x, bias, plain=True, act_bits=8)), f"batch {m}"
+
+
+@VARIANTS
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(variant: str, qtype: str) -> None:
+    runnable(variant)
+    k, n = 576, 27 * 8 + 5  # 27 groups: 13 strips and a lone group; 5 rows alone
+    seg, w = weights(qtype, n, k, seed=111)
+    x = rand(64, k, seed=112)
+    full = native.qmatmul(seg, w, x, variant=variant, act_bits=8)
+    alone = torch.stack([native.qmatmul(seg, w, x[i : i + 1], variant=variant, act_bits=8)[0] for i in range(64)])
+    assert torch.equal(full, alone)
+    for m in (5, 9, 16, 17, 33):  # batches that end in ragged tiles, other rows beside each row
+        assert torch.equal(native.qmatmul(seg, w, x[:m], variant=variant, act_bits=8), full[:m]), f"batch {m}"
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(113))
+    assert torch.equal(native.qmatmul(seg, w, x[perm], variant=variant, act_bits=8), full[perm])
+
+
+def test_extreme_activations_and_weights_stay_exact() -> None:
+    """Activations at +-127 everywhere and weights at their extremes (nibbles 15, Q8_0 bytes
+    -128 / 127): the int32 sums (and Q8_0's +128 offset) are exact, so still the reference's bits."""
+    for qtype in ("Q4_1", "Q8_0"):
+        seg, w = weights(qtype, 32, 576, seed=121)
+        raw = w.view(torch.uint8)
+        if qtype == "Q8_0":
+            blocks = raw.view(-1, 34)
+            blocks[:, 2:18] = 0x80  # -128
+            blocks[:, 18:] = 0x7F
+        else:
+            nib = raw.view(-1, 20 * 8)  # packed: 8 rows' d, m, then 128 nibble bytes per block
+            nib[:, 32:] = 0xFF
+        x = torch.ones(17, 576) * torch.where(torch.arange(576) % 3 == 0, -1.0, 1.0)
+        y = native.qmatmul(seg, w, x, act_bits=8)
+        assert torch.equal(y, native.qmatmul(seg, w, x, plain=True, act_bits=8))
+        assert torch.isfinite(y).all()

@@ -1,0 +1,208 @@
+/* The batched 8-bit activation path on AVX-512 VNNI (the avx512-vnni and avx512-bf16 builds):
+ * packed Q4_0 / Q4_1 rows (q8act.c tq_q8_pack) and Q8_0 rows times M >= BATCH_MIN_* activation
+ * rows, each weight block unpacked once per call into an L1 panel and reused by every activation
+ * row. tq_q8_rows (q8act.c) hands the whole groups here first; the other builds, and smaller
+ * batches (q8act.c's packed_direct reads the 4-bit blocks straight into registers), keep
+ * q8act.c's paths.
+ *
+ * A "strip" is two groups of 8 weight rows (16 rows, one int32 lane each of a zmm register):
+ *
+ *   panel block b of a strip:  q[s] (s < 8) lane j = weight row j's 4 unsigned bytes at
+ *                              k = 4s .. 4s+3 (Q8_0: the signed byte + 128); d[16], m[16]
+ *   tile: NX (<= TQ_NX) activation rows x 16 weight rows; per block, step s:
+ *         p[i] = vpdpbusd(p[i], q[s], broadcast(x row i's 4 bytes at 4s))
+ *
+ * p[i] lane j is then the exact integer block dot of activation row i and weight row j (Q8_0:
+ * minus 128 times the block's activation sum, the offset the unsigned bytes added), and each
+ * output takes, per block in order, exactly q8act.c's float operations:
+ *
+ *   acc = fma(float(isum), d_w * xd, acc);   acc = fma(m_w, xs, acc)   (Q8_0: no minimum)
+ *
+ * then y = acc (+ bias). So every output has the bits of the plain-C reference (q8act.c's
+ * group_tile without TQ_AVX2), whatever the batch, the tile or the thread: a row's result never
+ * depends on the rows beside it. Threads split the strips; a lone last group takes a strip with
+ * its upper 8 lanes zero and stores 8 outputs.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "qblocks.h"
+
+#if defined(TQ_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TQ_ZMM 1
+#endif
+
+#define SGR 16 /* weight rows per strip */
+#define TQ_NX 8 /* activation rows per tile */
+/* the fewest activation rows taken here: below, q8act.c's packed_direct (Q4, up to 4 rows) and
+ * q8_0_direct (up to 3) read the weights straight into registers */
+#define BATCH_MIN_Q4 5
+#define BATCH_MIN_Q8_0 4
+
+#ifdef TQ_ZMM
+typedef struct { /* one block of a strip, unpacked */
+    __m512i q[8];
+    float d[SGR], m[SGR];
+} sblock;
+
+static inline int pscale_bytes(int t) { return base_type(t) == TQ_Q4_1 ? 4 * 8 : 2 * 8; }
+
+/* 8 halves at p and 8 at p1 (NULL: zeros) -> 16 floats */
+static inline __m512 halves16(const uint8_t *p, const uint8_t *p1) {
+    const __m128i lo = _mm_loadu_si128((const __m128i *)p);
+    const __m128i hi = p1 ? _mm_loadu_si128((const __m128i *)p1) : _mm_setzero_si128();
+    return _mm512_cvtph_ps(_mm256_set_m128i(hi, lo));
+}
+
+/* Packed Q4 groups g (rows at w) and g + 1 (at w1, NULL for a lone group), every block. */
+static void unpack_packed(int t, const uint8_t *w, const uint8_t *w1, int64_t nb, sblock *panel) {
+    const int ub = unit_bytes(t), sb = pscale_bytes(t);
+    const __m512i mask = _mm512_set1_epi8(15);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * 8 * ub, *p1 = w1 ? w1 + b * 8 * ub : NULL;
+        sblock *g = panel + b;
+        const __m512 dv = halves16(p, p1);
+        _mm512_store_ps(g->d, dv);
+        _mm512_store_ps(g->m, base_type(t) == TQ_Q4_1 ? halves16(p + 16, p1 ? p1 + 16 : NULL)
+                                                      : _mm512_mul_ps(dv, _mm512_set1_ps(-8.0f)));
+        for (int s = 0; s < 4; s++) {
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
+            const __m256i hi = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + sb + 32 * s)) : _mm256_setzero_si256();
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            g->q[s] = _mm512_and_si512(v, mask);
+            g->q[s + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        }
+    }
+}
+
+/* Q8_0 rows (nrows 16, or 8 for a lone group; rbytes apart), every block: bytes + 128. */
+static void unpack_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb, sblock *panel) {
+    const int ub = unit_bytes(TQ_Q8_0);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)rbytes));
+    const __mmask16 live = nrows == SGR ? 0xffff : 0x00ff;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nb; b++) {
+        sblock *g = panel + b;
+        uint16_t h[SGR] = {0};
+        for (int j = 0; j < nrows; j++) memcpy(h + j, w + j * rbytes + b * ub, 2);
+        _mm512_store_ps(g->d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)));
+        _mm512_store_ps(g->m, _mm512_setzero_ps());
+        for (int s = 0; s < 8; s++) {
+            const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, w + b * ub + 2 + 4 * s, 1);
+            g->q[s] = _mm512_xor_si512(v, flip); /* lanes past nrows: 0 ^ 0x80, multiplied then never stored */
+        }
+    }
+}
+
+/* NX activation rows times one strip: out[i * ostride + j], j < 16 (8 when lone). */
+static inline __attribute__((always_inline)) void strip_tile(const int q8_0, const sblock *panel, int64_t nb,
+                                                             tq_q8acts x, const int32_t *xsum, int64_t K, const int NX,
+                                                             const float *bias, float *out, int64_t ostride,
+                                                             __mmask16 store) {
+    __m512 acc[TQ_NX];
+#pragma GCC unroll 8
+    for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const sblock *g = panel + b;
+        const int8_t *xb = x.q + b * QK;
+        __m512i p[TQ_NX];
+#pragma GCC unroll 8
+        for (int i = 0; i < NX; i++)
+            p[i] = q8_0 ? _mm512_set1_epi32(-128 * xsum[i * (K / QK) + b]) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            const __m512i q = _mm512_load_si512(g->q + s);
+#pragma GCC unroll 8
+            for (int i = 0; i < NX; i++) {
+                int32_t v;
+                memcpy(&v, xb + i * K + 4 * s, 4);
+                p[i] = _mm512_dpbusd_epi32(p[i], q, _mm512_set1_epi32(v));
+                __asm__("" : "+v"(p[i])); /* keep each row's chain in its register */
+            }
+        }
+        const __m512 dw = _mm512_load_ps(g->d), mw = _mm512_load_ps(g->m);
+#pragma GCC unroll 8
+        for (int i = 0; i < NX; i++) {
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[i]), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i * nb + b])),
+                                     acc[i]);
+            if (!q8_0) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[i * nb + b]), acc[i]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < NX; i++) {
+        __m512 o = acc[i];
+        if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(store, bias));
+        _mm512_mask_storeu_ps(out + i * ostride, store, o);
+    }
+}
+
+#define STILE(NX) strip_tile(q8_0, panel, nb, xm, xs, K, NX, bn, out, ldy, store)
+
+/* Every activation row times the strip's panel, in tiles of TQ_NX rows. */
+static void strip_rows(int q8_0, const sblock *panel, tq_q8acts x, const int32_t *xsum, float *y, int64_t ldy,
+                       const float *bn, int64_t M, int64_t K, __mmask16 store) {
+    const int64_t nb = K / QK;
+    for (int64_t m0 = 0; m0 < M; m0 += TQ_NX) {
+        const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb};
+        const int32_t *xs = xsum ? xsum + m0 * nb : NULL;
+        float *out = y + m0 * ldy;
+        switch (M - m0 < TQ_NX ? (int)(M - m0) : TQ_NX) {
+            case 1: STILE(1); break;
+            case 2: STILE(2); break;
+            case 3: STILE(3); break;
+            case 4: STILE(4); break;
+            case 5: STILE(5); break;
+            case 6: STILE(6); break;
+            case 7: STILE(7); break;
+            default: STILE(TQ_NX); break;
+        }
+    }
+}
+
+/* The integer sum of each activation block (Q8_0's offset): [M, nb]. */
+static int32_t *block_sums(tq_q8acts x, int64_t M, int64_t K) {
+    const int64_t nb = K / QK;
+    int32_t *s = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t));
+    if (s == NULL) abort();
+    for (int64_t i = 0; i < M * nb; i++) {
+        int sum = 0;
+        for (int k = 0; k < QK; k++) sum += x.q[i * QK + k];
+        s[i] = sum;
+    }
+    return s;
+}
+#endif
+
+int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
+                         int64_t N, int64_t K) {
+#ifdef TQ_ZMM
+    const int q8_0 = t == TQ_Q8_0;
+    if (!(packed_type(t) || q8_0) || M < (q8_0 ? BATCH_MIN_Q8_0 : BATCH_MIN_Q4)) return 0;
+    const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
+    int32_t *xsum = q8_0 ? block_sums(x, M, K) : NULL;
+#pragma omp parallel
+    {
+        sblock *panel = (sblock *)aligned_alloc(64, (size_t)nb * sizeof(sblock));
+        if (panel == NULL) abort();
+#pragma omp for schedule(static)
+        for (int64_t st = 0; st < strips; st++) {
+            const int64_t g = 2 * st;
+            const int lone = g + 1 >= groups;
+            const uint8_t *wg = w + g * 8 * rbytes;
+            if (q8_0)
+                unpack_q8_0(wg, rbytes, lone ? 8 : SGR, nb, panel);
+            else
+                unpack_packed(t, wg, lone ? NULL : wg + 8 * rbytes, nb, panel);
+            strip_rows(q8_0, panel, x, xsum, y + g * 8, ldy, bias ? bias + g * 8 : NULL, M, K,
+                       lone ? (__mmask16)0x00ff : (__mmask16)0xffff);
+        }
+        free(panel);
+    }
+    free(xsum);
+    return groups * 8;
+#else
+    (void)t, (void)w, (void)x, (void)y, (void)ldy, (void)bias, (void)M, (void)N, (void)K;
+    return 0;
+#endif
+}
