@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every figure in docs/benchmarks.md, in the order the doc gives them.
+# Every figure in docs/benchmarks-archive.md, in the order the doc gives them.
 # Runs sequentially (never two benchmarks at once); results land in $OUT.
 #   bash benchmarks/docs_benchmarks.sh [step ...]    # steps: issue peers latency random serve q4 cpu kquant spec (default: all)
 # Steps before `cpu` were measured when the engine's default was float weights: `treadle+none`

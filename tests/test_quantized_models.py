@@ -140,7 +140,7 @@ def test_smollm2_q4_1_eight_bit_activations_trade_little_accuracy(
     """8-bit activations (``TREADLE_ACTIVATION_BITS=8``) do not keep greedy output equal to the dequantized model
     (SmolLM2 diverges within 32 tokens on 4 of 6 short prompts); what they keep: perplexity on the
     first 1,024 tokens of the evaluation text within 0.5 % of the 16-bit path's (+0.18 % observed;
-    +0.24 % on the whole text, docs/benchmarks.md) and the same argmax at >= 93 % of positions
+    +0.24 % on the whole text, docs/benchmarks-archive.md) and the same argmax at >= 93 % of positions
     (96.5 % observed)."""
     from treadle.bench.perplexity import window_logits
     from treadle.entrypoints.eval import DEFAULT_TEXT

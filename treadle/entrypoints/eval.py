@@ -1,5 +1,5 @@
 """`treadle eval perplexity` (one model on a text) and `treadle eval table` (the accuracy
-table of docs/benchmarks.md): see treadle.bench.perplexity for the method."""
+table of docs/benchmarks-archive.md): see treadle.bench.perplexity for the method."""
 from __future__ import annotations
 
 import argparse
@@ -30,7 +30,7 @@ def register(subparsers: Any) -> None:
     ppl.add_argument("--stride", type=int, default=None, help="default: --window - 1 (windows side by side, overlapping by one token)")
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
     ppl.set_defaults(func=run_perplexity)
-    table = sub.add_parser("table", help="the accuracy table (markdown) of docs/benchmarks.md",
+    table = sub.add_parser("table", help="the accuracy table (markdown) of docs/benchmarks-archive.md",
                            description="Quantize each model with every method (into --workdir, reused when "
                            "present), evaluate every row on the bundled text and print a markdown table.")
     table.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "stories260k"])
