@@ -34,7 +34,8 @@ class _Done:
 
 class ParallelContext:
     def __init__(self, tp: int, pp: int, rank: int, vocab_size: int, tp_group: Any = None, world_group: Any = None,
-                 skip_collectives: bool = False, device: torch.device | str = "cpu") -> None:
+                 skip_collectives: bool = False, device: torch.device | str = "cpu",
+                 expert_parallel: bool = False) -> None:
         self.tp_size, self.pp_size, self.rank = tp, pp, rank
         self.tp_rank, self.pp_rank = rank % tp, rank // tp
         self.world_size = tp * pp
@@ -42,6 +43,7 @@ class ParallelContext:
         self.tp_group, self.world_group = tp_group, world_group
         self.skip_collectives = skip_collectives  # benchmarks only: measure compute without comm
         self.device = torch.device(device)  # where collective buffers live (NCCL: the rank's GPU)
+        self.expert_parallel = expert_parallel  # MoE: the TP ranks split the experts, not each expert
 
     @staticmethod
     def single(vocab_size: int) -> ParallelContext:
@@ -49,7 +51,7 @@ class ParallelContext:
 
     @staticmethod
     def create(tp: int, pp: int, rank: int, vocab_size: int, timeout_s: float,
-               device: torch.device | str = "cpu") -> ParallelContext:
+               device: torch.device | str = "cpu", expert_parallel: bool = False) -> ParallelContext:
         """Make the groups (every rank must call this, in the same order) after the default
         group is initialized; ``timeout_s`` bounds every collective on them."""
         timeout = timedelta(seconds=timeout_s)
@@ -59,7 +61,7 @@ class ParallelContext:
             group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), timeout=timeout)
             if stage == rank // tp:
                 tp_group = group
-        return ParallelContext(tp, pp, rank, vocab_size, tp_group, world, device=device)
+        return ParallelContext(tp, pp, rank, vocab_size, tp_group, world, device=device, expert_parallel=expert_parallel)
 
     # -- where this rank sits -----------------------------------------------------------
     @property

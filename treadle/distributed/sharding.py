@@ -6,7 +6,9 @@ Tensor parallelism (T ranks)::
     KV heads          K / T per rank; when T > K each KV head is held by T / K ranks
                       (replicated), rank r holding head r * K // T (K and T must divide)
     intermediate      split in units of 32 columns where it can be (GGUF blocks, int4 groups
-                      stay whole), so ranks may differ by one unit
+                      stay whole), so ranks may differ by one unit; so is a MoE's shared expert
+                      (its routed experts are split by ``treadle.models.moe``: columns, or whole
+                      experts under expert parallelism)
     vocabulary        ceil(V / T) rows per rank; the last rank's tail rows are zero padding,
                       cut off after the logits are gathered
 
@@ -57,9 +59,14 @@ def shard_config(cfg: ModelConfig, tp: int, tp_rank: int) -> ModelConfig:
     intermediate columns and vocabulary rows); the identity for T = 1."""
     if tp == 1:
         return cfg
-    inter = cfg.intermediate_size
+    inter, moe = cfg.intermediate_size, cfg.moe
+    if moe is not None and moe.shared_expert_intermediate_size:  # routed experts: split by the layer itself
+        shared = moe.shared_expert_intermediate_size
+        moe = dataclasses.replace(moe, shared_expert_intermediate_size=partition(shared, tp, tp_rank,
+                                                                                 intermediate_unit(shared))[1])
     return dataclasses.replace(
         cfg,
+        moe=moe,
         num_heads=cfg.num_heads // tp,
         num_kv_heads=max(1, cfg.num_kv_heads // tp),
         intermediate_size=partition(inter, tp, tp_rank, intermediate_unit(inter))[1],

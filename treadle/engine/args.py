@@ -62,6 +62,8 @@ class EngineArgs:
                                        flags=("-pp", "--pipeline-parallel-size"))
     comm_overlap: bool = _arg(False, "tensor parallelism: cut each step into two micro-batches whose "
                                      "all-reduces run while the other computes")
+    enable_expert_parallel: bool = _arg(False, "mixture-of-experts models under tensor parallelism: each rank "
+                                               "holds E / T whole experts (default: every expert, 1 / T of each)")
     speculative_config: dict[str, Any] | str | None = _arg(
         None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
               '(keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, fallback, model; '

@@ -274,7 +274,8 @@ def _parallel_config(args: EngineArgs, model: ModelConfig) -> ParallelConfig:
     if backend == "uni" and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         backend = "mp"  # several ranks need worker processes
     return ParallelConfig(distributed_executor_backend=backend, tensor_parallel_size=args.tensor_parallel_size,
-                          pipeline_parallel_size=args.pipeline_parallel_size, comm_overlap=args.comm_overlap)
+                          pipeline_parallel_size=args.pipeline_parallel_size, comm_overlap=args.comm_overlap,
+                          enable_expert_parallel=args.enable_expert_parallel)
 
 
 def _rank_config(cfg: ModelConfig, parallel: ParallelConfig) -> ModelConfig:

@@ -79,7 +79,8 @@ def start_rank(config: EngineConfig, rank: int, dist_init_addr: str, timeout_s: 
     dist.init_process_group(backend, init_method=dist_init_addr, rank=rank, world_size=par.world_size,
                             timeout=timedelta(seconds=timeout_s))
     ctx = ParallelContext.create(par.tensor_parallel_size, par.pipeline_parallel_size, rank,
-                                 config.model.vocab_size, envs.execute_timeout_s(), config.device)
+                                 config.model.vocab_size, envs.execute_timeout_s(), config.device,
+                                 expert_parallel=par.enable_expert_parallel)
     return Worker(config, rank=rank, parallel=ctx)
 
 

@@ -86,7 +86,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.renormalize = moe.top_k, moe.norm_topk_prob
         self.gate = make_linear(layout.linear("mlp.gate"), cfg, dtype, method, prefix)  # [E, hidden], replicated
         tp, rank, inter = parallel.tp_size, parallel.tp_rank, moe.intermediate_size
-        if getattr(parallel, "expert_parallel", False):
+        if parallel.expert_parallel:
             start, size = partition(moe.num_experts, tp, rank)
             experts, columns = range(start, start + size), None
         else:
