@@ -250,8 +250,6 @@ class ParallelConfig:
     comm_overlap: bool  # TP: two micro-batches per step, all-reduces overlapped with compute
     # MoE under TP: each rank holds E / T whole experts (else: every expert, 1 / T of its columns)
     enable_expert_parallel: bool = False
-    # MoE under TP: each rank holds E / T whole experts (else: every expert, 1 / T of its columns)
-    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:
