@@ -3,12 +3,8 @@ lazy inside functions, or for type checking) points to a lower layer, and no gro
 modules imports itself in a circle. A new package must be placed in LAYERS."""
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1] / "treadle"
+from package_graph import DOC, MODULES, doc_picture, imports, picture  # tools/, on pytest's pythonpath
 
 # lower number = lower layer; a module may import its own unit and units of a lower number
 # (units with the same number are independent of each other)
@@ -29,6 +25,7 @@ LAYERS: dict[str, float] = {
     "treadle.structured": 4,  # grammar compiler (on the tokenizer) and the runner's token bitmasks
     "treadle.models": 4,  # model files and their layouts
     "treadle.loaders": 5,
+    "treadle.predict": 5,  # the output-length predictor (numpy; torch only to train it)
     "treadle.sample": 5.4,  # the sampler and the rejection sampler (worker and spec_decode stand on it)
     "treadle.spec_decode": 5.6,  # proposers, used by the runner
     "treadle.worker": 6,  # model runner, fused-layer planner, CUDA graphs
@@ -45,43 +42,6 @@ LAYERS: dict[str, float] = {
 # packages, or single modules, that import neither torch nor numpy
 TORCH_FREE = ("treadle.core", "treadle.config", "treadle.sampling_params", "treadle.kv_transfer.scheduler",
               "treadle.kv_transfer.release", "treadle.router")
-
-
-def _modules() -> dict[str, Path]:
-    mods = {}
-    for path in ROOT.rglob("*.py"):
-        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        mods[".".join(parts)] = path
-    return mods
-
-
-MODULES = _modules()
-
-
-def _owner(name: str) -> str:
-    """The longest module name that ``name`` (a module or a name inside one) starts with."""
-    while name not in MODULES:
-        name = name.rpartition(".")[0]
-    return name
-
-
-def imports(module: str) -> set[str]:
-    """The package's modules (and outside top-level packages) that ``module`` imports."""
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(MODULES[module].read_text())):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            # "from pkg import sub" imports the submodule sub; "from mod import name", mod
-            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
-                     for a in node.names]
-        else:
-            continue
-        out |= {_owner(n) if n.split(".")[0] == "treadle" else n.split(".")[0] for n in names}
-    out.discard(module)
-    return out
 
 
 def unit(module: str) -> str:
@@ -162,3 +122,7 @@ def test_torch_free_layers(package: str) -> None:
     heavy = {m: sorted(imports(m) & {"torch", "numpy"}) for m in MODULES
              if m == package or m.startswith(package + ".")}
     assert heavy and not any(heavy.values()), heavy
+
+
+def test_the_docs_show_the_package_graph_the_imports_draw() -> None:
+    assert doc_picture(DOC.read_text()) == picture(), "rerun: python tools/package_graph.py --write"

@@ -73,8 +73,8 @@ class TreadleBackend:
         self.engine = LLMEngine.from_args(model, **kw)
         self.continuous = continuous
         self.name = "treadle" if continuous else "static"
-        worker = self.engine.executor.local_worker()  # weights are only visible when they live in this process
-        self.weight_bytes = decode_weight_bytes(self.engine.model_runner().model) if worker is not None else 0
+        local = self.engine.config.parallel.distributed_executor_backend == "uni"  # weights visible in this process
+        self.weight_bytes = decode_weight_bytes(self.engine.model_runner().model) if local else 0
         self._ids = itertools.count()
 
     def run(self, reqs: list[BenchRequest], concurrency: int, progress: Progress = None) -> RunResult:

@@ -30,6 +30,7 @@ from treadle.engine.output_processor import OutputProcessor
 from treadle.engine.outputs import RequestOutput
 from treadle.engine.resolver import create_engine_config
 from treadle.executor import Executor, create_executor
+from treadle.executor.uniproc import UniProcExecutor
 from treadle.kv_transfer.scheduler import KVTransferScheduler
 from treadle.loaders import ModelSource, open_model_source
 from treadle.predict.model import LengthPredictor
@@ -102,8 +103,8 @@ class LLMEngine:
         """The in-process model runner (its model, KV caches, attention backend, proposer): the one
         inspection hook for tools, benchmarks and tests. Only the ``uni`` executor has one; with
         workers in other processes this is a TreadleError."""
-        worker = self.executor.local_worker()
-        if worker is None or worker.runner is None:
+        worker = self.executor.worker if isinstance(self.executor, UniProcExecutor) else None
+        if worker is None:
             raise TreadleError(f"the {self.config.parallel.distributed_executor_backend!r} executor runs the model in other processes: "
                                "nothing to inspect here (use executor='uni')")
         return worker.runner

@@ -33,16 +33,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from treadle import envs
 from treadle.config import EngineConfig, EngineDeadError
 from treadle.core.kv_connector_data import KVConnectorOutput
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.kv_transfer.aggregate import KVOutputAggregator
-
-if TYPE_CHECKING:
-    from treadle.executor.worker import Worker
 
 
 class KVCapacity(NamedTuple):
@@ -98,11 +95,6 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the workers and free their resources; idempotent, also after a death."""
-
-    def local_worker(self) -> Worker | None:
-        """The worker that runs in this process (the ``uni`` executor's only one), or None when
-        every worker is in another process. Tools and tests reach the model through this."""
-        return None
 
     def merge_kv_reports(self, out: ModelRunnerOutput, others: list[KVConnectorOutput | None]) -> ModelRunnerOutput:
         """P/D over several ranks: ``out`` (the last rank's) carries the instance's transfer

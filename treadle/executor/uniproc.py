@@ -27,9 +27,6 @@ class UniProcExecutor(Executor):
             self.worker.shutdown()
         self.worker = None  # the model and KV cache go with the last reference
 
-    def local_worker(self) -> Worker | None:
-        return self.worker
-
     def _live_worker(self) -> Worker:
         if self.worker is None:
             raise EngineDeadError("the executor was shut down")
