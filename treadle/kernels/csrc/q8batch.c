@@ -177,6 +177,8 @@ static int32_t *block_sums(tq_q8acts x, int64_t M, int64_t K) {
 int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
                          int64_t N, int64_t K) {
 #ifdef TQ_ZMM
+    const int64_t amx = tq_q8_amx_rows(t, w, x, y, ldy, bias, M, N, K); /* q8amx.c, the amx build */
+    if (amx) return amx;
     const int q8_0 = t == TQ_Q8_0;
     if (!(packed_type(t) || q8_0) || M < (q8_0 ? BATCH_MIN_Q8_0 : BATCH_MIN_Q4)) return 0;
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;

@@ -87,6 +87,9 @@ void tq_q8_unpack_row(int packed_qtype, const uint8_t *w, int64_t n, int64_t K, 
  * returns the rows done (0: none, the caller does them) */
 int64_t tq_q8_batch_rows(int qtype, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias,
                          int64_t M, int64_t N, int64_t K);
+/* q8amx.c: the same on AMX-INT8 (the amx build; 0 elsewhere, or where the kernel refuses AMX) */
+int64_t tq_q8_amx_rows(int qtype, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias,
+                       int64_t M, int64_t N, int64_t K);
 /* ops.c */
 void tq_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t hidden,
                  int64_t x_stride, float eps);

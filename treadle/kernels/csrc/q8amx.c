@@ -1,0 +1,212 @@
+/* The batched 8-bit activation path on AMX-INT8 (the amx build): packed Q4_0 / Q4_1 and Q8_0
+ * rows times a batch of activation rows, one tile multiply per block of 32 inputs. q8batch.c
+ * calls it first and falls back to its own vpdpbusd tiles where it returns 0 (another build, the
+ * kernel refusing AMX to this process, a type it does not take).
+ *
+ *   A (tile 1): 16 weight rows x 32 bytes, block b of a strip (two groups of 8), k in order;
+ *               the unsigned q of Q4 (tdpbusd), the signed bytes of Q8_0 (tdpbssd)
+ *   B (tile 2): 8 rows x 64 bytes, 16 activation rows in VNNI order: B[r][4i + c] = x[i][4r + c]
+ *   C (tile 0): 16 x 16 int32, C[j][i] = the exact integer block dot of weight row j, activation i
+ *
+ * Per block, C goes to a 1 KiB buffer and each output takes exactly q8act.c's float operations,
+ *
+ *   acc = fma(float(isum), d_w * xd, acc);   acc = fma(m_w, xs, acc)   (Q8_0: no minimum)
+ *
+ * (the 16 outputs of weight row j in one register, lane i = activation row i), then y = acc
+ * (+ bias). Same integers, same float order: the bits of the plain-C reference, whatever the
+ * batch; rows past the batch are zeros in B and never stored. Linux lends AMX state to a
+ * process only after arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once here; a
+ * refusal leaves the vpdpbusd path.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "qblocks.h"
+
+#if defined(TQ_AVX2) && defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AMX_INT8__) && \
+    defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_MIN_ROWS 5 /* below, q8act.c's direct paths read the weights straight into registers */
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg;
+
+/* 1: this process may use AMX (asked once; the answer does not change) */
+static int amx_allowed(void) {
+    static int state; /* 0 unknown, 1 yes, -1 no */
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (s == 0) {
+        s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    }
+    return s == 1;
+}
+
+static void configure_tiles(void) {
+    tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = 16, cfg.colsb[0] = 64; /* C */
+    cfg.rows[1] = 16, cfg.colsb[1] = 32; /* A */
+    cfg.rows[2] = 8, cfg.colsb[2] = 64; /* B */
+    _tile_loadconfig(&cfg);
+}
+
+typedef struct { /* per-call activations in tile order, [tiles][nb] */
+    uint8_t *b; /* 512 bytes per (tile, block) */
+    float *d, *s; /* 16 per (tile, block); zeros past the batch */
+} amx_acts;
+
+static amx_acts prepare_acts(tq_q8acts x, int64_t M, int64_t K) {
+    const int64_t nb = K / QK, tiles = (M + 15) / 16;
+    amx_acts a = {(uint8_t *)aligned_alloc(64, (size_t)(tiles * nb * 512)),
+                  (float *)aligned_alloc(64, (size_t)(2 * tiles * nb * 16) * sizeof(float)), NULL};
+    if (a.b == NULL || a.d == NULL) abort();
+    a.s = a.d + tiles * nb * 16;
+    memset(a.b, 0, (size_t)(tiles * nb * 512));
+    memset(a.d, 0, (size_t)(2 * tiles * nb * 16) * sizeof(float));
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t t = m / 16, i = m % 16;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *tb = a.b + (t * nb + b) * 512;
+            for (int r = 0; r < 8; r++) memcpy(tb + 64 * r + 4 * i, x.q + m * K + b * QK + 4 * r, 4);
+            a.d[(t * nb + b) * 16 + i] = x.d[m * nb + b];
+            a.s[(t * nb + b) * 16 + i] = x.s[m * nb + b];
+        }
+    }
+    return a;
+}
+
+typedef struct { /* one strip's weights in A order: [nb] */
+    uint8_t *q; /* 512 bytes per block */
+    float *d, *m; /* 16 per block */
+} amx_panel;
+
+/* Packed Q4 groups at w and w1 (NULL: a lone group, rows 8..15 zero), every block. */
+static void panel_packed(int t, const uint8_t *w, const uint8_t *w1, int64_t nb, amx_panel p) {
+    const int ub = unit_bytes(t), sb = base_type(t) == TQ_Q4_1 ? 32 : 16;
+    const __m512i mask = _mm512_set1_epi8(15);
+    /* dword j*4 + s <- dword s*8 + j: each row's 4 nibble dwords side by side */
+    const __m512i rows03 = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+    const __m512i rows47 = _mm512_add_epi32(rows03, _mm512_set1_epi32(4));
+    const __m512i pair0 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), pair1 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (int64_t b = 0; b < nb; b++) {
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *g = h ? w1 : w;
+            uint8_t *out = p.q + b * 512 + 256 * h;
+            if (g == NULL) {
+                memset(out, 0, 256);
+                memset(p.d + 16 * b + 8, 0, 8 * sizeof(float));
+                memset(p.m + 16 * b + 8, 0, 8 * sizeof(float));
+                continue;
+            }
+            const uint8_t *blk = g + b * 8 * ub;
+            for (int j = 0; j < 8; j++) {
+                p.d[16 * b + 8 * h + j] = half_to_float(blk + 2 * j);
+                p.m[16 * b + 8 * h + j] = base_type(t) == TQ_Q4_1 ? half_to_float(blk + 16 + 2 * j)
+                                                                   : -8.0f * p.d[16 * b + 8 * h + j];
+            }
+            const __m512i n01 = _mm512_loadu_si512(blk + sb), n23 = _mm512_loadu_si512(blk + sb + 64);
+            for (int r = 0; r < 2; r++) { /* rows 0-3, then 4-7: 16 nibble bytes each */
+                const __m512i v = _mm512_permutex2var_epi32(n01, r ? rows47 : rows03, n23);
+                const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+                _mm512_storeu_si512(out + 128 * r, _mm512_permutex2var_epi64(lo, pair0, hi));
+                _mm512_storeu_si512(out + 128 * r + 64, _mm512_permutex2var_epi64(lo, pair1, hi));
+            }
+        }
+    }
+}
+
+/* Q8_0 rows (16, or 8 for a lone group; rbytes apart), every block. */
+static void panel_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb, amx_panel p) {
+    const int ub = unit_bytes(TQ_Q8_0);
+    for (int64_t b = 0; b < nb; b++) {
+        for (int j = 0; j < 16; j++) {
+            uint8_t *out = p.q + b * 512 + 32 * j;
+            if (j < nrows) {
+                memcpy(out, w + j * rbytes + b * ub + 2, 32);
+                p.d[16 * b + j] = half_to_float(w + j * rbytes + b * ub);
+            } else {
+                memset(out, 0, 32);
+                p.d[16 * b + j] = 0.0f;
+            }
+            p.m[16 * b + j] = 0.0f;
+        }
+    }
+}
+
+/* 16 activation rows (tile t) times one strip: out[i * ldy + j] for i < nx, j < nj. */
+static void amx_tile(int q8_0, amx_panel p, amx_acts a, int64_t t, int64_t nb, const float *bias, float *out,
+                     int64_t ldy, int nx, int nj, int32_t *cbuf) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        _tile_zero(0);
+        _tile_loadd(1, p.q + b * 512, 32);
+        _tile_loadd(2, a.b + (t * nb + b) * 512, 64);
+        if (q8_0)
+            _tile_dpbssd(0, 1, 2);
+        else
+            _tile_dpbusd(0, 1, 2);
+        _tile_stored(0, cbuf, 64);
+        const __m512 xd = _mm512_load_ps(a.d + (t * nb + b) * 16), xs = _mm512_load_ps(a.s + (t * nb + b) * 16);
+        const float *d = p.d + 16 * b, *m = p.m + 16 * b;
+        for (int j = 0; j < 16; j++) {
+            const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(cbuf + 16 * j));
+            acc[j] = _mm512_fmadd_ps(isum, _mm512_mul_ps(_mm512_set1_ps(d[j]), xd), acc[j]);
+            if (!q8_0) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(m[j]), xs, acc[j]);
+        }
+    }
+    float tmp[16][16] __attribute__((aligned(64)));
+    for (int j = 0; j < 16; j++) _mm512_store_ps(tmp[j], acc[j]);
+    for (int i = 0; i < nx; i++)
+        for (int j = 0; j < nj; j++) out[i * ldy + j] = bias ? tmp[j][i] + bias[j] : tmp[j][i];
+}
+
+int64_t tq_q8_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
+                       int64_t N, int64_t K) {
+    const int q8_0 = t == TQ_Q8_0;
+    if (!(packed_type(t) || q8_0) || M < AMX_MIN_ROWS || !amx_allowed()) return 0;
+    const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
+    const amx_acts a = prepare_acts(x, M, K);
+#pragma omp parallel
+    {
+        amx_panel p = {(uint8_t *)aligned_alloc(64, (size_t)(nb * 512)),
+                       (float *)aligned_alloc(64, (size_t)(nb * 32) * sizeof(float)), NULL};
+        int32_t *cbuf = (int32_t *)aligned_alloc(64, 1024);
+        if (p.q == NULL || p.d == NULL || cbuf == NULL) abort();
+        p.m = p.d + nb * 16;
+        configure_tiles();
+#pragma omp for schedule(static)
+        for (int64_t st = 0; st < strips; st++) {
+            const int64_t g = 2 * st;
+            const int lone = g + 1 >= groups;
+            const uint8_t *wg = w + g * 8 * rbytes;
+            if (q8_0)
+                panel_q8_0(wg, rbytes, lone ? 8 : 16, nb, p);
+            else
+                panel_packed(t, wg, lone ? NULL : wg + 8 * rbytes, nb, p);
+            for (int64_t tt = 0; tt * 16 < M; tt++)
+                amx_tile(q8_0, p, a, tt, nb, bias ? bias + g * 8 : NULL, y + tt * 16 * ldy + g * 8, ldy,
+                         M - tt * 16 < 16 ? (int)(M - tt * 16) : 16, lone ? 8 : 16, cbuf);
+        }
+        _tile_release();
+        free(p.q), free(p.d), free(cbuf);
+    }
+    free(a.b), free(a.d);
+    return groups * 8;
+}
+#else
+int64_t tq_q8_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
+                       int64_t N, int64_t K) {
+    (void)t, (void)w, (void)x, (void)y, (void)ldy, (void)bias, (void)M, (void)N, (void)K;
+    return 0;
+}
+#endif
