@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from treadle.config import EngineConfig, EngineDeadError, InvalidRequestError, TreadleError
 from treadle.core.kv_cache_manager import KVCacheManager
@@ -216,6 +216,7 @@ class LLMEngine:
         usable. EngineDeadError (a lost worker, a dead engine) propagates unchanged."""
         sched: SchedulerOutput | None = None
         try:
+            t0 = time.perf_counter()
             self._fill_batch_queue()
             if not self._in_flight:
                 return []
@@ -223,14 +224,18 @@ class LLMEngine:
             if submit_error is not None:
                 raise submit_error
             result = self.executor.collect()  # EngineDeadError: the engine is dead
-            seconds = time.perf_counter() - started
+            t_model = time.perf_counter()
             touched = self.scheduler.update_from_output(sched, result)
             self.stats.record(sched, touched)
-            self._observe_speculation(sched, result, seconds)
+            self._observe_speculation(sched, result, t_model - started)
+            t_update = time.perf_counter()
             updated = self.outputs.process(
                 touched, result, lambda req: self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             )
-            return [self.outputs.make_output(pid) for pid in updated]
+            outputs = [self.outputs.make_output(pid) for pid in updated]
+            self.stats.last_step = StepSeconds(max(started - t0, 0.0), t_model - started, t_update - t_model,
+                                               time.perf_counter() - t_update)
+            return outputs
         except EngineDeadError:
             raise
         except Exception as e:
@@ -295,6 +300,16 @@ class StepFailedError(TreadleError):
         self.cause = cause
 
 
+class StepSeconds(NamedTuple):
+    """Where the last step's wall time went (``treadle bench ab`` reads it). Under pipeline
+    stages ``schedule`` and ``model`` overlap other steps' and are only indicative."""
+
+    schedule: float  # choosing the step (and, with steps in flight, submitting earlier ones)
+    model: float  # submit to collect: the workers' step (inputs, model, sampling)
+    update: float  # the scheduler taking the results
+    output: float  # detokenization, stop strings, RequestOutputs
+
+
 class EngineStats:
     """Counters the metrics endpoint and benchmarks read (``spec_decode``: speculation's
     counters, None when speculation is off)."""
@@ -306,6 +321,7 @@ class EngineStats:
         self.num_tokens_computed = 0  # tokens run through the model (prompt, recompute, decode)
         self.num_generated_tokens = 0
         self.max_steps_in_flight = 0  # the batch queue's high-water mark (1 without pipeline stages)
+        self.last_step: StepSeconds | None = None
 
     def record(self, sched: SchedulerOutput, touched: list[Request]) -> None:
         self.num_steps += 1
