@@ -1,4 +1,4 @@
-"""`treadle bench {throughput,latency,serve,comm}`: parsers and the drivers (comm: bench/comm.py)."""
+"""`treadle bench {throughput,latency,serve,comm,ab}`: parsers and the drivers (comm: bench/comm.py, ab: bench/ab.py)."""
 from __future__ import annotations
 
 import argparse
@@ -86,6 +86,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--device", default="cpu")
     c.add_argument("--save-result", default=None, metavar="FILE.json")
     c.set_defaults(func=cmd_comm)
+    ab = kinds.add_parser("ab", help="two engine configurations, decode steps interleaved in one process")
+    add_engine_args(ab)
+    ab.add_argument("--a", default=None, metavar="JSON", help="engine arguments of side A over the flags")
+    ab.add_argument("--b", default=None, metavar="JSON", help="engine arguments of side B over the flags")
+    ab.add_argument("--a-env", action="append", default=[], metavar="NAME=VALUE", help="side A's environment")
+    ab.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE", help="side B's environment")
+    ab.add_argument("--batch", type=positive_int, nargs="+", default=[1, 4, 16])
+    ab.add_argument("--prompt-len", type=positive_int, default=512)
+    ab.add_argument("--steps", type=positive_int, default=64, help="decode steps of each side per batch size")
+    ab.add_argument("--save-result", default=None, metavar="FILE.json")
+    ab.set_defaults(func=cmd_ab)
+
+
+def cmd_ab(args: argparse.Namespace) -> int:
+    import json
+
+    from treadle.bench.ab import Side, run_ab
+
+    sides = (Side.parse("A", args.a, args.a_env), Side.parse("B", args.b, args.b_env))
+    results = run_ab(sides, engine_kwargs(args), args.batch, args.prompt_len, args.steps)
+    if args.save_result:
+        Path(args.save_result).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
+    return 0
 
 
 def cmd_comm(args: argparse.Namespace) -> int:
