@@ -240,6 +240,7 @@ class SchedulerConfig:
     # waiting order and victim choice (core/cost_policy.py); these defaults are EngineArgs' too
     scheduling_policy: str = "priority"  # fcfs | priority | predicted
     scheduling_aging_s: float = 60.0  # predicted: never passed over by a request arriving this much later
+    length_predictor: str | None = None  # its directory (treadle/predict); None: requests carry no prediction
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ from treadle.layers.attention.kv_quant import cache_dtype, row_width
 from treadle.layers.attention.selector import resolve_backend_name
 from treadle.loaders import ModelSource, open_model_source, parse_dtype
 from treadle.loaders.hf import weight_files
+from treadle.predict.model import shipped_for
 from treadle.quantization import resolve_quantization, tensor_parallel_error
 from treadle.spec_decode.head_format import HEAD_METHODS, eagle_layer_config, read_head_config
 
@@ -263,7 +264,19 @@ def _scheduler_config(args: EngineArgs, model_limit: int) -> SchedulerConfig:
         batched = max(batched, max_model_len)  # a whole prompt must fit one step
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
                            max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-                           scheduling_policy=args.scheduling_policy, scheduling_aging_s=float(args.scheduling_aging_s))
+                           scheduling_policy=args.scheduling_policy, scheduling_aging_s=float(args.scheduling_aging_s),
+                           length_predictor=_length_predictor(args))
+
+
+def _length_predictor(args: EngineArgs) -> str | None:
+    """``length_predictor``: none -> None; auto -> the one shipped for the model, if any; else the
+    directory given (checked when the engine loads it)."""
+    if args.length_predictor == "none":
+        return None
+    if args.length_predictor == "auto":
+        path = shipped_for(args.model)
+        return None if path is None else str(path)
+    return args.length_predictor
 
 
 def _parallel_config(args: EngineArgs, model: ModelConfig) -> ParallelConfig:
