@@ -17,7 +17,7 @@ It owns:
     parallelism       head counts checked for the tensor-parallel size; uni -> mp with several
                       ranks; no CUDA graphs with several ranks
     attention backend auto -> cpu on the CPU, triton (or reference) on CUDA
-    CUDA graphs       off unless the device is CUDA and enforce_eager is False
+    CUDA graphs       off unless the device is CUDA and enforce_eager is False (and never for MoE)
     speculation       speculative_config (a dict or its JSON) -> SpeculativeConfig, or None
 
 ``create_engine_config`` is the impure shell around it: it opens the checkpoint (once; the
@@ -124,7 +124,8 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
         parallel=parallel,
         device=str(device),
         attention_backend=resolve_backend_name(args.attention_backend, device),
-        enforce_eager=args.enforce_eager or device.type != "cuda" or world > 1,
+        # a MoE step reads its expert group sizes on the host (no CUDA graph can hold that)
+        enforce_eager=args.enforce_eager or device.type != "cuda" or world > 1 or source.config.moe is not None,
         fused_layers=args.fused_layers,
         speculative=speculative,
         kv_transfer=_kv_transfer_without_pipeline(args),
