@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from treadle.config import ModelConfig, RopeScaling, TreadleError
+from treadle.loaders import gguf_gemma3
 from treadle.loaders.expected import check_tensors
 from treadle.loaders.rotary_layout import interleaved_to_rotate_half
 from treadle.loaders.source import ModelSource
@@ -69,15 +70,17 @@ class GGUFTensorRef(NamedTuple):
     tensor: ReaderTensor  # raw: type, GGUF shape, memory-mapped bytes
     shape: tuple[int, ...]  # HF (torch) order, e.g. [out_features, in_features]
     rope_heads: int | None  # q/k rows to convert with interleaved_to_rotate_half, else None
+    shift: float = 0.0  # subtracted from the stored values (Gemma's norms: the file holds 1 + w)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """GGUF tensor name -> Hugging Face Llama name (None when unknown)."""
+def hf_tensor_name(gguf_name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str | None:
+    """GGUF tensor name -> Hugging Face name (None when unknown); ``layer_names``: the
+    architecture's decoder-layer table (Llama's, or ``gguf_gemma3.LAYER_NAMES``)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -105,14 +108,14 @@ def open_gguf_reader(path: Path) -> GGUFReader:
         raise TreadleError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from None
 
 
-def _rope_scaling(md: dict[str, Any], path: Path) -> RopeScaling | None:
+def _rope_scaling(md: dict[str, Any], path: Path, arch: str = "llama") -> RopeScaling | None:
     """As llama.cpp reads it: the type defaults to linear, the factor comes from
     ``rope.scaling.factor`` or the older ``rope.scale_linear``, and a factor of 0 or 1 (or none)
     scales nothing."""
-    kind = md.get("llama.rope.scaling.type", "linear")
+    kind = md.get(f"{arch}.rope.scaling.type", "linear")
     if kind == "none":
         return None
-    factor = float(md.get("llama.rope.scaling.factor") or md.get("llama.rope.scale_linear") or 0.0)
+    factor = float(md.get(f"{arch}.rope.scaling.factor") or md.get(f"{arch}.rope.scale_linear") or 0.0)
     if factor in (0.0, 1.0):
         return None
     if kind != "linear":
@@ -122,8 +125,10 @@ def _rope_scaling(md: dict[str, Any], path: Path) -> RopeScaling | None:
 
 def gguf_model_config(md: dict[str, Any], tensor_names: set[str], path: Path) -> ModelConfig:
     arch = md.get("general.architecture")
+    if arch == "gemma3":
+        return gguf_gemma3.gemma3_model_config(md, tensor_names, path, _rope_scaling(md, path, "gemma3"))
     if arch != "llama":
-        raise TreadleError(f"{path}: GGUF architecture {arch!r} is not supported (supported: llama)")
+        raise TreadleError(f"{path}: GGUF architecture {arch!r} is not supported (supported: llama, gemma3)")
     if md.get("llama.expert_count"):
         raise TreadleError(f"{path}: mixture-of-experts llama models are not supported")
     if "rope_freqs.weight" in tensor_names:
@@ -156,22 +161,24 @@ def gguf_model_config(md: dict[str, Any], tensor_names: set[str], path: Path) ->
 
 def gguf_tensor_refs(reader: GGUFReader, config: ModelConfig, path: Path) -> Iterator[GGUFTensorRef]:
     """Every tensor the model uses, HF-named, before any data is read or dequantized."""
+    gemma = config.architecture == "Gemma3ForCausalLM"
     for t in reader.tensors:
-        hf_name = hf_tensor_name(t.name)
+        hf_name = hf_tensor_name(t.name, gguf_gemma3.LAYER_NAMES if gemma else _LAYER_NAMES)
         if hf_name is None:
-            raise TreadleError(f"{path}: tensor {t.name!r} has no place in a llama model")
+            raise TreadleError(f"{path}: tensor {t.name!r} has no place in a {config.architecture} model")
         if t.tensor_type not in SUPPORTED_TYPES:
             names = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
             raise TreadleError(
                 f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which is not supported (supported: {names})"
             )
-        rope_heads = None
-        if hf_name.endswith("q_proj.weight") or hf_name.endswith("q_proj.bias"):
+        rope_heads = None  # Gemma: NEOX-style RoPE, q/k rows already in Hugging Face's order
+        if not gemma and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             rope_heads = config.num_heads
-        elif hf_name.endswith("k_proj.weight") or hf_name.endswith("k_proj.bias"):
+        elif not gemma and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             rope_heads = config.num_kv_heads
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        yield GGUFTensorRef(hf_name, t, shape, rope_heads)
+        shift = gguf_gemma3.NORM_SHIFT if gemma and hf_name.endswith("norm.weight") else 0.0
+        yield GGUFTensorRef(hf_name, t, shape, rope_heads, shift)
 
 
 def dequantize_ref(ref: GGUFTensorRef) -> torch.Tensor:
@@ -185,7 +192,7 @@ def dequantize_ref(ref: GGUFTensorRef) -> torch.Tensor:
     tensor = tensor.reshape(ref.shape)
     if ref.rope_heads is not None:
         tensor = interleaved_to_rotate_half(tensor, ref.rope_heads)
-    return tensor
+    return tensor - ref.shift if ref.shift else tensor
 
 
 def raw_blocks(ref: GGUFTensorRef) -> GGUFBlocks:
@@ -214,6 +221,8 @@ def open_gguf(path: str | Path, skip_tokenizer_init: bool = False) -> ModelSourc
     except (UnicodeDecodeError, ValueError, IndexError) as e:
         raise TreadleError(f"{path}: unreadable GGUF metadata ({e})") from None
     config = gguf_model_config(md, {t.name for t in reader.tensors}, path)
+    if config.architecture == "Gemma3ForCausalLM" and "tokenizer.chat_template" not in md:
+        md["tokenizer.chat_template"] = gguf_gemma3.CHAT_TEMPLATE
     refs = list(gguf_tensor_refs(reader, config, path))
     _check_extents(refs, path)
     check_tensors(path, {ref.hf_name: ref.shape for ref in refs}, config)
