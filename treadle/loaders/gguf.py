@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from treadle.config import ModelConfig, RopeScaling, TreadleError
-from treadle.loaders import gguf_gemma3
+from treadle.loaders import gguf_gemma3, gguf_moe
 from treadle.loaders.expected import check_tensors
 from treadle.loaders.rotary_layout import interleaved_to_rotate_half
 from treadle.loaders.source import ModelSource
@@ -71,6 +71,7 @@ class GGUFTensorRef(NamedTuple):
     shape: tuple[int, ...]  # HF (torch) order, e.g. [out_features, in_features]
     rope_heads: int | None  # q/k rows to convert with interleaved_to_rotate_half, else None
     shift: float = 0.0  # subtracted from the stored values (Gemma's norms: the file holds 1 + w)
+    expert: int | None = None  # stacked experts (``gguf_moe``): the slice of the first axis this ref reads
 
 
 def hf_tensor_name(gguf_name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str | None:
@@ -127,10 +128,10 @@ def gguf_model_config(md: dict[str, Any], tensor_names: set[str], path: Path) ->
     arch = md.get("general.architecture")
     if arch == "gemma3":
         return gguf_gemma3.gemma3_model_config(md, tensor_names, path, _rope_scaling(md, path, "gemma3"))
+    if gguf_moe.is_moe(md):
+        return gguf_moe.moe_model_config(md, tensor_names, path, _rope_scaling(md, path, str(arch)))
     if arch != "llama":
-        raise TreadleError(f"{path}: GGUF architecture {arch!r} is not supported (supported: llama, gemma3)")
-    if md.get("llama.expert_count"):
-        raise TreadleError(f"{path}: mixture-of-experts llama models are not supported")
+        raise TreadleError(f"{path}: GGUF architecture {arch!r} is not supported (supported: llama, gemma3, qwen2moe, qwen3moe)")
     if "rope_freqs.weight" in tensor_names:
         raise TreadleError(f"{path}: per-dimension rope frequency factors (rope_freqs) are not supported")
     try:
@@ -161,6 +162,9 @@ def gguf_model_config(md: dict[str, Any], tensor_names: set[str], path: Path) ->
 
 def gguf_tensor_refs(reader: GGUFReader, config: ModelConfig, path: Path) -> Iterator[GGUFTensorRef]:
     """Every tensor the model uses, HF-named, before any data is read or dequantized."""
+    if config.moe is not None:
+        yield from _moe_tensor_refs(reader, config, path)
+        return
     gemma = config.architecture == "Gemma3ForCausalLM"
     for t in reader.tensors:
         hf_name = hf_tensor_name(t.name, gguf_gemma3.LAYER_NAMES if gemma else _LAYER_NAMES)
@@ -181,13 +185,35 @@ def gguf_tensor_refs(reader: GGUFReader, config: ModelConfig, path: Path) -> Ite
         yield GGUFTensorRef(hf_name, t, shape, rope_heads, shift)
 
 
+def _moe_tensor_refs(reader: GGUFReader, config: ModelConfig, path: Path) -> Iterator[GGUFTensorRef]:
+    """``gguf_tensor_refs`` of a mixture of experts: a stacked-experts tensor becomes one ref per
+    expert; q/k rows un-permuted for Mixtral only (qwen files keep Hugging Face's order)."""
+    assert config.moe is not None
+    arch = str(reader.fields["general.architecture"].contents())
+    for t in reader.tensors:
+        names = [(_GLOBAL_NAMES[t.name], None)] if t.name in _GLOBAL_NAMES else gguf_moe.hf_names(
+            t.name, arch, config.moe.num_experts)
+        if not names:
+            raise TreadleError(f"{path}: tensor {t.name!r} has no place in a {config.architecture} model")
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise TreadleError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which is not supported")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        for hf_name, expert in names:
+            rope_heads = None
+            if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                rope_heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
+            part = shape[1:] if expert is not None else (1, *shape) if hf_name.endswith("shared_expert_gate.weight") else shape
+            yield GGUFTensorRef(hf_name, t, part, rope_heads, expert=expert)
+
+
 def dequantize_ref(ref: GGUFTensorRef) -> torch.Tensor:
     """The ref's tensor as float32 in HF layout (q/k rows in rotate-half order)."""
     t = ref.tensor
+    data = t.data if ref.expert is None else t.data[ref.expert]
     if t.tensor_type == GGMLQuantizationType.F32:
-        array = np.array(t.data, dtype=np.float32)  # copy out of the memory map
+        array = np.array(data, dtype=np.float32)  # copy out of the memory map
     else:  # F16, BF16 and the block types -> a new float32 array
-        array = dequantize(t.data, t.tensor_type)
+        array = dequantize(data, t.tensor_type)
     tensor = torch.from_numpy(array)
     tensor = tensor.reshape(ref.shape)
     if ref.rope_heads is not None:
