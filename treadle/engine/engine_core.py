@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from treadle.config import TreadleError
+from treadle.core.cost_policy import predicted_remaining
 from treadle.engine.llm_engine import LLMEngine, PromptType, StepFailedError
 from treadle.engine.outputs import RequestOutput
 from treadle.kv_transfer.scheduler import KVTransferScheduler
@@ -40,6 +41,7 @@ class EngineSnapshot:
     spec_decode: dict[str, Any] | None = None  # SpecDecodeStats.as_dict(), when speculating
     num_waiting_prompt_tokens: int = 0  # prompt tokens not yet computed (waiting and running requests)
     kv_transfer: dict[str, Any] | None = None  # KVTransferStats.as_dict(), with kv_transfer_config
+    predicted_remaining_tokens: int | None = None  # sum of predicted output tokens left; None: no length predictor
 
 
 @dataclass(frozen=True)
@@ -106,4 +108,6 @@ class EngineCore:
             num_waiting_prompt_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
                                           for r in eng.scheduler.requests.values()),
             kv_transfer=eng.scheduler.stats() if isinstance(eng.scheduler, KVTransferScheduler) else None,
+            predicted_remaining_tokens=None if eng.length_predictor is None else
+            sum(predicted_remaining(r) for r in eng.scheduler.requests.values()),
         )

@@ -21,6 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-attempts", type=int, default=3, help="instances tried per step of a request")
     p.add_argument("--no-prefix-affinity", dest="prefix_affinity", action="store_false",
                    help="route by load only, ignoring which instance has a prompt's prefix cached")
+    p.add_argument("--balance", choices=("cost", "count"), default="cost",
+                   help="cost: by each instance's predicted remaining tokens (/load, where it reports them); "
+                        "count: by running + waiting requests")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_router)
 
@@ -39,7 +42,8 @@ def run_router(args: argparse.Namespace) -> int:
     try:
         config = RouterConfig(tuple(args.prefill), tuple(args.decode), tuple(args.backend),
                               poll_interval_s=args.poll_interval, upstream_timeout_s=args.upstream_timeout,
-                              max_attempts=args.max_attempts, prefix_affinity=args.prefix_affinity)
+                              max_attempts=args.max_attempts, prefix_affinity=args.prefix_affinity,
+                              balance_by_cost=args.balance == "cost")
     except ValueError as e:
         raise TreadleError(str(e)) from None
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

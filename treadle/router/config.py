@@ -22,6 +22,7 @@ class RouterConfig:
     upstream_timeout_s: float = 300.0  # the longest wait for one response or one streamed event
     max_attempts: int = 3  # instances tried for one step of a request
     prefix_affinity: bool = True
+    balance_by_cost: bool = True  # by the instances' predicted remaining tokens where they report them
 
     def __post_init__(self) -> None:
         if self.backend and (self.prefill or self.decode):

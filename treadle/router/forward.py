@@ -142,7 +142,7 @@ class Forwarder:
             else None
         owner = next((i for i in candidates if i.url == owner_url), None)
         self.turn += 1
-        choice = choose(candidates, self.turn, owner)
+        choice = choose(candidates, self.turn, owner, self.config.balance_by_cost)
         if choice is None:
             return None
         self.metrics.decisions.labels(role.value, choice.reason).inc()

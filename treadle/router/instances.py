@@ -1,7 +1,8 @@
 """What the router knows of each instance, and the poller that keeps it fresh.
 
 Every ``poll_interval_s`` each instance is asked ``GET /health`` and, when healthy,
-``GET /load`` (``{"waiting_prompt_tokens", "running", "waiting", "kv_usage", "role"}``;
+``GET /load`` (``{"waiting_prompt_tokens", "running", "waiting", "kv_usage", "role",
+"predicted_remaining_tokens"}``;
 an instance without it is read from its Prometheus ``/metrics``). A failed or non-200
 health check takes the instance out of rotation; the next good one puts it back. A
 request that cannot reach an instance takes it out at once (``mark_down``).
@@ -33,11 +34,14 @@ class InstanceLoad:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0  # 0-1
+    predicted_remaining_tokens: int | None = None  # output tokens its requests are predicted to need; None: no predictor
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> InstanceLoad:
+        predicted = data.get("predicted_remaining_tokens")
         return InstanceLoad(int(data.get("waiting_prompt_tokens", 0)), int(data.get("running", 0)),
-                            int(data.get("waiting", 0)), float(data.get("kv_usage", 0.0)))
+                            int(data.get("waiting", 0)), float(data.get("kv_usage", 0.0)),
+                            None if predicted is None else int(predicted))
 
     @staticmethod
     def from_metrics(text: str) -> InstanceLoad:

@@ -2,8 +2,12 @@
 
 - prefill instances by queued prompt tokens (the larger of what the instance last
   reported and what this router has sent it and not seen finish);
-- decode and backend instances by running requests plus KV usage (a full cache weighs
-  as ``KV_WEIGHT`` running requests);
+- decode and backend instances by predicted remaining work where the instance reports it
+  (``/load``'s ``predicted_remaining_tokens``, plus its queued prompt tokens at the scheduler's
+  ``PREFILL_TOKEN_COST``, plus requests sent since its last report at its mean cost), in units of
+  ``REQUEST_COST`` tokens so the affinity slack keeps its meaning; otherwise (or with
+  ``--balance count``) by running requests plus KV usage (a full cache weighs as ``KV_WEIGHT``
+  running requests);
 - prefix affinity: a request whose prompt starts like one sent before goes to the instance
   that computed that prompt (its prefix cache has it) unless that instance's score exceeds
   the best one by more than the role's slack.
@@ -17,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from treadle.core.cost_policy import PREFILL_TOKEN_COST
 from treadle.router.config import Role
 from treadle.router.instances import Instance
 
@@ -26,11 +31,29 @@ PREFIX_BLOCK_CHARS = 64  # prefixes are matched in blocks of this many character
 MAX_PREFIX_BLOCKS = 65536  # remembered (oldest forgotten first)
 
 
-def score(inst: Instance) -> float:
+REQUEST_COST = 128.0  # predicted tokens a request weighs when an instance reports none yet
+
+
+def cost_score(inst: Instance) -> float | None:
+    """Predicted remaining work in REQUEST_COST units; None: the instance reports no predictions."""
+    load = inst.load
+    if load.predicted_remaining_tokens is None:
+        return None
+    seen = load.running + load.waiting
+    per_request = load.predicted_remaining_tokens / seen if seen else REQUEST_COST
+    unseen = max(0, inst.in_flight - seen)  # sent since its last report
+    work = load.predicted_remaining_tokens + PREFILL_TOKEN_COST * load.waiting_prompt_tokens + unseen * per_request
+    return work / REQUEST_COST
+
+
+def score(inst: Instance, by_cost: bool = False) -> float:
     """Lower is less loaded."""
     load = inst.load
     if inst.role == Role.PREFILL:
         return float(max(load.waiting_prompt_tokens, inst.in_flight_prompt_tokens))
+    cost = cost_score(inst) if by_cost else None
+    if cost is not None:
+        return cost
     return max(load.running + load.waiting, inst.in_flight) + KV_WEIGHT * load.kv_usage
 
 
@@ -40,16 +63,18 @@ class Choice:
     reason: str  # "load" or "affinity"
 
 
-def choose(candidates: list[Instance], turn: int, affinity: Instance | None = None) -> Choice | None:
+def choose(candidates: list[Instance], turn: int, affinity: Instance | None = None,
+           by_cost: bool = False) -> Choice | None:
     """The instance to use among the healthy ``candidates`` (None: none is healthy).
-    ``turn`` rotates the tie-break; ``affinity``: the instance that holds the prompt's prefix."""
+    ``turn`` rotates the tie-break; ``affinity``: the instance that holds the prompt's prefix;
+    ``by_cost``: score by predicted remaining work where the instances report it."""
     healthy = [i for i in candidates if i.healthy]
     if not healthy:
         return None
     n = len(healthy)
-    best = min(enumerate(healthy), key=lambda p: (score(p[1]), (p[0] - turn) % n))[1]
+    best = min(enumerate(healthy), key=lambda p: (score(p[1], by_cost), (p[0] - turn) % n))[1]
     if affinity is not None and affinity is not best and affinity in healthy:
-        if score(affinity) <= score(best) + AFFINITY_SLACK[affinity.role]:
+        if score(affinity, by_cost) <= score(best, by_cost) + AFFINITY_SLACK[affinity.role]:
             return Choice(affinity, "affinity")
     return Choice(best, "load")
 

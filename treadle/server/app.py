@@ -113,7 +113,8 @@ async def load(request: Request) -> dict[str, Any]:
     snap = _state(request).llm.snapshot
     return {"waiting_prompt_tokens": snap.num_waiting_prompt_tokens, "running": snap.num_running,
             "waiting": snap.num_waiting, "kv_usage": snap.kv_usage,
-            "role": None if snap.kv_transfer is None else snap.kv_transfer["role"]}
+            "role": None if snap.kv_transfer is None else snap.kv_transfer["role"],
+            "predicted_remaining_tokens": snap.predicted_remaining_tokens}
 
 
 @router.get("/version", response_model=VersionResponse)
@@ -181,4 +182,3 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     if bad is not None:
         raise APIError.bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
     return {"prompt": state.tokenizer("tokens").decode(body.tokens, skip_special_tokens=False)}
-

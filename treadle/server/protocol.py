@@ -347,6 +347,7 @@ class LoadResponse(_Out):
     waiting: int
     kv_usage: float
     role: str | None  # the kv_role of kv_transfer_config; null without one
+    predicted_remaining_tokens: int | None = None  # output tokens still predicted (length predictor); null without one
 
 
 class VersionResponse(_Out):
