@@ -4,12 +4,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from treadle.bench.workloads import WORKLOADS, LengthRange, WorkloadSpec, make_workload, max_total_len
+from treadle.bench.workloads import WORKLOADS, BenchRequest, LengthRange, WorkloadSpec, make_workload, max_total_len
 from treadle.engine.args import EngineArgs
 from treadle.entrypoints.engine_args import DEFAULT_MODEL, add_engine_args, engine_kwargs, positive_int
 
@@ -33,13 +34,22 @@ def add_workload_args(p: argparse.ArgumentParser, input_len: str, output_len: st
     g.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens of the shared system prompt")
     g.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct system prompts")
     g.add_argument("--workload-seed", type=int, default=0)
+    g.add_argument("--lengths-file", default=None, metavar="FILE.jsonl",
+                   help="lengths: true answer lengths (default: the shipped length predictor's for --model)")
     p.add_argument("--save-result", default=None, metavar="FILE.json")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts there (needs matplotlib)")
 
 
 def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    lengths = args.lengths_file
+    if lengths is None and args.workload == "lengths":
+        from treadle.predict.model import shipped_for
+
+        shipped = shipped_for(getattr(args, "model", "") or "")
+        lengths = None if shipped is None else str(shipped / "lengths.jsonl")
     return WorkloadSpec(args.workload, args.num_prompts, LengthRange.parse(args.input_len),
-                        LengthRange.parse(args.output_len), args.prefix_len, args.num_prefixes, args.workload_seed)
+                        LengthRange.parse(args.output_len), args.prefix_len, args.num_prefixes, args.workload_seed,
+                        lengths)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -75,6 +85,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50")
     s.add_argument("--percentiles", default="50,90,99")
     s.add_argument("--seed", type=int, default=0, help="seed of the arrival process")
+    s.add_argument("--ordering", default="none", choices=["none", "oracle", "random"],
+                   help="send a priority per request (for a server run with --scheduling-policy priority): "
+                        "oracle: its true cost (output length + prefill at the scheduler's weight); random: seeded")
     s.set_defaults(func=cmd_serve)
     c = kinds.add_parser("comm", help="tensor-parallel communication hidden behind compute, overlap off vs on")
     c.add_argument("--model", default=DEFAULT_MODEL)
@@ -226,6 +239,22 @@ def _serve_prompts(args: argparse.Namespace, salt: int) -> tuple[list, list]:
     return reqs, [source.tokenizer.decode(r.prompt_token_ids) for r in reqs]
 
 
+def with_ordering(reqs: list[BenchRequest], ordering: str, seed: int) -> list[BenchRequest]:
+    """Priorities for an ordering ablation (lower is served first; 0 is never sent, so every
+    priority is at least 1): oracle = the request's true cost in decode-token units."""
+    if ordering == "none":
+        return reqs
+    from treadle.core.cost_policy import PREFILL_TOKEN_COST
+
+    if ordering == "oracle":
+        ranks = [1 + round(r.output_len + PREFILL_TOKEN_COST * r.prompt_len) for r in reqs]
+    else:
+        import numpy as np
+
+        ranks = [1 + int(x) for x in np.random.default_rng(seed).permutation(len(reqs))]
+    return [dataclasses.replace(r, priority=p) for r, p in zip(reqs, ranks)]
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
@@ -239,6 +268,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for label, url in targets:
         for ci, conc in enumerate(args.max_concurrency):
             reqs, prompts = _serve_prompts(args, salt=ci + 1)  # the same per level for every server
+            reqs = with_ordering(reqs, args.ordering, args.seed)
             traffic = Traffic(args.request_rate, args.burstiness, conc or None, args.seed)
             with (_launched(url, args.model, reqs, conc) as base,
                   tqdm(total=len(reqs), desc=f"bench serve {label} c={conc or 'inf'}", file=sys.stderr) as bar):

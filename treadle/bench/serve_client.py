@@ -55,10 +55,13 @@ async def first_model_id(client: httpx.AsyncClient, base_url: str) -> str:
 
 
 def _request_body(model: str, req: BenchRequest, prompt: str | list[int]) -> dict[str, Any]:
-    return {
+    body = {
         "model": model, "prompt": prompt, "max_tokens": req.output_len, "temperature": 0.0,
         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
     }
+    if req.priority:
+        body["priority"] = req.priority
+    return body
 
 
 async def send_one(

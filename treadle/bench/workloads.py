@@ -19,6 +19,11 @@
   of the answer is in the prompt: what n-gram speculation exploits.
 - ``chat-text``: real chat turns (``passages.CHAT_QUESTIONS``, through the chat template;
   needs the tokenizer), ``output_len`` tokens each: what a draft head is for.
+- ``lengths``: the held-out prompts of the length-varied prompt set (``treadle/predict/prompt_set.py``:
+  "answer in one word" ... "write a long story about"), mixed 70 % short, 20 % medium, 10 % long
+  answers, through the chat template; each asks for its true length (the model's own greedy answer,
+  from a ``lengths.jsonl`` written by ``treadle train-length-predictor``; at most ``output_len``),
+  so a run does the same work under every scheduling policy and an oracle can order by it.
 
 Token ids are uniform over ``[low_token, vocab_size)``, skipping the low ids
 where most tokenizers keep their special tokens.
@@ -33,7 +38,8 @@ import numpy as np
 from treadle.bench import BenchError
 from treadle.bench.passages import CHAT_QUESTIONS, INSTRUCTIONS, PASSAGES
 
-WORKLOADS = ("fixed", "random", "chat", "shared-prefix", "grounded", "mixed", "chat-text")
+WORKLOADS = ("fixed", "random", "chat", "shared-prefix", "grounded", "mixed", "chat-text", "lengths")
+LENGTH_MIX = {"short": 0.7, "medium": 0.2, "long": 0.1}  # the ``lengths`` workload's answer kinds
 
 CHAT_PROMPT = (180.0, 0.9, 8, 1024)  # median, sigma, min, max
 CHAT_OUTPUT = (120.0, 0.7, 8, 512)
@@ -43,6 +49,7 @@ CHAT_OUTPUT = (120.0, 0.7, 8, 512)
 class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int
+    priority: int = 0  # sent as the request's priority when not 0 (``bench serve --ordering``)
 
     @property
     def prompt_len(self) -> int:
@@ -79,6 +86,7 @@ class WorkloadSpec:
     prefix_len: int = 512  # shared-prefix only
     num_prefixes: int = 1  # shared-prefix only
     seed: int = 0
+    lengths_file: str | None = None  # lengths only: the prompts' true lengths (train-length-predictor's)
 
     def describe(self) -> str:
         if self.kind == "chat":
@@ -131,6 +139,35 @@ def chat_text_workload(spec: WorkloadSpec, tokenizer: Any, token_salt: int = 0) 
     return [BenchRequest(tokenizer.encode(text, add_special_tokens=False), spec.output_len.hi) for text in chat]
 
 
+def lengths_workload(spec: WorkloadSpec, tokenizer: Any, token_salt: int = 0) -> list[BenchRequest]:
+    """Held-out prompts drawn by LENGTH_MIX (without replacement within a kind until it runs
+    out), each asking for its true length; ``token_salt`` redraws the picks."""
+    import json
+
+    if tokenizer is None or spec.lengths_file is None:
+        raise BenchError("the lengths workload needs the model's tokenizer and a lengths file "
+                         "(--lengths-file, or a model with a shipped length predictor)")
+    try:
+        rows = [json.loads(line) for line in open(spec.lengths_file) if line.strip()]
+    except (OSError, ValueError) as e:
+        raise BenchError(f"cannot read the lengths file {spec.lengths_file}: {e}") from None
+    by_kind = {k: [r for r in rows if r.get("split") == "heldout" and r.get("kind") == k] for k in LENGTH_MIX}
+    if not all(by_kind.values()):
+        raise BenchError(f"{spec.lengths_file} lacks held-out prompts of some kind ({', '.join(LENGTH_MIX)})")
+    rng = np.random.default_rng([spec.seed, max(0, token_salt)])
+    kinds = rng.choice(list(LENGTH_MIX), size=spec.num_prompts, p=list(LENGTH_MIX.values()))
+    decks = {k: [int(i) for i in rng.permutation(len(v))] for k, v in by_kind.items()}
+    taken = dict.fromkeys(LENGTH_MIX, 0)
+    reqs = []
+    for kind in kinds.tolist():
+        row = by_kind[kind][decks[kind][taken[kind] % len(decks[kind])]]
+        taken[kind] += 1
+        text = tokenizer.apply_chat_template([{"role": "user", "content": row["text"]}])
+        reqs.append(BenchRequest(tokenizer.encode(text, add_special_tokens=False),
+                                 max(1, min(int(row["length"]), spec.output_len.hi))))
+    return reqs
+
+
 def make_workload(
     spec: WorkloadSpec, vocab_size: int, max_total_len: int | None = None, token_salt: int = 0,
     tokenizer: Any = None,
@@ -145,6 +182,8 @@ def make_workload(
         return grounded_workload(spec, tokenizer, token_salt)
     if spec.kind == "chat-text":
         return chat_text_workload(spec, tokenizer, token_salt)
+    if spec.kind == "lengths":
+        return lengths_workload(spec, tokenizer, token_salt)
     rng = np.random.default_rng(spec.seed)
     tok_rng = np.random.default_rng([spec.seed, token_salt])
     n = spec.num_prompts
