@@ -267,7 +267,8 @@ def test_unsupported_gguf_tensor_type(hf_model, tmp_path: Path) -> None:
 
 def test_unknown_gguf_architecture(hf_model, tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "m.gguf", hf_model, Q.F32, arch="gpt2")
-    assert _one_line_error(open_gguf, path) == f"{path}: GGUF architecture 'gpt2' is not supported (supported: llama)"
+    assert _one_line_error(open_gguf, path) == (f"{path}: GGUF architecture 'gpt2' is not supported "
+                                                "(supported: llama, gemma3, qwen2moe, qwen3moe)")
 
 
 def test_tensors_checked_against_config_before_loading(model_dir: Path, tmp_path: Path) -> None:
