@@ -10,7 +10,7 @@ import sys
 from treadle.config import TreadleError
 
 _SUBCOMMANDS: list[str] = ["generate", "convert", "bench", "serve", "router",
-                          "train_draft_head", "train_length_predictor", "quantize", "eval"]  # modules under treadle.entrypoints, e.g. "convert"
+                          "train_draft_head", "train_length_predictor", "quantize", "eval", "doctor"]  # modules under treadle.entrypoints, e.g. "convert"
 
 
 class _Version(argparse.Action):

@@ -197,7 +197,7 @@ def describe(chosen: str | None = None, forced: bool | None = None) -> str:
         return f"{chosen} (forced by TREADLE_CPU_KERNELS; the best this CPU runs: {best_runnable()})"
     better = [v.name for v in VARIANTS][: [v.name for v in VARIANTS].index(chosen)]
     passed = [f"{name} (CPU lacks {' '.join(missing_features(name))})" for name in better if missing_features(name)]
-    return chosen + (f"; skipped {', '.join(passed)}" if passed else "")
+    return f"{chosen} (the best variant this CPU runs" + (f"; skipped {', '.join(passed)})" if passed else ")")
 
 
 def library(plain: bool = False, variant: str | None = None) -> ctypes.CDLL | None:
