@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from server_harness import ENGINE_KW, MODEL_NAME, engine, engine_idle, wait_unti
 from treadle.engine.engine_client import EngineClient
 from treadle.loaders.resolve import resolve_model
 from treadle.server import build_app
-from treadle.server.connections import uvicorn_config
+from treadle.server.connections import IDLE_GRACE_S, uvicorn_config
 from treadle.server.state import ServerLimits
 
 HEADER_TIMEOUT = 1.0
@@ -62,9 +63,9 @@ class GuardedServer:
 
 
 @contextlib.contextmanager
-def guarded(llm: EngineClient, limits: ServerLimits | None = None,
-            send_buffer: int | None = None) -> Iterator[GuardedServer]:
-    with GuardedServer(build_app(llm, MODEL_NAME, limits=limits), send_buffer, header_timeout=HEADER_TIMEOUT,
+def guarded(llm: EngineClient, limits: ServerLimits | None = None, send_buffer: int | None = None,
+            header_timeout: float = HEADER_TIMEOUT) -> Iterator[GuardedServer]:
+    with GuardedServer(build_app(llm, MODEL_NAME, limits=limits), send_buffer, header_timeout=header_timeout,
                        max_idle_per_client=MAX_IDLE) as srv:
         yield srv
 
@@ -144,12 +145,16 @@ def test_a_request_slower_than_the_header_timeout_is_not_cut(llm):
 
 
 def test_idle_connections_per_client_are_capped(llm):
-    with guarded(llm) as srv:
-        socks = [srv.connect() for _ in range(3 * MAX_IDLE)]
+    with guarded(llm, header_timeout=60) as srv:
+        socks = [srv.connect() for _ in range(3 * MAX_IDLE)]  # a burst: all open (headers may be on their way)
+        time.sleep(0.3)
+        assert all(is_open(s) for s in socks)
+        time.sleep(IDLE_GRACE_S)  # now they count as idle: the next connection closes the oldest
+        socks.append(srv.connect())
         time.sleep(0.3)
         still_open = [s for s in socks if is_open(s)]
         assert len(still_open) <= MAX_IDLE
-        assert socks[-1] in still_open  # the newest stay; the oldest idle ones went
+        assert socks[-1] in still_open and socks[-2] in still_open  # the newest stay; the oldest idle ones went
         assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
         for s in socks:
             s.close()
@@ -179,3 +184,25 @@ def test_a_streaming_client_that_reads_nothing_has_its_request_aborted(caplog):
             assert done < 32 * 500 / 2, (done, took)  # aborted long before the end
             assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
             s.close()
+
+
+def test_many_streaming_clients_that_vanish_leave_no_warning_flood(llm, caplog):
+    """Clients that reset their connections mid-stream: their requests are aborted and the
+    log holds no run of asyncio's "socket.send() raised exception" (issue 34 fault 7)."""
+    body = json.dumps({"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 400, "n": 16,
+                       "ignore_eos": True, "stream": True, "logprobs": 2}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    with guarded(llm) as srv, caplog.at_level(logging.WARNING):
+        socks = [srv.connect() for _ in range(12)]
+        for s in socks:
+            s.sendall(request)
+        for s in socks:  # every stream has started
+            assert s.recv(65536)
+        for s in socks:  # then each resets its connection (RST, not FIN) while the server writes
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+        wait_until(lambda: engine_idle(srv.url), 30, "the vanished clients' requests to be aborted")
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+    noise = [r for r in caplog.records if "socket.send() raised" in r.getMessage()]
+    assert len(noise) == 0, f"{len(noise)} socket.send() warnings"

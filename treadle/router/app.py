@@ -164,6 +164,10 @@ async def _stream_events(forwarder: Forwarder, stream: OpenStream) -> AsyncItera
     try:
         async for event in forwarder.events(stream):
             yield event
+            # Events already read from upstream come back to back without a suspension; once a
+            # write to a client that left fails, the loop must run to mark it disconnected, or
+            # every following write logs asyncio's "socket.send() raised exception".
+            await asyncio.sleep(0)
     finally:
         await stream.close()
 

@@ -9,9 +9,10 @@ for ever; its keep-alive timer is cancelled by any byte, so a slow header trickl
     response complete --------------------- uvicorn's keep-alive timer; idle again
     header timer fires -------------------- close the connection
 
-Idle means: no request in progress (before its headers complete, or between requests).
-When a connection opens while its address already holds ``max_idle_per_client`` idle
-connections, the oldest idle one is closed (a kept-alive client reconnects; a client that
+Idle means: no request in progress (before its headers complete, or between requests)
+for at least ``IDLE_GRACE_S`` (so a burst of new connections whose headers are on their way
+is not idle). When a connection opens while its address already holds
+``max_idle_per_client`` idle connections, the oldest idle one is closed (a kept-alive client reconnects; a client that
 opens sockets and sends nothing loses them). Both are plain state on each protocol object
 and uvicorn's own set of connections: no module-level state.
 """
@@ -29,6 +30,7 @@ logger = logging.getLogger("treadle")
 
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_MAX_IDLE_PER_CLIENT = 64
+IDLE_GRACE_S = 1.0
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -86,10 +88,11 @@ class GuardedH11Protocol(H11Protocol):
 
     def _close_excess_idle(self) -> None:
         host = self.client[0] if self.client else None
+        settled = time.monotonic() - IDLE_GRACE_S
         idle = sorted((c for c in self.connections if isinstance(c, GuardedH11Protocol) and c.is_idle()
-                       and (c.client[0] if c.client else None) == host and not c.transport.is_closing()),
-                      key=lambda c: c.idle_since)
-        for conn in idle[: max(0, len(idle) - self.max_idle_per_client)]:
+                       and c.idle_since <= settled and (c.client[0] if c.client else None) == host
+                       and not c.transport.is_closing()), key=lambda c: c.idle_since)
+        for conn in idle[: max(0, len(idle) + 1 - self.max_idle_per_client)]:
             logger.debug("closing an idle connection of %s: more than %d idle", host, self.max_idle_per_client)
             conn.transport.close()
 

@@ -212,16 +212,20 @@ class GenerationView(ABC):
         yield SSE_DONE
 
     async def _chunks(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        """SSE text, one piece per engine output: the events of all its choices in one
+        write (n choices were n writes back to back, and after a client had gone each
+        failed one logged asyncio's "socket.send() raised exception")."""
         finals: list[RequestOutput] = []
         done: set[int] = set()
         seen: set[str] = set()
-        for chunk in self.opening_chunks():
-            yield chunk
+        opening = "".join(self.opening_chunks())
+        if opening:
+            yield opening
         async for out in outputs:
+            events: list[str] = []
             if out.request_id not in seen:
                 seen.add(out.request_id)
-                for chunk in self.first_output_chunks(out):
-                    yield chunk
+                events.extend(self.first_output_chunks(out))
             for c in out.outputs:
                 index = self.choice_index(out, c)
                 if index in done or not (c.new_token_ids or c.new_text or c.finish_reason):
@@ -232,7 +236,9 @@ class GenerationView(ABC):
                 choice = self.delta(out, c, index)
                 if choice.get("delta") == {} and choice.get("logprobs") is None and choice["finish_reason"] is None:
                     continue  # nothing to say yet (a tool call still being written): no empty chunk
-                yield self.chunk([choice])
+                events.append(self.chunk([choice]))
+            if events:
+                yield "".join(events)
             if out.finished:
                 finals.append(out)
         if self.body.include_usage:
