@@ -70,3 +70,18 @@ def test_bench_backend_serves_a_ragged_workload_with_one_slot_per_request(gguf) 
     finally:
         backend.close()
     assert server.proc.poll() is not None
+
+
+def test_bench_serve_starts_and_stops_llamacpp_server_per_concurrency(gguf, tmp_path) -> None:  # noqa: ANN001
+    """`treadle bench serve --base-url llamacpp-server` loads a llama-server it starts itself."""
+    import json
+
+    from treadle.entrypoints.cli import main
+
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--base-url", "llamacpp-server", "--model", MODEL, "--num-prompts", "4",
+               "--input-len", "8:40", "--output-len", "3:6", "--max-concurrency", "2", "--save-result", str(out)])
+    assert rc == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["max_concurrency"] == 2
+    assert result["metrics"]["completed"] == 4 and result["metrics"]["failed"] == 0
