@@ -33,6 +33,8 @@ def register(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=384, help="longest answer generated (lengths are capped here)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="generation batch size")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps (full batch)")
+    p.add_argument("--reuse-lengths", action="store_true",
+                   help="fit on OUT/lengths.jsonl from an earlier run instead of generating again")
     p.add_argument("--threads", type=int, default=1, help="torch threads (one is fastest on a busy machine)")
     p.add_argument("--num-buckets", type=int, default=1 << 14, help="hashed n-gram feature buckets")
     p.set_defaults(func=run)
@@ -78,6 +80,27 @@ def generate_lengths(model: str, texts: list[str], chat: str, max_tokens: int,
     return [o.prompt_token_ids for o in outs], [len(o.outputs[0].token_ids) for o in outs], vocab
 
 
+def write_lengths(out: Path, rows: list[tuple[str, str, str]], ids: list[list[int]], lengths: list[int],
+                  predicted: list[int] | None, vocab: int) -> None:
+    """OUT/lengths.jsonl: per prompt its text, split, kind, true and predicted length, token ids."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "lengths.jsonl", "w") as f:
+        for i, ((text, split, kind), n) in enumerate(zip(rows, lengths)):
+            f.write(json.dumps({"text": text, "split": split, "kind": kind, "length": n,
+                                "predicted": None if predicted is None else predicted[i],
+                                "vocab_size": vocab, "prompt_token_ids": ids[i]}) + "\n")
+
+
+def reuse_lengths(out: Path, rows: list[tuple[str, str, str]]) -> tuple[list[list[int]], list[int], int]:
+    try:
+        old = [json.loads(line) for line in (out / "lengths.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as e:
+        raise TreadleError(f"--reuse-lengths: cannot read {out / 'lengths.jsonl'}: {e}") from None
+    if [r["text"] for r in old] != [r[0] for r in rows]:
+        raise TreadleError(f"--reuse-lengths: {out / 'lengths.jsonl'} was made from other prompts")
+    return [r["prompt_token_ids"] for r in old], [int(r["length"]) for r in old], int(old[0]["vocab_size"])
+
+
 def run(args: argparse.Namespace) -> int:
     from treadle.predict.model import PredictorConfig
     from treadle.predict.training import FitSettings, fit, kendall_tau
@@ -89,8 +112,12 @@ def run(args: argparse.Namespace) -> int:
     rows = read_prompts(args.prompts)
     torch.set_num_threads(max(1, args.threads))
     t0 = time.perf_counter()
-    ids, lengths, vocab = generate_lengths(args.model, [r[0] for r in rows], args.chat, args.max_tokens,
-                                           args.max_num_seqs)
+    if args.reuse_lengths:
+        ids, lengths, vocab = reuse_lengths(args.out, rows)
+    else:
+        ids, lengths, vocab = generate_lengths(args.model, [r[0] for r in rows], args.chat, args.max_tokens,
+                                               args.max_num_seqs)
+        write_lengths(args.out, rows, ids, lengths, None, vocab)  # kept even if the fit fails
     train = [i for i, r in enumerate(rows) if r[1] == "train"]
     held = [i for i, r in enumerate(rows) if r[1] != "train"]
     if len(train) < 2:
@@ -109,9 +136,7 @@ def run(args: argparse.Namespace) -> int:
     pred = type(pred)(PredictorConfig(config.num_buckets, config.orders, config.model, vocab, training),
                       pred.weights, pred.extra)
     pred.save(args.out)
-    with open(args.out / "lengths.jsonl", "w") as f:
-        for (text, split, kind), n, p in zip(rows, lengths, predicted):
-            f.write(json.dumps({"text": text, "split": split, "kind": kind, "length": n, "predicted": p}) + "\n")
+    write_lengths(args.out, rows, ids, lengths, predicted, vocab)
     print(f"wrote {args.out}: {len(train)} training prompts, held-out Kendall's tau "
           f"{'-' if tau_held is None else f'{tau_held:.3f}'} ({len(held)} prompts; train {tau_train:.3f}), "
           f"{t_pred * 1e6:.0f} us per request to predict, {time.perf_counter() - t0:.0f} s in all")

@@ -1,7 +1,7 @@
 """The length predictor: hashed token n-grams of the prompt -> a linear score -> log length.
 
     prompt token ids --n-grams (orders 1..3)--> bucket ids (hash mod num_buckets), each once
-                     --sum of weights[bucket] + w_len * log1p(len) + bias--> log(1 + length)
+                     --sum of weights[bucket] / sqrt(#buckets) + w_len * log1p(len) + bias--> log(1 + length)
 
 A linear model over hashed n-gram presence: an instruction like "in one word" or "write a
 long story" is a handful of n-grams with large weights; cost is one dictionary-free pass over
@@ -81,11 +81,16 @@ class LengthPredictor:
     def score(self, token_ids: Sequence[int]) -> float:
         """Predicted log(1 + output tokens); the ranking is by this score."""
         b = self.features(token_ids)
-        return float(self.weights[b].sum() + self.extra[0] * math.log1p(len(token_ids)) + self.extra[1])
+        bag = float(self.weights[b].sum()) / math.sqrt(len(b)) if len(b) else 0.0  # a unit-norm feature vector
+        return bag + float(self.extra[0]) * math.log1p(len(token_ids)) + float(self.extra[1])
 
     def predict(self, prompts: Sequence[Sequence[int]]) -> list[int]:
         """Expected output tokens per prompt (at least 1)."""
-        return [max(1, min(MAX_PREDICTION, round(math.expm1(min(self.score(p), 20.0))))) for p in prompts]
+        out = []
+        for p in prompts:
+            s = self.score(p)
+            out.append(max(1, min(MAX_PREDICTION, round(math.expm1(min(s, 20.0))))) if math.isfinite(s) else 1)
+        return out
 
     def save(self, out: Path) -> None:
         from safetensors.numpy import save_file

@@ -51,6 +51,7 @@ def fit(prompts: Sequence[Sequence[int]], lengths: Sequence[int], config: Predic
     feats = [bucket_ids(p, config.num_buckets, config.orders) for p in prompts]
     offsets = torch.tensor([0] + [len(f) for f in feats[:-1]]).cumsum(0)
     flat = torch.from_numpy(np.concatenate(feats)) if feats else torch.zeros(0, dtype=torch.int64)
+    norm = torch.cat([torch.full((len(f),), 1.0 / math.sqrt(len(f))) for f in feats if len(f)])  # as model.score
     log_len = torch.tensor([math.log1p(n) for n in lengths], dtype=torch.float32)
     log_prompt = torch.tensor([math.log1p(len(p)) for p in prompts], dtype=torch.float32)
     bag = torch.nn.EmbeddingBag(config.num_buckets, 1, mode="sum")
@@ -62,7 +63,7 @@ def fit(prompts: Sequence[Sequence[int]], lengths: Sequence[int], config: Predic
     longer = (log_len[:, None] > log_len[None, :]).float()  # [n, n]: 1 where i is longer than j
     num_pairs = max(1.0, float(longer.sum()))
     for _ in range(settings.steps):
-        score = bag(flat, offsets).squeeze(1) + extra[0] * log_prompt + extra[1]
+        score = bag(flat, offsets, per_sample_weights=norm).squeeze(1) + extra[0] * log_prompt + extra[1]
         diff = score[:, None] - score[None, :]
         rank_loss = (torch.nn.functional.softplus(-diff) * longer).sum() / num_pairs
         loss = rank_loss + ANCHOR * ((score - log_len) ** 2).mean()
