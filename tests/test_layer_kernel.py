@@ -90,7 +90,7 @@ def test_fused_layer_equals_module_path(tmp_path: Path, monkeypatch: pytest.Monk
     calls = count_calls(monkeypatch)
     prompts = [[5, 9, 13, 2, 7], [3] * (DECODE_ROWS_MAX + 3), [8, 4]]  # one prompt too long for decode rows
     got = decode_logits(fused, prompts, 9)
-    assert len(calls) == 9 * fused.config.num_layers  # every decode step, every layer (prefill: module path)
+    assert len(calls) == (1 + 9) * fused.config.num_layers  # every step, every layer (prompt tokens are decode rows)
     for a, b in zip(got, decode_logits(modules, prompts, 9)):
         assert torch.equal(a, b)
     assert fused.model.fused_stack is not None  # the steps above ran it: one call for all layers
@@ -132,7 +132,7 @@ def test_fused_bfloat16_layer_equals_module_path(tmp_path: Path, monkeypatch: py
     calls = count_calls(monkeypatch)
     prompts = [[5, 9, 13, 2, 7], [3] * (DECODE_ROWS_MAX + 3), [8, 4]]
     got = decode_logits(fused, prompts, 7, cache)
-    assert len(calls) == 7 * fused.config.num_layers
+    assert len(calls) == (1 + 7) * fused.config.num_layers  # the prompt step too
     for a, b in zip(got, decode_logits(modules, prompts, 7, cache)):
         assert torch.equal(a, b)
 

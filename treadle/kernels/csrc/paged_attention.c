@@ -14,17 +14,20 @@
  * each read 1 / num_kv_heads of every row and leave the prefetchers fetching the rest for
  * nothing. Blocks are scattered, so every line of the block AHEAD blocks on is prefetched into
  * L2 (float32 caches; the quantized ones touch the next block's pages).
- * When there are fewer sequences than WORK_PER_THREAD per thread, every context is cut into
- * chunks of equal length (at least MIN_CHUNK keys), so one long sequence still keeps every core
- * busy. An item runs an online softmax per query head over tiles of up to TILE keys (one
+ * Every context is cut into chunks of SPLIT keys from its first key, whatever else is in the
+ * call, so a row's bits depend on its own context alone (not on the batch or the thread count:
+ * a prompt's rows computed in one call, in chunks, or after a prefix-cache hit come out the
+ * same). With fewer rows than WORK_PER_THREAD per thread each chunk is a work item, so one long
+ * sequence still keeps every core busy; otherwise a row is one, its chunks one after another
+ * (the same chunks and merge, so the same bits). An item runs an online softmax per query head over tiles of up to TILE keys (one
  * block's rows, then read from L1 by the G heads of each KV head):
  *
  *   s_j = scale q.k_j    m' = max(m, max_j s_j)    c = e^(m - m')
  *   l' = c l + sum_j e^(s_j - m')                  acc' = c acc + sum_j e^(s_j - m') v_j
  *
- * and the chunks of one (sequence, head) are merged by their maxima:
+ * and the chunks of one (sequence, head) are merged by their maxima, in chunk order:
  *   M = max_c m_c,   out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
- * With one chunk an item writes acc / l itself. Work is spread with OpenMP (torch's libgomp
+ * With one chunk the row's output is acc / l. Work is spread with OpenMP (torch's libgomp
  * and thread count). AVX2/FMA for the dot products, e^x and the V sums where the CPU has
  * them, plain C otherwise; any head_dim (a scalar tail past multiples of 8).
  *
@@ -48,8 +51,8 @@
 #include "tq.h"
 
 #define TILE 64             /* keys scored at a time (their scores live on the stack) */
-#define MIN_CHUNK 64        /* contexts are never cut into chunks shorter than this */
-#define WORK_PER_THREAD 4   /* split until (sequences x chunks) >= this many per thread */
+#define SPLIT 64            /* keys per chunk of a context (a multiple of TILE) */
+#define WORK_PER_THREAD 4   /* fewer rows than this per thread: chunks are the work items */
 #define PARALLEL_MIN 1024   /* fewer (keys x query heads) than this (~10 us): one thread */
 #define AHEAD 2             /* float32 caches: every line of the block this many ahead is prefetched */
 #define PAGE_FLOATS 1024    /* 4 KiB: blocks are scattered, so the next one's pages (TLB entries,
@@ -362,6 +365,70 @@ static void attend_range_quant(const float *q, const uint8_t *k_cache, const uin
     }
 }
 
+/* A row's keys are cut at every SPLIT keys from its first one, whatever else is in the call: how a
+ * row is computed, and so its bits, depends on its own context alone (not on the batch, the
+ * thread count, or whether its query came as a decode token or in a prompt chunk). */
+static int64_t row_chunks(int64_t len, int64_t window) {
+    const int64_t span = (window > 0 && len > window) ? window : len;
+    return span > SPLIT ? (span + SPLIT - 1) / SPLIT : 1;
+}
+
+typedef struct { /* what every work item reads */
+    const float *q;
+    int64_t q_stride;
+    const void *k_cache, *v_cache;
+    const int32_t *block_tables;
+    const int32_t *seq_lens;
+    int64_t max_blocks, block_size, row, qrow, head_bytes, H, G, D, window;
+    float scale;
+    int kv_format;
+    const float *lut;
+} paged_args;
+
+/* Chunk c of row i into part (m[H], l[H], acc[H * D]). */
+static void attend_chunk(const paged_args *a, int64_t i, int64_t c, float *kbuf, float *part) {
+    const int64_t len = a->seq_lens[i], lo = (a->window > 0 && len > a->window) ? len - a->window : 0;
+    const int64_t start = lo + c * SPLIT, end = start + SPLIT < len ? start + SPLIT : len;
+    float *m = part, *l = m + a->H, *acc = l + a->H;
+    const int32_t *table = a->block_tables + i * a->max_blocks;
+    if (a->kv_format == TQ_KV_FLOAT32)
+        attend_range(a->q + i * a->q_stride, a->k_cache, a->v_cache, table, start, end, a->block_size, a->row, a->H,
+                     a->G, a->D, a->scale, m, l, acc);
+    else
+        attend_range_quant(a->q + i * a->q_stride, a->k_cache, a->v_cache, table, start, end, a->block_size, a->qrow,
+                           a->head_bytes, a->H, a->G, a->D, a->scale, a->kv_format, a->lut, kbuf,
+                           kbuf + TILE * a->D, m, l, acc);
+}
+
+/* A row's output from its chunks' parts, merged by their maxima in chunk order. */
+static void finish_row(const float *parts, int64_t chunks, int64_t H, int64_t D, float *out) {
+    const int64_t part_len = H * (D + 2);
+    for (int64_t h = 0; h < H; h++) {
+        float *o = out + h * D;
+        if (chunks == 1) {
+            const float inv = parts[H + h] > 0.0f ? 1.0f / parts[H + h] : 0.0f;
+            for (int64_t d = 0; d < D; d++) o[d] = parts[2 * H + h * D + d] * inv;
+            continue;
+        }
+        float mx = -INFINITY, sum = 0.0f;
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *pc = parts + c * part_len;
+            if (pc[H + h] > 0.0f && pc[h] > mx) mx = pc[h];
+        }
+        memset(o, 0, (size_t)D * sizeof(float));
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *pc = parts + c * part_len;
+            if (!(pc[H + h] > 0.0f)) continue; /* an empty chunk */
+            const float w = expf(pc[h] - mx);
+            sum += w * pc[H + h];
+            const float *acc = pc + 2 * H + h * D;
+            for (int64_t d = 0; d < D; d++) o[d] += w * acc[d];
+        }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+    }
+}
+
 void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_stride, int64_t k_stride,
                      int64_t v_stride, void *k_cache, void *v_cache, const int64_t *slots,
                      const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs, int64_t max_blocks,
@@ -393,75 +460,58 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
     }
     float lut[256];
     if (kv_format == TQ_KV_FP8) fp8_e4m3_table(lut);
-    int64_t longest = 0, total = 0;
+    int64_t most = 1, items = 0, total = 0; /* most chunks of one row; (row, chunk) pairs; keys */
+    int64_t *first = malloc((size_t)(num_seqs + 1) * sizeof(int64_t)); /* row i's chunks: first[i] .. first[i + 1] */
+    if (first == NULL) abort();
     for (int64_t i = 0; i < num_seqs; i++) {
-        const int64_t span = (window > 0 && seq_lens[i] > window) ? window : seq_lens[i];
-        if (span > longest) longest = span;
-        total += span;
+        const int64_t c = row_chunks(seq_lens[i], window);
+        total += (window > 0 && seq_lens[i] > window) ? window : seq_lens[i];
+        first[i] = items;
+        items += c;
+        if (c > most) most = c;
     }
+    first[num_seqs] = items;
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    int64_t chunks = 1;
-    if (longest >= 2 * MIN_CHUNK && num_seqs < WORK_PER_THREAD * threads) {
-        chunks = (WORK_PER_THREAD * threads + num_seqs - 1) / num_seqs;
-        if (chunks > longest / MIN_CHUNK) chunks = longest / MIN_CHUNK;
-    }
-    const int64_t chunk_len = (longest + chunks - 1) / chunks;
-    const int64_t items = num_seqs * chunks, part_len = H * (D + 2); /* m[H], l[H], acc[H * D] */
-    float *part = malloc((size_t)(items * part_len) * sizeof(float));
+    const int64_t part_len = H * (D + 2); /* m[H], l[H], acc[H * D] */
+    const paged_args a = {q, q_stride, k_cache, v_cache, block_tables, seq_lens, max_blocks, block_size, row, qrow,
+                          head_bytes, H, G, D, window, scale, kv_format, lut};
+    /* few rows: each chunk is a work item (one long context keeps every core busy); many rows: each
+     * row is one, its chunks attended one after another; the same chunks and merge either way */
+    const int by_chunk = num_seqs < WORK_PER_THREAD * threads && items > num_seqs;
+    float *part = malloc((size_t)((by_chunk ? items : threads * most) * part_len) * sizeof(float));
     if (part == NULL) abort();
-
 #pragma omp parallel if (total * H >= PARALLEL_MIN)
     {
         float *kbuf = kv_format == TQ_KV_FLOAT32 ? NULL : malloc((size_t)(2 * TILE * D) * sizeof(float));
         if (kv_format != TQ_KV_FLOAT32 && kbuf == NULL) abort();
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        if (by_chunk) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) {
-            const int64_t i = it / chunks, c = it % chunks;
-            const int64_t len = seq_lens[i], lo = (window > 0 && len > window) ? len - window : 0;
-            const int64_t start = lo + c * chunk_len, end = start + chunk_len < len ? start + chunk_len : len;
-            float *m = part + it * part_len, *l = m + H, *acc = l + H;
-            const int32_t *table = block_tables + i * max_blocks;
-            if (kv_format == TQ_KV_FLOAT32)
-                attend_range(q + i * q_stride, k_cache, v_cache, table, start, end, block_size, row, H, G, D, scale,
-                             m, l, acc);
-            else
-                attend_range_quant(q + i * q_stride, k_cache, v_cache, table, start, end, block_size, qrow, head_bytes,
-                                   H, G, D, scale, kv_format, lut, kbuf, kbuf + TILE * D, m, l, acc);
-            if (chunks == 1) {
-                for (int64_t h = 0; h < H; h++) {
-                    const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-                    for (int64_t d = 0; d < D; d++) out[(i * H + h) * D + d] = acc[h * D + d] * inv;
-                }
+            for (int64_t it = 0; it < items; it++) {
+                int64_t i = 0;
+                while (first[i + 1] <= it) i++;
+                attend_chunk(&a, i, it - first[i], kbuf, part + it * part_len);
             }
-        }
-        if (chunks > 1) {
 #pragma omp for schedule(static)
-            for (int64_t x = 0; x < num_seqs * H; x++) {
-                const int64_t i = x / H, h = x % H;
-                const float *first = part + i * chunks * part_len;
-                float mx = -INFINITY, sum = 0.0f;
-                for (int64_t c = 0; c < chunks; c++) {
-                    const float *pc = first + c * part_len;
-                    if (pc[H + h] > 0.0f && pc[h] > mx) mx = pc[h];
-                }
-                float *o = out + x * D;
-                memset(o, 0, (size_t)D * sizeof(float));
-                for (int64_t c = 0; c < chunks; c++) {
-                    const float *pc = first + c * part_len;
-                    if (!(pc[H + h] > 0.0f)) continue; /* an empty chunk */
-                    const float w = expf(pc[h] - mx);
-                    sum += w * pc[H + h];
-                    const float *acc = pc + 2 * H + h * D;
-                    for (int64_t d = 0; d < D; d++) o[d] += w * acc[d];
-                }
-                const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+            for (int64_t i = 0; i < num_seqs; i++)
+                finish_row(part + first[i] * part_len, first[i + 1] - first[i], H, D, out + i * H * D);
+        } else {
+            float *mine = part + tid * most * part_len;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < num_seqs; i++) {
+                const int64_t chunks = first[i + 1] - first[i];
+                for (int64_t c = 0; c < chunks; c++) attend_chunk(&a, i, c, kbuf, mine + c * part_len);
+                finish_row(mine, chunks, H, D, out + i * H * D);
             }
         }
         free(kbuf);
     }
     free(part);
+    free(first);
 }

@@ -130,6 +130,8 @@ class _StepPlan(StepPlan):
     prefill: list[_PrefillSeq]
     write_slots: torch.Tensor  # [num_written] int64 slots (skipped ones removed)
     write_rows: torch.Tensor | None  # [num_written] int64 rows of k/v, None = all rows
+    rows_only: bool = False  # prompt chunks became decode rows too (build_plan's rows_max None)
+    split: _StepPlan | None = None  # for tensors the C kernel refuses: prompts as prefill sequences
 
     @property
     def decode_kernel_args(self) -> DecodeKernelArgs | None:
@@ -137,16 +139,22 @@ class _StepPlan(StepPlan):
         return dec.kernel_args if dec is not None and dec.all_tokens else None
 
 
-def build_plan(meta: AttentionMetadata) -> _StepPlan:
+def build_plan(meta: AttentionMetadata, rows_max: int | None = None) -> _StepPlan:
+    """The step's split into decode rows (queries of at most ``rows_max`` tokens, one row per
+    token) and prefill sequences. ``None``: every token is a row where the C kernel can take
+    them (CPU), so a token's attention is computed alike however its prompt was cut."""
     if meta.max_query_len == 1 and meta.num_tokens == meta.num_seqs:  # one token each: rows are sequences
         return _plan_decode_only(meta)
+    rows_only = rows_max is None and meta.block_tables.is_cpu and native.available()
+    if rows_max is None:
+        rows_max = meta.max_query_len if rows_only else DECODE_ROWS_MAX
     row_seqs: list[int] = []  # per decode row: its sequence
     row_index: list[int] = []  # its flat token
     lens: list[int] = []  # its context length, itself included
     prefill: list[_PrefillSeq] = []
     start = 0
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens, meta.seq_lens, strict=True)):
-        if 1 <= q_len <= DECODE_ROWS_MAX:
+        if 1 <= q_len <= rows_max:
             row_seqs += [i] * q_len
             row_index += range(start, start + q_len)
             lens += range(s_len - q_len + 1, s_len + 1)
@@ -160,7 +168,9 @@ def build_plan(meta: AttentionMetadata) -> _StepPlan:
         all_tokens = len(row_seqs) == meta.num_tokens
         decode = _decode_plan(meta, _tensor(row_index, np.int64, device), tables, lens, all_tokens,
                               _tensor(lens, np.int32, torch.device("cpu")))
-    return _finish_plan(meta, decode, prefill)
+    plan = _finish_plan(meta, decode, prefill)
+    plan.rows_only = rows_only
+    return plan
 
 
 def _plan_decode_only(meta: AttentionMetadata) -> _StepPlan:
@@ -320,6 +330,11 @@ class CPUBackend(AttentionBackend):
             out = paged_decode(q, k, v, k_cache, v_cache, *dec.kernel_args, spec.scale, spec.sliding_window)
             if out is not None:  # also wrote k/v into the cache
                 return out
+        if plan.rows_only:  # tensors the kernel does not take: prompt chunks go to SDPA
+            if plan.split is None:
+                plan.split = build_plan(meta, DECODE_ROWS_MAX)
+            plan = plan.split
+            dec = plan.decode
         _write_kv(k, v, k_cache, v_cache, plan)
         if dec is not None and dec.all_tokens:
             return flash_decode(q, k_cache, v_cache, dec, spec).to(q.dtype)
