@@ -109,13 +109,14 @@ def load_model(
     ``parallel``: this worker's place among tensor/pipeline ranks (default: the only one); the
     model then holds, and reads from the checkpoint, only its rank's part."""
     from treadle.quantization.bfloat16_cpu import activation_dtype, bfloat16_cpu_factory
+    from treadle.quantization.float32_cpu import float32_cpu_factory
 
     source = name_or_path if isinstance(name_or_path, ModelSource) else open_model_source(name_or_path)
     cls = model_class(source.config.architecture)
     torch_dtype = parse_dtype(dtype)
     local = None if parallel is None else shard_config(source.config, parallel.tp_size, parallel.tp_rank)
     method, weights = quantization_plan(source, quantization, device, local)
-    method = bfloat16_cpu_factory(method, torch_dtype, device)
+    method = float32_cpu_factory(bfloat16_cpu_factory(method, torch_dtype, device), torch_dtype, device)
     if parallel is not None and parallel.world_size > 1 and weights is source.weights and source.sliced_weights:
         weights = source.sliced_weights  # each rank reads only its part of each tensor
     with torch.device(device):  # bfloat16 on the CPU: bfloat16 weights, float32 activations
