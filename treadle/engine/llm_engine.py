@@ -242,6 +242,10 @@ class LLMEngine:
             failed = self._fail_step(sched)
             logger.error("engine step failed (%r); failing its %d request(s)", e, len(failed))
             raise StepFailedError(failed, e) from e
+        except BaseException:  # KeyboardInterrupt, SystemExit: the step is lost; its requests give all back
+            if sched is not None:
+                self._fail_step(sched)
+            raise
 
     def _fill_batch_queue(self) -> None:
         """Schedule and submit steps until ``max_concurrent_batches`` are in flight. Only the
@@ -259,6 +263,9 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - fails this step's requests when its turn comes
                 self._in_flight.append((sched, started, e))
                 return
+            except BaseException:  # interrupted while the step ran in submit (one process): it is lost
+                self._fail_step(sched)
+                raise
             self._in_flight.append((sched, started, None))
             self.stats.max_steps_in_flight = max(self.stats.max_steps_in_flight, len(self._in_flight))
             if sched.is_empty:

@@ -46,6 +46,8 @@ class MultiprocExecutor(Executor):
         self._dead: str | None = None
         self._in_flight = 0  # steps submitted and not yet collected
         self._early: dict[int, deque[tuple[bytes, bytes]]] = {}  # a rank's answers to later steps
+        self._partial: dict[int, tuple[bytes, bytes]] = {}  # answers to the oldest step, while collecting it
+        self._abandoned = 0  # interrupted collects (Ctrl-C): their steps' answers are read and dropped first
         self._zmq = zmq.Context()
         self._results = self._zmq.socket(zmq.PULL)
         result_port = self._results.bind_to_random_port(_LOOPBACK)
@@ -99,7 +101,18 @@ class MultiprocExecutor(Executor):
             raise EngineDeadError(self._dead)
         assert self._in_flight > 0, "collect without a submitted step"
         self._in_flight -= 1
-        replies = self._collect(envs.execute_timeout_s(), "finish a step")
+        while self._abandoned:  # an interrupted step's answers come first, whatever they say
+            try:
+                self._collect(envs.execute_timeout_s(), "finish a step")
+            except RuntimeError:
+                pass  # that step failed: nobody waits for it
+            self._abandoned -= 1
+        try:
+            replies = self._collect(envs.execute_timeout_s(), "finish a step")
+        except BaseException as e:
+            if not isinstance(e, Exception):  # KeyboardInterrupt: its answers still come (some are in _partial)
+                self._abandoned += 1
+            raise
         others = [self._codec.decode_kv_output(replies[r]) for r in range(self.world_size - 1)]
         return self.merge_kv_reports(self._codec.decode_output(replies[self.world_size - 1]), others)
 
@@ -121,9 +134,9 @@ class MultiprocExecutor(Executor):
         once; a failed step raises once every rank has answered, so no stale answer is left."""
         loading = doing == "load the model"
         deadline = time.monotonic() + timeout
-        replies: dict[int, tuple[bytes, bytes]] = {}
+        replies = self._partial  # an interrupted collect's answers stay for the next one
         for rank, queue in self._early.items():
-            if queue:
+            if queue and rank not in replies:
                 replies[rank] = queue.popleft()
         while len(replies) < self.world_size:
             if self._results.poll(_POLL_MS):
@@ -143,6 +156,7 @@ class MultiprocExecutor(Executor):
                 missing = sorted(set(range(self.world_size)) - set(replies))
                 self._die(f"worker rank(s) {missing} did not {doing} within {timeout:.0f} s "
                           f"(TREADLE_EXECUTE_TIMEOUT_S / TREADLE_WORKER_START_TIMEOUT_S); the engine stops")
+        self._partial = {}
         if not loading and any(kind == ERR for kind, _ in replies.values()):
             self._keep_kv_reports(replies)
         for rank, (kind, payload) in sorted(replies.items()):
