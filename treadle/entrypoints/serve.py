@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="refuse (413) larger request bodies (default: from max_model_len, at least 1 MiB)")
     p.add_argument("--max-logprob-entries", type=positive_int, default=None,
                    help="refuse (400) a request that could produce more logprob entries than this "
-                        "(prompts x n x max_tokens x (logprobs+1), plus prompt logprobs; default 1,000,000)")
+                        "(prompts x n x max_tokens x (logprobs+1), plus prompt logprobs; default 500,000)")
     p.add_argument("--stream-stall-timeout", type=float, default=None,
                    help="abort a streamed request whose client has read nothing for this many seconds (default 30)")
     p.add_argument("--header-timeout", type=float, default=None,

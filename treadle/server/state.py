@@ -10,7 +10,7 @@ from treadle.server.metrics import ServerMetrics
 from treadle.tokenizer import Tokenizer
 
 DEFAULT_MAX_SEQS_PER_REQUEST = 512
-DEFAULT_MAX_LOGPROB_ENTRIES = 1_000_000  # a few hundred MB at most in the API process
+DEFAULT_MAX_LOGPROB_ENTRIES = 500_000  # ~300 MB at most in the API process (docs/serving.md)
 DEFAULT_STREAM_STALL_TIMEOUT_S = 30.0
 _MIN_REQUEST_BYTES = 1 << 20
 _REQUEST_BYTES_PER_TOKEN = 128  # a token as JSON text or as an id in a list, generously
