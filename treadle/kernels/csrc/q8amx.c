@@ -30,7 +30,7 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#define AMX_MIN_ROWS 5 /* below, q8act.c's direct paths read the weights straight into registers */
+#define AMX_MIN_ROWS 64 /* below, q8batch.c's vpdpbusd tiles were faster on the machine this was written on */
 
 typedef struct __attribute__((packed)) {
     uint8_t palette, start_row, reserved[14];
@@ -49,13 +49,18 @@ static int amx_allowed(void) {
     return s == 1;
 }
 
+/* Each thread loads the tile configuration once and keeps it (releasing it cost ~0.1 ms a call
+ * here: the next call's first tile instruction took the state from init again) */
 static void configure_tiles(void) {
+    static _Thread_local int configured;
+    if (configured) return;
+    configured = 1;
     tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    cfg.rows[0] = 16, cfg.colsb[0] = 64; /* C */
-    cfg.rows[1] = 16, cfg.colsb[1] = 32; /* A */
-    cfg.rows[2] = 8, cfg.colsb[2] = 64; /* B */
+    for (int c = 0; c < 4; c++) cfg.rows[c] = 16, cfg.colsb[c] = 64; /* C: 4 blocks in flight */
+    for (int a = 4; a < 6; a++) cfg.rows[a] = 16, cfg.colsb[a] = 32; /* A */
+    for (int b = 6; b < 8; b++) cfg.rows[b] = 8, cfg.colsb[b] = 64; /* B */
     _tile_loadconfig(&cfg);
 }
 
@@ -142,27 +147,60 @@ static void panel_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb, 
     }
 }
 
-/* 16 activation rows (tile t) times one strip: out[i * ldy + j] for i < nx, j < nj. */
+#define ISSUE(C, A, B, blk)                                                    \
+    do {                                                                       \
+        _tile_loadd(A, p.q + (blk) * 512, 32);                                 \
+        _tile_loadd(B, a.b + (t * nb + (blk)) * 512, 64);                      \
+        _tile_zero(C);                                                         \
+        if (q8_0)                                                              \
+            _tile_dpbssd(C, A, B);                                             \
+        else                                                                   \
+            _tile_dpbusd(C, A, B);                                             \
+    } while (0)
+
+/* Blocks b .. b + n - 1 (n <= 4) into C tiles 0 .. n - 1. */
+static inline void issue_blocks(int q8_0, amx_panel p, amx_acts a, int64_t t, int64_t nb, int64_t b, int n) {
+    ISSUE(0, 4, 6, b);
+    if (n > 1) ISSUE(1, 5, 7, b + 1);
+    if (n > 2) ISSUE(2, 4, 6, b + 2);
+    if (n > 3) ISSUE(3, 5, 7, b + 3);
+}
+
+/* C tiles 0 .. n - 1 to buf (256 int32 each). */
+static inline void store_blocks(int n, int32_t *buf) {
+    _tile_stored(0, buf, 64);
+    if (n > 1) _tile_stored(1, buf + 256, 64);
+    if (n > 2) _tile_stored(2, buf + 512, 64);
+    if (n > 3) _tile_stored(3, buf + 768, 64);
+}
+
+/* 16 activation rows (tile t) times one strip: out[i * ldy + j] for i < nx, j < nj. The tile
+ * multiplies of the next 4 blocks are issued before the float work on the last 4 reads their
+ * sums, and stored after it (two buffers), so the AMX unit and the vector units overlap. */
 static void amx_tile(int q8_0, amx_panel p, amx_acts a, int64_t t, int64_t nb, const float *bias, float *out,
                      int64_t ldy, int nx, int nj, int32_t *cbuf) {
     __m512 acc[16];
     for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        _tile_zero(0);
-        _tile_loadd(1, p.q + b * 512, 32);
-        _tile_loadd(2, a.b + (t * nb + b) * 512, 64);
-        if (q8_0)
-            _tile_dpbssd(0, 1, 2);
-        else
-            _tile_dpbusd(0, 1, 2);
-        _tile_stored(0, cbuf, 64);
-        const __m512 xd = _mm512_load_ps(a.d + (t * nb + b) * 16), xs = _mm512_load_ps(a.s + (t * nb + b) * 16);
-        const float *d = p.d + 16 * b, *m = p.m + 16 * b;
-        for (int j = 0; j < 16; j++) {
-            const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(cbuf + 16 * j));
-            acc[j] = _mm512_fmadd_ps(isum, _mm512_mul_ps(_mm512_set1_ps(d[j]), xd), acc[j]);
-            if (!q8_0) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(m[j]), xs, acc[j]);
+    int n = nb < 4 ? (int)nb : 4, cur = 0;
+    issue_blocks(q8_0, p, a, t, nb, 0, n);
+    store_blocks(n, cbuf);
+    for (int64_t b0 = 0; b0 < nb;) {
+        const int64_t next = b0 + n;
+        const int nn = nb - next < 4 ? (int)(nb - next) : 4;
+        if (nn > 0) issue_blocks(q8_0, p, a, t, nb, next, nn); /* runs while the float work below does */
+        for (int k = 0; k < n; k++) {
+            const int64_t b = b0 + k;
+            const int32_t *c = cbuf + 1024 * cur + 256 * k;
+            const __m512 xd = _mm512_load_ps(a.d + (t * nb + b) * 16), xs = _mm512_load_ps(a.s + (t * nb + b) * 16);
+            const float *d = p.d + 16 * b, *m = p.m + 16 * b;
+            for (int j = 0; j < 16; j++) {
+                const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * j));
+                acc[j] = _mm512_fmadd_ps(isum, _mm512_mul_ps(_mm512_set1_ps(d[j]), xd), acc[j]);
+                if (!q8_0) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(m[j]), xs, acc[j]);
+            }
         }
+        if (nn > 0) store_blocks(nn, cbuf + 1024 * (cur ^ 1));
+        b0 = next, n = nn, cur ^= 1;
     }
     float tmp[16][16] __attribute__((aligned(64)));
     for (int j = 0; j < 16; j++) _mm512_store_ps(tmp[j], acc[j]);
@@ -180,7 +218,7 @@ int64_t tq_q8_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t l
     {
         amx_panel p = {(uint8_t *)aligned_alloc(64, (size_t)(nb * 512)),
                        (float *)aligned_alloc(64, (size_t)(nb * 32) * sizeof(float)), NULL};
-        int32_t *cbuf = (int32_t *)aligned_alloc(64, 1024);
+        int32_t *cbuf = (int32_t *)aligned_alloc(64, 2 * 1024 * sizeof(int32_t));
         if (p.q == NULL || p.d == NULL || cbuf == NULL) abort();
         p.m = p.d + nb * 16;
         configure_tiles();
@@ -197,7 +235,6 @@ int64_t tq_q8_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t l
                 amx_tile(q8_0, p, a, tt, nb, bias ? bias + g * 8 : NULL, y + tt * 16 * ldy + g * 8, ldy,
                          M - tt * 16 < 16 ? (int)(M - tt * 16) : 16, lone ? 8 : 16, cbuf);
         }
-        _tile_release();
         free(p.q), free(p.d), free(cbuf);
     }
     free(a.b), free(a.d);
