@@ -13,6 +13,10 @@ Per token, the contributions are added in increasing expert order, whatever else
 batch (the order transformers' reference loop adds them in too). Experts with no tokens cost
 nothing; the Python loop is over experts that have tokens, never over tokens.
 
+The experts are float (two stacked tensors) or, given ``block_types``, GGUF blocks (a GGUF
+file's quantized experts kept as stored, or a float checkpoint's quantized at load, as
+``--quantization int8`` does) multiplied by the C ``qmatmul`` kernel, one call per expert group.
+
 A rank may hold a part of the experts: ``experts`` (a range of expert ids, expert
 parallelism) and/or ``columns`` (a range of every expert's intermediate columns, tensor
 parallelism without expert parallelism). Either way its output is a partial sum the caller
@@ -20,11 +24,15 @@ all-reduces.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quantize
 from torch import nn
 
+from treadle.kernels import native
 from treadle.layers.activation import silu_and_mul
 
 
@@ -51,17 +59,31 @@ class FusedMoE(nn.Module):
     ``experts``: the expert ids this rank holds (all of them without expert parallelism);
     ``columns``: the intermediate columns of each expert it holds (all of them under expert
     parallelism). The weight loaders take the checkpoint's whole per-expert tensors and keep
-    this rank's part (``treadle.models.layout.ExpertsLayout`` names the shards)."""
+    this rank's part (``treadle.models.layout.ExpertsLayout`` names the shards).
+
+    ``block_types`` (gate, up, down GGUF type names): w13 and w2 are instead uint8 [E_local,
+    bytes], each expert's gate rows, up rows (and down rows) of blocks back to back."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 experts: range | None = None, columns: range | None = None) -> None:
+                 experts: range | None = None, columns: range | None = None,
+                 block_types: tuple[str, str, str] | None = None) -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts, self.hidden_size = num_experts, hidden_size
         self.experts = experts if experts is not None else range(num_experts)
         self.columns = columns if columns is not None else range(intermediate_size)
+        self.block_types = block_types
         n, cols = len(self.experts), len(self.columns)
-        self.w13 = nn.Parameter(torch.empty(n, 2 * cols, hidden_size, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(n, hidden_size, cols, dtype=dtype), requires_grad=False)
+        if block_types is None:
+            self.w13 = nn.Parameter(torch.empty(n, 2 * cols, hidden_size, dtype=dtype), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(n, hidden_size, cols, dtype=dtype), requires_grad=False)
+        else:
+            gate, up, down = block_types
+            self.segments13: native.Segments = ((gate, 2 * cols),) if gate == up else ((gate, cols), (up, cols))
+            self.segments2: native.Segments = ((down, hidden_size),)
+            nbytes13 = cols * (_row_bytes(gate, hidden_size) + _row_bytes(up, hidden_size))
+            self.w13 = nn.Parameter(torch.empty(n, nbytes13, dtype=torch.uint8), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(n, hidden_size * _row_bytes(down, cols), dtype=torch.uint8),
+                                   requires_grad=False)
         self.w13.weight_loader = self._load_w13  # type: ignore[attr-defined]
         self.w2.weight_loader = self._load_w2  # type: ignore[attr-defined]
 
@@ -77,15 +99,26 @@ class FusedMoE(nn.Module):
         if local is None:
             return  # another rank's expert
         cols = len(self.columns)
-        rows = tensor.narrow(0, self.columns.start, cols)
+        if self.block_types is not None:
+            qtype, gate = self.block_types[part], self.block_types[0]
+            data = _blocks(tensor, qtype, shard)[self.columns.start : self.columns.stop].reshape(-1)
+            start = part * cols * _row_bytes(gate, self.hidden_size)
+            _copy(param.data[local, start : start + data.numel()], data, shard)
+            return
+        rows = _float(tensor).narrow(0, self.columns.start, cols)
         _copy(param.data[local, part * cols : (part + 1) * cols], rows, shard)
 
     def _load_w2(self, param: torch.Tensor, tensor: torch.Tensor, shard: int | None) -> None:
         """shard e: expert e's down [hidden, I]."""
         assert shard is not None
         local = self._local(shard)
-        if local is not None:
-            _copy(param.data[local], tensor.narrow(1, self.columns.start, len(self.columns)), shard)
+        if local is not None and self.block_types is not None:
+            data = _blocks(tensor, self.block_types[2], shard)
+            inputs, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[self.block_types[2]]]
+            part = data[:, self.columns.start // inputs * nbytes : self.columns.stop // inputs * nbytes]
+            _copy(param.data[local], part.reshape(-1), shard)
+        elif local is not None:
+            _copy(param.data[local], _float(tensor).narrow(1, self.columns.start, len(self.columns)), shard)
 
     # -- compute ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -103,12 +136,43 @@ class FusedMoE(nn.Module):
         start = 0
         for local, expert in enumerate(self.experts):
             n = counts[expert]
-            if n:
+            if n and self.block_types is not None:
+                h = silu_and_mul(native.qmatmul(self.segments13, self.w13[local], xs[start : start + n]))
+                out[start : start + n] = native.qmatmul(self.segments2, self.w2[local], h)
+            elif n:
                 h = silu_and_mul(torch.mm(xs[start : start + n], self.w13[local].t()))
                 torch.mm(h, self.w2[local].t(), out=out[start : start + n])
-                start += n
+            start += n
         out.mul_(routing.weights.reshape(-1).index_select(0, mine).unsqueeze(1).to(out.dtype))
         return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+def block_inputs(qtype: str) -> int:
+    """Inputs per block of GGUF type ``qtype`` (32 or 256)."""
+    return int(GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][0])
+
+
+def _row_bytes(qtype: str, inputs: int) -> int:
+    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    return inputs // block * block_bytes
+
+
+def _blocks(tensor: Any, qtype: str, shard: int) -> torch.Tensor:
+    """A checkpoint tensor as ``qtype`` blocks [rows, row bytes]: GGUF blocks as read, or a float
+    tensor quantized with the gguf package's quantizer."""
+    if hasattr(tensor, "qtype"):
+        if tensor.qtype != qtype:
+            raise ValueError(f"expert shard {shard}: expected {qtype} blocks, got {tensor.qtype}")
+        return tensor.data
+    array = quantize(tensor.float().numpy(), GGMLQuantizationType[qtype])
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _float(tensor: Any) -> torch.Tensor:
+    """GGUF blocks dequantized (experts whose blocks do not fit this rank's widths), else as is."""
+    if not hasattr(tensor, "qtype"):
+        return tensor
+    return torch.from_numpy(dequantize(tensor.data.numpy(), GGMLQuantizationType[tensor.qtype])).reshape(tensor.shape)
 
 
 def _copy(target: torch.Tensor, loaded: torch.Tensor, shard: int) -> None:

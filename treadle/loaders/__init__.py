@@ -89,7 +89,8 @@ def quantization_plan(
         return checkpoint_method_factory(checkpoint, layout.shard_names), source.weights
     if quantization == "gguf":
         assert source.raw_weights is not None and source.tensor_types is not None
-        plan, raw_weights = GGUFNativePlan(source.tensor_types, layout.shard_names), source.raw_weights
+        shard_names = partial(layout.shard_names, cfg=source.config)  # with cfg: a MoE's stacked experts too
+        plan, raw_weights = GGUFNativePlan(source.tensor_types, shard_names), source.raw_weights
         return plan.method, lambda: raw_weights(plan.keeps_raw)
     full = partial(layout.in_features, source.config)
     return weight_only_factory(quantization, partial(layout.in_features, local_config or source.config),

@@ -224,7 +224,8 @@ def dequantize_ref(ref: GGUFTensorRef) -> torch.Tensor:
 def raw_blocks(ref: GGUFTensorRef) -> GGUFBlocks:
     """The ref's quantized rows, copied out of the memory map without dequantizing."""
     t = ref.tensor
-    data = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(ref.shape[0], -1)
+    rows = t.data if ref.expert is None else t.data[ref.expert]
+    data = torch.from_numpy(np.array(rows, dtype=np.uint8)).reshape(ref.shape[0], -1)
     if ref.rope_heads is not None:
         data = interleaved_to_rotate_half(data, ref.rope_heads)
     return GGUFBlocks(t.tensor_type.name, data, (ref.shape[0], ref.shape[1]))

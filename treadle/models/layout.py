@@ -102,6 +102,15 @@ class ExpertsLayout:
         j = self.projections.index(proj)
         return (f"{self.name}.w2", int(index)) if j == 2 else (f"{self.name}.w13", 2 * int(index) + j)
 
+    def shard_names(self, layer_stem: str, param: str, cfg: ModelConfig) -> list[str]:
+        """The checkpoint weights behind stacked parameter ``param`` ("w13" or "w2") of decoder
+        layer ``layer_stem`` (``model.layers.3``), in shard order."""
+        assert cfg.moe is not None
+        gate, up, down = self.projections
+        projections = (gate, up) if param == "w13" else (down,)
+        return [f"{layer_stem}.{self.checkpoint}.{e}.{p}.weight" for e in range(cfg.moe.num_experts)
+                for p in projections]
+
 
 @dataclass(frozen=True)
 class NormLayout:
@@ -198,9 +207,13 @@ class ModelLayout:
         head = name[len(prefix):].partition(".")[0] if name.startswith(prefix) else ""
         return int(head) if head.isdigit() else None
 
-    def shard_names(self, layer_name: str) -> list[str]:
+    def shard_names(self, layer_name: str, cfg: ModelConfig | None = None) -> list[str]:
         """A linear layer's checkpoint weight names, in shard order:
-        ``model.layers.3.self_attn.qkv_proj`` -> its q_proj, k_proj, v_proj weights."""
+        ``model.layers.3.self_attn.qkv_proj`` -> its q_proj, k_proj, v_proj weights (with ``cfg``,
+        a MoE's stacked experts too: ``model.layers.3.mlp.experts.w13`` -> every expert's gate, up)."""
+        module, _, param = layer_name.rpartition(".")
+        if self.experts is not None and cfg is not None and module.endswith("." + self.experts.name):
+            return self.experts.shard_names(module.removesuffix("." + self.experts.name), param, cfg)
         stem, lin = self._layer_linear(layer_name)
         if lin is None:
             return [f"{layer_name}.weight"]

@@ -21,7 +21,7 @@ from treadle.config import ModelConfig
 from treadle.distributed import ParallelContext
 from treadle.distributed.sharding import intermediate_unit, partition
 from treadle.layers.activation import silu_and_mul
-from treadle.layers.moe import FusedMoE, route
+from treadle.layers.moe import FusedMoE, block_inputs, route
 from treadle.models.layout import ExpertsLayout, LinearLayout, ModelLayout, Split, hidden, llama_linears
 from treadle.models.llama import LlamaForCausalLM, LlamaMLP, MethodFactory, make_linear
 
@@ -63,6 +63,20 @@ def moe_linears(router: str, shared_expert: bool) -> tuple[LinearLayout, ...]:
 QWEN_EXPERTS = ExpertsLayout("mlp.experts", "mlp.experts", ("gate_proj", "up_proj", "down_proj"))
 
 
+def expert_block_types(w13: object, w2: object, hidden_size: int, columns: range) -> tuple[str, str, str] | None:
+    """(gate, up, down) GGUF types when the method factory gives the stacked experts GGUF-block
+    methods (a GGUF file's native blocks, or ``--quantization int8 | int4`` quantizing at load)
+    whose blocks fit the widths; None: float experts. A method's ``qtypes`` lists its shards'
+    types (w13: gate, up of every expert in turn; one name when all alike)."""
+    types13, types2 = getattr(w13, "qtypes", None), getattr(w2, "qtypes", None)
+    if not types13 or not types2:
+        return None
+    gate, up, down = types13[0], types13[1 % len(types13)], types2[0]
+    fits = all(hidden_size % block_inputs(t) == 0 for t in (gate, up)) and not (
+        columns.start % block_inputs(down) or columns.stop % block_inputs(down))
+    return (gate, up, down) if fits else None
+
+
 class SharedExpert(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: ModelLayout, dtype: torch.dtype, method: MethodFactory,
                  prefix: str) -> None:
@@ -92,7 +106,9 @@ class SparseMoeBlock(nn.Module):
         else:
             start, size = partition(inter, tp, rank, intermediate_unit(inter))
             experts, columns = None, range(start, start + size)
-        self.experts = FusedMoE(moe.num_experts, cfg.hidden_size, inter, dtype, experts, columns)
+        blocks = expert_block_types(method(f"{prefix}.mlp.experts.w13"), method(f"{prefix}.mlp.experts.w2"),
+                                    cfg.hidden_size, columns or range(inter))
+        self.experts = FusedMoE(moe.num_experts, cfg.hidden_size, inter, dtype, experts, columns, blocks)
         self.shared_expert: SharedExpert | None = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = SharedExpert(cfg, layout, dtype, method, prefix)
