@@ -3,6 +3,7 @@ engines' decode steps interleaved so every model sees the same machine load.
 
     .venv/bin/python benchmarks/make_random_moe.py          # once: the two random models
     .venv/bin/python benchmarks/moe_decode_cpu.py --batch 1 16 --threads 1
+    .venv/bin/python benchmarks/moe_decode_cpu.py --batch 1 16 --threads 1 --quantization int8   # Q8_0 blocks
 
 Models (benchmarks/make_random_moe.py): a Mixtral-shaped MoE (8 experts of 1024, top-2) and a
 dense Llama with intermediate 2048, same attention, embedding and lm_head. "dense" runs the same
@@ -27,8 +28,9 @@ MODELS = {"moe": (f"{ROOT}/random-moe-8x1024-top2", True), "dense": (f"{ROOT}/ra
           "dense fused": (f"{ROOT}/random-dense-2048", True)}
 
 
-def engine(path: str, fused: bool, batch: int, prompt_len: int, steps: int):  # noqa: ANN201
-    llm = LLM(path, kv_cache_memory="256MiB", fused_layers=fused, enable_prefix_caching=False)
+def engine(path: str, fused: bool, batch: int, prompt_len: int, steps: int, quantization: str):  # noqa: ANN201
+    llm = LLM(path, kv_cache_memory="256MiB", fused_layers=fused, enable_prefix_caching=False,
+              quantization=quantization)
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
@@ -56,13 +58,15 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quantization", default="none", help="none (float32) or int8 / int4 (experts too)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"prompt {args.prompt_len}, {args.steps} steps, {args.threads} threads, median decode step (wall ms)")
+    print(f"prompt {args.prompt_len}, {args.steps} steps, {args.threads} threads, quantization {args.quantization}, "
+          "median decode step (wall ms)")
     print("| batch | moe | dense | dense fused | moe / dense | moe / dense fused | experts touched per layer |")
     print("|---|---|---|---|---|---|---|")
     for batch in args.batch:
-        engs = {name: engine(path, fused, batch, args.prompt_len, args.steps + 1)
+        engs = {name: engine(path, fused, batch, args.prompt_len, args.steps + 1, args.quantization)
                 for name, (path, fused) in MODELS.items()}
         touched = experts_touched(engs["moe"][1])
         samples: dict[str, list[float]] = {name: [] for name in engs}
