@@ -132,6 +132,23 @@ class FusedMoE(nn.Module):
         mine = order[first : first + sum(counts[self.experts.start : self.experts.stop])]
         tokens = mine // top_k  # [n] token of each assignment
         xs = x.index_select(0, tokens)
+        if x.is_cuda and self.block_types is None:
+            out = self._grouped_triton(xs, counts)
+        else:
+            out = self._per_expert(xs, counts)
+        out.mul_(routing.weights.reshape(-1).index_select(0, mine).unsqueeze(1).to(out.dtype))
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+    def _grouped_triton(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every expert's group in one Triton launch per matmul (``treadle.layers.moe_triton``)."""
+        from treadle.layers import moe_triton
+
+        tiles = moe_triton.expert_tiles(counts, self.experts, xs.device)
+        h = silu_and_mul(moe_triton.grouped_matmul(xs, self.w13, tiles))
+        return moe_triton.grouped_matmul(h, self.w2, tiles)
+
+    def _per_expert(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One matmul pair per expert that has rows (torch, or the C kernels for blocks)."""
         out = torch.empty_like(xs)
         start = 0
         for local, expert in enumerate(self.experts):
@@ -143,8 +160,7 @@ class FusedMoE(nn.Module):
                 h = silu_and_mul(torch.mm(xs[start : start + n], self.w13[local].t()))
                 torch.mm(h, self.w2[local].t(), out=out[start : start + n])
             start += n
-        out.mul_(routing.weights.reshape(-1).index_select(0, mine).unsqueeze(1).to(out.dtype))
-        return torch.zeros_like(x).index_add_(0, tokens, out)
+        return out
 
 
 def block_inputs(qtype: str) -> int:
