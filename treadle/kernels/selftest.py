@@ -4,7 +4,8 @@ tests/test_kernel_variants.py, test_q8_activations.py and test_bf16_matmul.py ho
 
     check                    contract
     w8a8 int8 x int8         bit-exact (exact int32 sums, the same float scaling)
-    Q8_0 / Q4_1, 8-bit acts  bit-exact (exact int32 sums per block, the same float order)
+    Q8_0 / Q4_1, 8-bit acts  bit-exact (exact int32 sums per block, the same float order), packed
+                             Q4_1 rows at 64 activation rows too (the batched int8 path)
     Q4_1 / Q6_K, 16-bit acts float32 sums of exact block products in another order: |err| <= 1e-5 max|y|
     bfloat16 weights         bit-exact (the same FMAs in the same order), except a variant that rounds
                              activations to bfloat16 (``native.rounds_activations_to_bf16``):
@@ -42,18 +43,18 @@ def _rand(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _blocks(qtype: str, seed: int) -> torch.Tensor:
+def _blocks(qtype: str, seed: int, n: int = N) -> torch.Tensor:
     """[N, K] random weights as ``qtype`` blocks, flat uint8: the gguf package's quantizer for the
     legacy types; for a K-quant, random bytes with small finite float16 scales."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
 
     if not qtype.endswith("_K"):
-        w = _rand(N, K, seed=seed) * 0.1
+        w = _rand(n, K, seed=seed) * 0.1
         return torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[qtype])).reshape(-1)
     inputs, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(N * K // inputs, nbytes), dtype=np.uint8)
+    raw = rng.integers(0, 256, size=(n * K // inputs, nbytes), dtype=np.uint8)
     raw[:, -2:] = (rng.uniform(0.5, 1.0, size=(raw.shape[0], 1)) * 1e-4).astype(np.float16).view(np.uint8)
     return torch.from_numpy(raw).reshape(-1)  # Q6_K: its super-block scale d is the last 2 bytes
 
@@ -81,6 +82,17 @@ def _blocks_check(variant: str, qtype: str, act_bits: int) -> Check:
     return _check(variant, f"{qtype}, {act_bits}-bit activations", got, ref, act_bits == 8)
 
 
+def _packed(variant: str) -> Check:
+    """Q4_1 rows packed 8 at a time (the layout is the same in every build), 64 activation rows:
+    the batched 8-bit path where the build has one (csrc/q8batch.c; q8amx.c from 64 rows)."""
+    n = 32
+    w, x = _blocks("Q4_1", seed=9, n=n).clone(), _rand(64, K, seed=10)
+    seg = ((native.pack_rows("Q4_1", w, n, K), n),)
+    got = native.qmatmul(seg, w, x, variant=variant, act_bits=8)
+    return _check(variant, "Q4_1 packed x8, 8-bit activations, 64 rows", got,
+                  native.qmatmul(seg, w, x, plain=True, act_bits=8), True)
+
+
 def _bf16(variant: str) -> Check:
     x, w, b = _rand(M, K, seed=6), _rand(N, K, seed=7).bfloat16(), _rand(N, seed=8)
     got = native.bf16_matmul(x, w, b, variant=variant)
@@ -93,7 +105,7 @@ def _bf16(variant: str) -> Check:
 
 def run(variant: str) -> list[Check]:
     """Every check of ``variant`` (one this CPU runs) against the plain-C build."""
-    return [_w8a8(variant), _blocks_check(variant, "Q8_0", 8), _blocks_check(variant, "Q4_1", 8),
+    return [_w8a8(variant), _blocks_check(variant, "Q8_0", 8), _blocks_check(variant, "Q4_1", 8), _packed(variant),
             _blocks_check(variant, "Q4_1", 16), _blocks_check(variant, "Q6_K", 16), _bf16(variant)]
 
 
