@@ -103,6 +103,8 @@ ENGINE_PATHS = {
     "batch": {},
     "chunked": dict(max_num_batched_tokens=8),
     "preempt": dict(num_kv_blocks=12, block_size=8),
+    "ngram-spec": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                           "prompt_lookup_max": 2}),
 }
 
 
@@ -132,3 +134,20 @@ def test_prefix_cache_hits_give_the_same_tokens(gemma_dir: Path, hf_model) -> No
     assert out.metrics.num_cached_tokens >= 32
     assert list(out.outputs[0].token_ids) == _hf_greedy(hf_model, second, 16)
     assert_no_leaks(llm)
+
+
+@pytest.mark.server
+def test_two_tensor_parallel_ranks_match_transformers(gemma_dir: Path, hf_model) -> None:
+    """T = 2: each rank holds 2 of the 4 query heads and 1 of the 2 KV heads; the output norms
+    come after the all-reduces."""
+    from treadle import LLM
+
+    prompts = _prompts(5)
+    llm = LLM(str(gemma_dir), tensor_parallel_size=2, num_kv_blocks=64, block_size=8)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == _hf_greedy(hf_model, prompt, NEW_TOKENS)

@@ -133,5 +133,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 def _norms_plus_one(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in weights:
         if name.endswith(_NORM_SUFFIX):
+            if not isinstance(tensor, torch.Tensor):  # a rank's unread slice (norms are whole on every rank)
+                tensor = tensor.read()
             tensor = tensor.float() + 1.0  # transformers: (1.0 + weight.float())
         yield name, tensor
