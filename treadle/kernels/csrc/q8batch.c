@@ -75,22 +75,35 @@ static void unpack_packed(int t, const uint8_t *w, const uint8_t *w1, int64_t nb
     }
 }
 
-/* Q8_0 rows (nrows 16, or 8 for a lone group; rbytes apart), every block: bytes + 128. */
+/* Q8_0 rows (nrows 16, or 8 for a lone group: rows 8..15 zero; rbytes apart), every block: bytes
+ * + 128. Rows j and j + 8 share a register (halves), and an 8 x 8 dword transpose in each half
+ * (the AVX2 one, its 128-bit lane moves as 2-source permutes) puts step s in vector s. */
 static void unpack_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb, sblock *panel) {
     const int ub = unit_bytes(TQ_Q8_0);
-    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32((int)rbytes));
-    const __mmask16 live = nrows == SGR ? 0xffff : 0x00ff;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i lanes_lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), lanes_hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
     for (int64_t b = 0; b < nb; b++) {
         sblock *g = panel + b;
         uint16_t h[SGR] = {0};
         for (int j = 0; j < nrows; j++) memcpy(h + j, w + j * rbytes + b * ub, 2);
         _mm512_store_ps(g->d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)));
         _mm512_store_ps(g->m, _mm512_setzero_ps());
-        for (int s = 0; s < 8; s++) {
-            const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, w + b * ub + 2 + 4 * s, 1);
-            g->q[s] = _mm512_xor_si512(v, flip); /* lanes past nrows: 0 ^ 0x80, multiplied then never stored */
+        __m512i r[8], u[8];
+        for (int j = 0; j < 8; j++) {
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(w + j * rbytes + b * ub + 2));
+            const __m256i hi = nrows == SGR ? _mm256_loadu_si256((const __m256i *)(w + (j + 8) * rbytes + b * ub + 2))
+                                            : _mm256_setzero_si256();
+            r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        }
+        for (int j = 0; j < 8; j += 4) { /* 4 rows: dwords s, s + 4 of rows j .. j+3 in each 128-bit lane */
+            const __m512i t0 = _mm512_unpacklo_epi32(r[j], r[j + 1]), t1 = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+            const __m512i t2 = _mm512_unpacklo_epi32(r[j + 2], r[j + 3]), t3 = _mm512_unpackhi_epi32(r[j + 2], r[j + 3]);
+            u[j] = _mm512_unpacklo_epi64(t0, t2), u[j + 1] = _mm512_unpackhi_epi64(t0, t2);
+            u[j + 2] = _mm512_unpacklo_epi64(t1, t3), u[j + 3] = _mm512_unpackhi_epi64(t1, t3);
+        }
+        for (int s = 0; s < 4; s++) {
+            g->q[s] = _mm512_xor_si512(_mm512_permutex2var_epi64(u[s], lanes_lo, u[s + 4]), flip);
+            g->q[s + 4] = _mm512_xor_si512(_mm512_permutex2var_epi64(u[s], lanes_hi, u[s + 4]), flip);
         }
     }
 }
