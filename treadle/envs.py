@@ -21,7 +21,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("TREADLE_NATIVE_KERNELS", "1", "0: never compile or use Treadle's C kernels (torch fallbacks)"),
     EnvVar("TREADLE_CPU_KERNELS", None, "the C kernels' variant to run instead of the best one this CPU runs: a "
                                        "name from kernels/native.py VARIANTS (plain, avx2, avx-vnni, avx512-vnni, "
-                                       "avx512-bf16, ...); refused when the CPU lacks its features; unset or auto: "
+                                       "avx512-bf16, amx); refused when the CPU lacks its features; unset or auto: "
                                        "the best"),
     EnvVar("TREADLE_ACTIVATION_BITS", "16", "8 or 16: how the C kernels round activations for GGUF Q4_0/Q4_1/Q5_0/"
                                            "Q5_1/Q8_0 weights (int8 or int16 per block of 32; K-quants: 16)"),
