@@ -33,6 +33,7 @@ def run_router(args: argparse.Namespace) -> int:
 
     from treadle.router.app import build_app
     from treadle.router.config import RouterConfig
+    from treadle.server.connections import uvicorn_config
 
     if not 0 <= args.port <= 65535:
         raise TreadleError(f"--port {args.port} is not a TCP port (0-65535)")
@@ -50,6 +51,7 @@ def run_router(args: argparse.Namespace) -> int:
     logging.getLogger("treadle").setLevel(args.log_level.upper())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per upstream call and health check
     print(f"Treadle router at http://{args.host}:{args.port}/v1 over {len(config.instances())} instance(s)", flush=True)
-    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=1, access_log=args.log_level == "debug")
+    # the server's connection hygiene (header-read timeout, idle cap per address) at its defaults
+    uvicorn.Server(uvicorn_config(build_app(config), host=args.host, port=args.port, log_level=args.log_level,
+                                  timeout_graceful_shutdown=1, access_log=args.log_level == "debug")).run()
     return 0
