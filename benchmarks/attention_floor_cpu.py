@@ -108,7 +108,7 @@ def kv_case(batch: int, context: int, fmt: str, repeats: int,
 
     def direct(lib: ctypes.CDLL) -> Callable[[], None]:
         fn = lib.tq_paged_decode
-        fn.argtypes = native.kernel("tq_paged_decode", "PPPIIIPPPPPIIIIIIIFCP").argtypes
+        fn.argtypes = native.kernel("tq_paged_decode").argtypes
         args = [(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), kc.data_ptr(),
                  vc.data_ptr(), no_write.data_ptr(), block_tables.data_ptr(), lens.data_ptr(), batch,
                  block_tables.shape[1], BS, H, HKV, D, 0, D**-0.5, kv_format, out.data_ptr()) for kc, vc in caches]

@@ -57,7 +57,7 @@ def paged_decode(
     assert slots.dtype == torch.int64 and block_tables.dtype == seq_lens.dtype == torch.int32
     assert slots.is_contiguous() and block_tables.is_contiguous() and seq_lens.is_contiguous()
     out = torch.empty(b, h, d, dtype=torch.float32)
-    native.kernel("tq_paged_decode", "PPPIIIPPPPPIIIIIIIFCP")(
+    native.kernel("tq_paged_decode")(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         b, block_tables.shape[1], k_cache.shape[1], h, k.shape[1], d, sliding_window or 0, scale, kv_format,

@@ -15,24 +15,15 @@ from typing import NamedTuple
 
 import torch
 
-from treadle.kernels import native
+from treadle.kernels import header, native
 from treadle.kernels.attention import KV_FORMATS
-
-_SIGNATURE = "PIPPCPPPPIIIP"
 
 
 class LayerArgs(ctypes.Structure):
-    """csrc/tq.h's ``tq_decoder_layer``: one layer's weights, shapes and KV cache."""
+    """csrc/tq.h's ``tq_decoder_layer``: one layer's weights, shapes and KV cache (the fields
+    read from the header)."""
 
-    _fields_ = [
-        ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("layouts", ctypes.c_void_p),
-        ("qkv_w", ctypes.c_void_p), ("o_w", ctypes.c_void_p), ("gate_up_w", ctypes.c_void_p),
-        ("down_w", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p),
-        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-        ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
-        ("inter", ctypes.c_int64), ("window", ctypes.c_int64), ("block_size", ctypes.c_int64),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_format", ctypes.c_int32),
-    ]
+    _fields_ = header.struct_fields("tq_decoder_layer")
 
 
 def block_layouts(segments: Sequence[native.Segments]) -> ctypes.Array:
@@ -95,7 +86,7 @@ class DecoderLayerKernel:
 
     def __init__(self, weights: Sequence[DecoderLayerWeights]) -> None:
         self.weights = list(weights)
-        self._fn = native.kernel("tq_llama_layers_decode", _SIGNATURE)
+        self._fn = native.kernel("tq_llama_layers_decode")
         self._args = (LayerArgs * len(self.weights))(*map(layer_args, self.weights))
         self._ptr = ctypes.addressof(self._args)
         self._caches: list[KVCache] = []

@@ -39,6 +39,7 @@ import torch  # noqa: F401  (loads torch's libgomp first, so the kernels share i
 
 from treadle import envs
 from treadle.config import TreadleError
+from treadle.kernels import header
 
 logger = logging.getLogger(__name__)
 
@@ -211,23 +212,19 @@ def library(plain: bool = False, variant: str | None = None) -> ctypes.CDLL | No
     return build_variant(name)
 
 
-# argument types of a kernel, in its C signature's order (P: a pointer, I: int64_t,
-# C: int, F: float); the Python wrappers pass tensors' data_ptr() for pointers
-_ARG = {"P": ctypes.c_void_p, "I": ctypes.c_int64, "C": ctypes.c_int, "F": ctypes.c_float}
-
-
-def kernel(name: str, signature: str, plain: bool = False, variant: str | None = None):  # noqa: ANN201
-    """The C function ``name`` with ctypes argument types from ``signature`` (e.g. "CPPI"), from
-    the selected variant's build (``plain``: the reference build; ``variant``: that one's)."""
-    return _kernel(name, signature, "plain" if plain else variant or selected_variant())
+def kernel(name: str, plain: bool = False, variant: str | None = None):  # noqa: ANN201
+    """The C function ``name`` with its ctypes argument types read from its prototype in
+    csrc/tq.h (``treadle.kernels.header``), from the selected variant's build (``plain``: the
+    reference build; ``variant``: that one's)."""
+    return _kernel(name, "plain" if plain else variant or selected_variant())
 
 
 @cache
-def _kernel(name: str, signature: str, variant: str | None):  # noqa: ANN202
+def _kernel(name: str, variant: str | None):  # noqa: ANN202
     lib = library(variant=variant) if variant is not None else None
     assert lib is not None, "Treadle's CPU kernels are not available"
     fn = getattr(lib, name)
-    fn.argtypes = [_ARG[c] for c in signature]
+    fn.argtypes = header.argtypes(name)
     fn.restype = None
     return fn
 
@@ -282,7 +279,7 @@ def qmatmul(segments: Segments, weight: torch.Tensor, x: torch.Tensor, bias: tor
         flat = flat.float().contiguous()
     n = sum(rows for _, rows in segments)
     y = torch.empty(flat.shape[0], n, dtype=torch.float32)
-    kernel("tq_matmul", "PPPPPIII", plain, variant)(
+    kernel("tq_matmul", plain, variant)(
         ctypes.addressof(layout(segments, act_bits)), weight.data_ptr(), flat.data_ptr(), y.data_ptr(),
         None if bias is None else bias.data_ptr(), flat.shape[0], n, k,
     )
@@ -293,7 +290,7 @@ def gather_rows(qtype: str, weight: torch.Tensor, ids: torch.Tensor, k: int, pla
     """Rows ``ids`` of GGUF-block weight (rows of K inputs; packed or not) -> [*ids.shape, K] float32."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(flat.shape[0], k, dtype=torch.float32)
-    kernel("tq_gather_rows", "CPPIIP", plain)(LAYOUT_TYPES[qtype], weight.data_ptr(), flat.data_ptr(), flat.shape[0],
+    kernel("tq_gather_rows", plain)(LAYOUT_TYPES[qtype], weight.data_ptr(), flat.data_ptr(), flat.shape[0],
                                               k, out.data_ptr())
     return out.view(*ids.shape, k)
 
@@ -301,7 +298,7 @@ def gather_rows(qtype: str, weight: torch.Tensor, ids: torch.Tensor, k: int, pla
 def dequantize(qtype: str, weight: torch.Tensor, n: int, k: int, plain: bool = False) -> torch.Tensor:
     """GGUF-block weight of ``n`` rows of ``k`` inputs (packed or not) -> [n, k] float32."""
     out = torch.empty(n, k, dtype=torch.float32)
-    kernel("tq_dequantize", "CPIIP", plain)(LAYOUT_TYPES[qtype], weight.data_ptr(), n, k, out.data_ptr())
+    kernel("tq_dequantize", plain)(LAYOUT_TYPES[qtype], weight.data_ptr(), n, k, out.data_ptr())
     return out
 
 
@@ -312,7 +309,7 @@ def pack_rows(qtype: str, weight: torch.Tensor, n: int, k: int) -> str:
     packed = next(p for p, b in PACKED.items() if b == qtype)
     if n % 8 or not weight.is_contiguous() or weight.dtype != torch.uint8:
         raise ValueError(f"packing takes contiguous uint8 rows in groups of 8, not {n} rows of {weight.dtype}")
-    kernel("tq_q8_pack", "CPII")(QTYPES[qtype], weight.data_ptr(), n, k)
+    kernel("tq_q8_pack")(QTYPES[qtype], weight.data_ptr(), n, k)
     return packed
 
 
@@ -333,9 +330,9 @@ def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     sums = w8a8_weight_sums(weight) if weight_sums is None else weight_sums
     xq = torch.empty(m, k, dtype=torch.int8)
     xs = torch.empty(m, dtype=torch.float32)
-    kernel("tq_w8a8_quantize", "PIIPP", plain, variant)(flat.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr())
+    kernel("tq_w8a8_quantize", plain, variant)(flat.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr())
     y = torch.empty(m, n, dtype=torch.float32)
-    kernel("tq_w8a8_matmul", "PPPPPPPIII", plain, variant)(
+    kernel("tq_w8a8_matmul", plain, variant)(
         xq.data_ptr(), xs.data_ptr(), weight.data_ptr(), weight_scale.data_ptr(), sums.data_ptr(),
         None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
     )
@@ -356,7 +353,7 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         bias = bias.float()
     n, out_dtype = weight.shape[0], out_dtype or flat.dtype
     y = torch.empty(flat.shape[0], n, dtype=out_dtype)
-    kernel("tq_bf16_matmul", "PPCPCPIII", plain, variant)(
+    kernel("tq_bf16_matmul", plain, variant)(
         weight.data_ptr(), flat.data_ptr(), int(flat.dtype == torch.bfloat16), y.data_ptr(),
         int(out_dtype == torch.bfloat16), None if bias is None else bias.data_ptr(), flat.shape[0], n, k,
     )

@@ -26,7 +26,7 @@ def rms_norm(
     """(norm(x + residual) * weight, x + residual), the sum written into ``residual``."""
     x2 = x.view(-1, x.shape[-1]) if x.dim() != 2 else x
     out = torch.empty(x2.shape, dtype=torch.float32)
-    native.kernel("tq_rms_norm", "PPPPIIIF")(
+    native.kernel("tq_rms_norm")(
         x2.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
         x2.shape[0], x2.shape[1], x2.stride(0), eps,
     )
@@ -40,12 +40,12 @@ def rope_(
 ) -> None:
     """Rotate-half RoPE applied in place."""
     t, heads, d = x.shape
-    native.kernel("tq_rope", "PPPIIII")(x.data_ptr(), cos_sin.data_ptr(), positions.data_ptr(), t, heads, d, x.stride(0))
+    native.kernel("tq_rope")(x.data_ptr(), cos_sin.data_ptr(), positions.data_ptr(), t, heads, d, x.stride(0))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 d] -> [T, d]
     g2 = gate_up.view(-1, gate_up.shape[-1]) if gate_up.dim() != 2 else gate_up
     d = g2.shape[1] // 2
     out = torch.empty(g2.shape[0], d, dtype=torch.float32)
-    native.kernel("tq_silu_mul", "PPIII")(g2.data_ptr(), out.data_ptr(), g2.shape[0], d, g2.stride(0))
+    native.kernel("tq_silu_mul")(g2.data_ptr(), out.data_ptr(), g2.shape[0], d, g2.stride(0))
     return out.view(*gate_up.shape[:-1], d)

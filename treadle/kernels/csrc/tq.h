@@ -103,6 +103,10 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
                      const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs, int64_t max_blocks,
                      int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
                      float scale, int kv_format, float *out);
+/* w8a8.c: int8 x int8 with exact int32 sums (compressed-tensors W8A8 checkpoints) */
+void tq_w8a8_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs);
+void tq_w8a8_matmul(const int8_t *xq, const float *xs, const int8_t *w, const float *ws, const int32_t *wsum,
+                    const float *bias, float *y, int64_t M, int64_t N, int64_t K);
 /* layer.c */
 typedef struct { /* one Llama decoder layer: its weights and shapes (tq_layout segments), and its KV cache */
     const float *in_norm, *post_norm;
