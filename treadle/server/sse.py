@@ -11,7 +11,7 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"  # compact: ~10 % fewer bytes
 
 
 def sse_error(e: BaseException) -> str:
