@@ -21,7 +21,7 @@
   needs the tokenizer), ``output_len`` tokens each: what a draft head is for.
 - ``lengths``: the held-out prompts of the length-varied prompt set (``treadle/predict/prompt_set.py``:
   "answer in one word" ... "write a long story about"), mixed 70 % short, 20 % medium, 10 % long
-  answers, through the chat template; each asks for its true length (the model's own greedy answer,
+  answers, tokenized as when the lengths were measured; each asks for its true length (the model's own greedy answer,
   from a ``lengths.jsonl`` written by ``treadle train-length-predictor``; at most ``output_len``),
   so a run does the same work under every scheduling policy and an oracle can order by it.
 
@@ -162,9 +162,11 @@ def lengths_workload(spec: WorkloadSpec, tokenizer: Any, token_salt: int = 0) ->
     for kind in kinds.tolist():
         row = by_kind[kind][decks[kind][taken[kind] % len(decks[kind])]]
         taken[kind] += 1
-        text = tokenizer.apply_chat_template([{"role": "user", "content": row["text"]}])
-        reqs.append(BenchRequest(tokenizer.encode(text, add_special_tokens=False),
-                                 max(1, min(int(row["length"]), spec.output_len.hi))))
+        ids = row.get("prompt_token_ids")  # as the model saw it when its length was measured
+        if ids is None:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": row["text"]}])
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        reqs.append(BenchRequest(list(ids), max(1, min(int(row["length"]), spec.output_len.hi))))
     return reqs
 
 

@@ -1,7 +1,7 @@
 """The length predictor: hashed token n-grams of the prompt -> a linear score -> log length.
 
     prompt token ids --n-grams (orders 1..3)--> bucket ids (hash mod num_buckets), each once
-                     --sum of weights[bucket] / sqrt(#buckets) + w_len * log1p(len) + bias--> log(1 + length)
+                     --sum of weights[bucket] / sqrt(#buckets) + w_len * log1p(len) / 8 + bias--> log(1 + length)
 
 A linear model over hashed n-gram presence: an instruction like "in one word" or "write a
 long story" is a handful of n-grams with large weights; cost is one dictionary-free pass over
@@ -13,10 +13,11 @@ On-disk format (a directory, ``FORMAT`` 1):
   ``model`` (the target it was trained for), ``vocab_size``, and ``training`` (what it was
   trained on and its held-out Kendall's tau; informative only);
 - ``length_predictor.safetensors``: ``weights`` float32 [num_buckets], ``extra`` float32 [2]
-  (the weight of log1p(prompt length), the bias).
+  (the weight of log1p(prompt length) / 8, the bias).
 
-The hash of an n-gram (t1..tn) is h = n; h = (h * 1000003 + t + 1) mod 2^61-1 for each t,
-then bucket = h mod num_buckets: plain integer arithmetic, the same on every platform.
+The hash of an n-gram (t1..tn), in unsigned 64-bit arithmetic (wrapping): h = n * 0x9E3779B97F4A7C15;
+h = (h xor (t + 1)) * 0x100000001B3 for each t; then h ^= h >> 33; h *= 0xFF51AFD7ED558CCD;
+h ^= h >> 33; bucket = h mod num_buckets — the same on every platform.
 """
 from __future__ import annotations
 
@@ -34,21 +35,30 @@ from treadle.config import TreadleError
 FORMAT = 1
 CONFIG_NAME = "length_predictor.json"
 WEIGHTS_NAME = "length_predictor.safetensors"
-_MOD = (1 << 61) - 1
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_FNV_PRIME = np.uint64(0x100000001B3)
+_MIX = np.uint64(0xFF51AFD7ED558CCD)
 MAX_PREDICTION = 1 << 20
+LOG_LEN_SCALE = 8.0  # the prompt-length feature is log1p(length) / 8, about the scale of the others
 
 
 def bucket_ids(token_ids: Sequence[int], num_buckets: int, orders: Sequence[int]) -> np.ndarray:
-    """The distinct buckets of the prompt's n-grams (each counted once)."""
-    found: set[int] = set()
-    ids = list(token_ids)
-    for n in orders:
-        for i in range(len(ids) - n + 1):
-            h = n
-            for t in ids[i:i + n]:
-                h = (h * 1000003 + t + 1) % _MOD
-            found.add(h % num_buckets)
-    return np.fromiter(found, dtype=np.int64, count=len(found))
+    """The distinct buckets of the prompt's n-grams (each counted once), vectorized over positions."""
+    ids = np.asarray(token_ids, dtype=np.uint64) + np.uint64(1)
+    parts = []
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps mod 2^64, by design
+        for n in orders:
+            if len(ids) < n:
+                continue
+            h = np.full(len(ids) - n + 1, np.uint64(n) * _GOLDEN, dtype=np.uint64)
+            for j in range(n):
+                h = (h ^ ids[j:len(ids) - n + 1 + j]) * _FNV_PRIME
+            h = (h ^ (h >> np.uint64(33))) * _MIX  # murmur3's finalizer: every input bit reaches the low bits
+            h = h ^ (h >> np.uint64(33))
+            parts.append(h % np.uint64(num_buckets))
+    if not parts:
+        return np.zeros(0, dtype=np.int64)
+    return np.unique(np.concatenate(parts)).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -82,7 +92,7 @@ class LengthPredictor:
         """Predicted log(1 + output tokens); the ranking is by this score."""
         b = self.features(token_ids)
         bag = float(self.weights[b].sum()) / math.sqrt(len(b)) if len(b) else 0.0  # a unit-norm feature vector
-        return bag + float(self.extra[0]) * math.log1p(len(token_ids)) + float(self.extra[1])
+        return bag + float(self.extra[0]) * math.log1p(len(token_ids)) / LOG_LEN_SCALE + float(self.extra[1])
 
     def predict(self, prompts: Sequence[Sequence[int]]) -> list[int]:
         """Expected output tokens per prompt (at least 1)."""

@@ -14,18 +14,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from treadle.predict.model import LengthPredictor, PredictorConfig, bucket_ids
+from treadle.predict.model import LOG_LEN_SCALE, LengthPredictor, PredictorConfig, bucket_ids
 
 ANCHOR = 0.3
+BAG_LR_SCALE = 10.0
 
 
 @dataclass(frozen=True)
 class FitSettings:
     steps: int = 400
-    lr: float = 0.5
+    lr: float = 0.3
     weight_decay: float = 1e-3
     seed: int = 0
 
@@ -53,13 +55,15 @@ def fit(prompts: Sequence[Sequence[int]], lengths: Sequence[int], config: Predic
     flat = torch.from_numpy(np.concatenate(feats)) if feats else torch.zeros(0, dtype=torch.int64)
     norm = torch.cat([torch.full((len(f),), 1.0 / math.sqrt(len(f))) for f in feats if len(f)])  # as model.score
     log_len = torch.tensor([math.log1p(n) for n in lengths], dtype=torch.float32)
-    log_prompt = torch.tensor([math.log1p(len(p)) for p in prompts], dtype=torch.float32)
+    log_prompt = torch.tensor([math.log1p(len(p)) / LOG_LEN_SCALE for p in prompts], dtype=torch.float32)
     bag = torch.nn.EmbeddingBag(config.num_buckets, 1, mode="sum")
     torch.nn.init.zeros_(bag.weight)
     extra = torch.nn.Parameter(torch.tensor([0.0, float(log_len.mean())]))
     # plain full-batch gradient descent, not Adam: Adam scales each weight's step alike, so the rare
     # n-grams (topic words, seen once) would be fitted as fast as the common instruction n-grams
-    opt = torch.optim.SGD([bag.weight, extra], lr=settings.lr, momentum=0.9, weight_decay=settings.weight_decay)
+    # the n-gram weights each see a small share of the loss: they take a larger step than the two dense ones
+    groups: list[dict[str, Any]] = [{"params": [bag.weight], "lr": settings.lr * BAG_LR_SCALE}, {"params": [extra]}]
+    opt = torch.optim.SGD(groups, lr=settings.lr, momentum=0.5, weight_decay=settings.weight_decay)
     longer = (log_len[:, None] > log_len[None, :]).float()  # [n, n]: 1 where i is longer than j
     num_pairs = max(1.0, float(longer.sum()))
     for _ in range(settings.steps):
