@@ -18,7 +18,7 @@ from treadle import LLM, SamplingParams
 from treadle.kernels import native
 from treadle.kernels.layer import DecoderLayerKernel
 from treadle.layers.attention.cpu import DECODE_ROWS_MAX, CPUBackend
-from treadle.layers.fused_decoder import FusedDecoderLayer
+from treadle.layers.fused_decoder import FusedDecoderLayer, FusedDecoderStack
 from treadle.loaders import LoadedModel, load_model, open_model_source
 from treadle.models.registry import model_class
 from treadle.quantization.gguf_native import GGUFBlockMethod, GGUFBlocks
@@ -93,8 +93,8 @@ def test_fused_layer_equals_module_path(tmp_path: Path, monkeypatch: pytest.Monk
     assert len(calls) == (1 + 9) * fused.config.num_layers  # every step, every layer (prompt tokens are decode rows)
     for a, b in zip(got, decode_logits(modules, prompts, 9)):
         assert torch.equal(a, b)
-    assert fused.model.fused_stack is not None  # the steps above ran it: one call for all layers
-    fused.model.fused_stack = None  # layer by layer, one call each: the same bits
+    assert isinstance(fused.model.decoder, FusedDecoderStack)  # the steps above ran it: one call for all layers
+    fused.model.decoder = fused.model.decoder.fallback  # layer by layer, one call each: the same bits
     for a, b in zip(decode_logits(fused, prompts, 9), got):
         assert torch.equal(a, b)
 

@@ -14,6 +14,8 @@ layer's attention quantizes the new rows and dequantizes what it reads, as the m
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -86,22 +88,33 @@ class FusedDecoderLayer(nn.Module):
         return self.module(positions, x, residual, kv_cache, meta) if out is None else out
 
 
+# A model's decoder stack: (positions, x, residual or None on the first stage, one KV cache per
+# layer, meta) -> (last layer's output, residual stream). The model's own is its layer modules one
+# by one (models/llama.py LayerByLayer); FusedDecoderStack is the form the runner swaps in.
+DecoderStack = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", list[KVCache], AttentionMetadata],
+                        tuple[torch.Tensor, torch.Tensor]]
+
+
 class FusedDecoderStack:
     """All of a model's decoder layers, each a FusedDecoderLayer, as one C call on the steps
-    they take (no Python between layers); None for any other step, which then runs layer by
-    layer. The KV caches are bound on first use and again whenever the tensors change."""
+    they take (no Python between layers); any other step goes to ``fallback`` (the stack it
+    replaced), which runs them layer by layer. The KV caches are bound on first use and again
+    whenever the tensors change."""
 
-    def __init__(self, layers: list[FusedDecoderLayer]) -> None:
+    def __init__(self, layers: list[FusedDecoderLayer], fallback: DecoderStack) -> None:
         self.kernel = DecoderLayerKernel([w for layer in layers for w in layer.kernel.weights])
         self.workspace = layers[0].workspace
+        self.fallback = fallback
 
     def __call__(
         self,
         positions: torch.Tensor,  # [num_tokens]
         x: torch.Tensor,  # [num_tokens, hidden], the embeddings
+        residual: torch.Tensor | None,  # None: x is the embeddings (the one-stage model this is made for)
         kv_caches: list[KVCache],  # one per layer, all allocated alike (the first one is checked)
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if meta.wait_for_layer is not None:  # P/D layer-wise start: Python waits between layers
-            return None
-        return _run(self.kernel, self.workspace, positions, x, None, kv_caches, meta)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # P/D layer-wise start: Python waits between layers
+        out = None if meta.wait_for_layer is not None or residual is not None else \
+            _run(self.kernel, self.workspace, positions, x, None, kv_caches, meta)
+        return self.fallback(positions, x, residual, kv_caches, meta) if out is None else out

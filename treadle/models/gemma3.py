@@ -23,8 +23,7 @@ import torch
 from torch import nn
 
 from treadle.config import ModelConfig, TreadleError
-from treadle.distributed import ParallelContext, StageCarry
-from treadle.distributed.vocab import vocab_embedding
+from treadle.distributed import ParallelContext
 from treadle.layers.activation import gelu_tanh_and_mul
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from treadle.layers.norm import RMSNorm
@@ -105,21 +104,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         attn = Gemma3Attention(cfg, self.layout, backend, dtype, method, p, rotary, window)
         return Gemma3DecoderLayer(attn, Gemma3MLP(cfg, self.layout, dtype, method, p), cfg, self.parallel)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, carry: StageCarry | None = None) -> torch.Tensor:
-        if carry is None:
-            x = vocab_embedding(self.embed_tokens, input_ids, self.dtype, self.parallel) * self.embed_scale
-            residual = None
-        else:
-            x, residual = carry
-        for i in self.stage:
-            if meta.wait_for_layer is not None:  # P/D layer-wise start: layer i's KV must have landed
-                meta.wait_for_layer(i)
-            x, residual = self.layers[i](positions, x, residual, kv_caches[i], meta)
-        if not self.parallel.is_last_stage:
-            assert residual is not None
-            return StageCarry(x, residual)  # type: ignore[return-value]
-        return self.norm(x, residual)[0]
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed(input_ids) * self.embed_scale
 
     def forward_overlapped(self, input_ids: torch.Tensor, micro: list[tuple[torch.Tensor, AttentionMetadata]],
                            kv_caches: list[KVCache]) -> torch.Tensor:

@@ -17,6 +17,7 @@ from treadle.distributed.overlap import Phase, run_overlapped
 from treadle.distributed.vocab import vocab_embedding, vocab_logits
 from treadle.layers.activation import silu_and_mul
 from treadle.layers.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from treadle.layers.fused_decoder import DecoderStack
 from treadle.layers.linear import Linear, LinearMethod
 from treadle.layers.norm import RMSNorm
 from treadle.layers.rotary import RotaryEmbedding
@@ -127,6 +128,24 @@ class LlamaDecoderLayer(nn.Module):
 LLAMA_LAYOUT = ModelLayout(linears=llama_linears(), norms=LLAMA_NORMS)
 
 
+class LayerByLayer:
+    """The decoder stack as its layer modules, run one after another (P/D layer-wise start:
+    waiting for each layer's KV before it). Each entry of ``layers`` may itself have been
+    swapped for its fused form."""
+
+    def __init__(self, layers: nn.ModuleList, stage: range) -> None:
+        self.layers, self.stage = layers, stage
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                 kv_caches: list[KVCache], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        for i in self.stage:
+            if meta.wait_for_layer is not None:  # P/D layer-wise start: layer i's KV must have landed
+                meta.wait_for_layer(i)
+            x, residual = self.layers[i](positions, x, residual, kv_caches[i], meta)
+        assert residual is not None
+        return x, residual
+
+
 class LlamaForCausalLM(nn.Module):
     """Llama, Mistral (sliding window), Qwen2 (qkv bias), SmolLM; subclasses change the
     layout and the attention class (Qwen3, Phi-3).
@@ -167,9 +186,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             self.layers.append(self.make_layer(cfg, i, backend, dtype, method, rotary))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # every layer as one call on the steps it takes (x, kv_caches, meta -> (x, residual) or None);
-        # set by the runner's planner (treadle.worker.fused_layers)
-        self.fused_stack: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
+        # the decoder stack: the layer modules one by one; the runner's planner may swap in its fused
+        # form (treadle.worker.fused_layers), as it swaps single layers
+        self.decoder: DecoderStack = LayerByLayer(self.layers, self.stage)
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.weight.data = module.weight.data.to(dtype)
@@ -200,22 +219,17 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         carry: StageCarry | None = None,  # from the previous pipeline stage (None on the first)
     ) -> torch.Tensor:  # [num_tokens, hidden_size]; a StageCarry on any stage but the last
-        if carry is None:
-            x, residual = vocab_embedding(self.embed_tokens, input_ids, self.dtype, self.parallel), None
-        else:
-            x, residual = carry
-        fused = None if self.fused_stack is None or carry is not None else self.fused_stack(positions, x, kv_caches, meta)
-        if fused is not None:
-            x, residual = fused
-        for i in self.stage if fused is None else ():
-            if meta.wait_for_layer is not None:  # P/D layer-wise start: layer i's KV must have landed
-                meta.wait_for_layer(i)
-            x, residual = self.layers[i](positions, x, residual, kv_caches[i], meta)
+        x, residual = (self.embed(input_ids), None) if carry is None else carry
+        x, residual = self.decoder(positions, x, residual, kv_caches, meta)
         if not self.parallel.is_last_stage:
             assert residual is not None
             return StageCarry(x, residual)  # type: ignore[return-value]
         x, _ = self.norm(x, residual)
         return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden_size]
+        """The input embeddings (Gemma scales them)."""
+        return vocab_embedding(self.embed_tokens, input_ids, self.dtype, self.parallel)
 
     def forward_overlapped(
         self,
@@ -226,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
         """``forward`` on one stage-less TP rank, the step cut into micro-batches (token order)
         whose all-reduces overlap each other's compute (``treadle.distributed.overlap``)."""
         sizes = [pos.shape[0] for pos, _ in micro]
-        xs = [vocab_embedding(self.embed_tokens, ids, self.dtype, self.parallel) for ids in input_ids.split(sizes)]
+        xs = [self.embed(ids) for ids in input_ids.split(sizes)]
         phases: list[Phase] = []
         for i in self.stage:
             layer, cache = self.layers[i], kv_caches[i]

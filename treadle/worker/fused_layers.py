@@ -81,5 +81,5 @@ def fuse_decoder_layers(model: LlamaForCausalLM) -> int:
             swapped += 1
     fused = [x for x in model.layers if isinstance(x, FusedDecoderLayer)]
     if model.parallel.tp_size == 1 and len(model.stage) == len(fused) == len(model.layers):
-        model.fused_stack = FusedDecoderStack(fused)  # the whole stack in one call
+        model.decoder = FusedDecoderStack(fused, model.decoder)  # the whole stack in one call
     return swapped
