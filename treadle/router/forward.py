@@ -18,10 +18,13 @@ without an answer (the client left, every decode instance failed, a 4xx), the pr
 the connector's release message (``treadle.kv_transfer.release``, ZeroMQ to the ``remote_host``
 and ``remote_port`` of those params), so it frees the prompt's blocks now rather than at its
 ``producer_block_timeout_s``. That is the router's only non-HTTP word; releasing a request a
-decode instance already pulled does nothing.
+decode instance already pulled does nothing. A client that leaves during the prefill call
+does not cut it: the call ends in the background and what it returns is released the same way
+(a one-token call; cutting it would lose the producer's answer, the only name of its KV).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -132,6 +135,7 @@ class Forwarder:
         self.config, self.pool, self.metrics, self.client = config, pool, metrics, client
         self.zmq_ctx = zmq_ctx  # for release messages to producers
         self.prefix = PrefixIndex()
+        self._detached: set[asyncio.Future[dict[str, Any] | None]] = set()  # prefill calls of clients who left
         self.turn = 0
         self.timeout = httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s)
 
@@ -232,7 +236,31 @@ class Forwarder:
     # --- the request's steps ---------------------------------------------------------------
     async def prefill(self, job: Job) -> dict[str, Any] | None:
         """P/D: have a producer compute the prompt; its kv_transfer_params, or None when no
-        prefill instance could (the decode instance then computes the prompt itself)."""
+        prefill instance could (the decode instance then computes the prompt itself).
+
+        The call is not cut short when the caller is cancelled (the client left): a producer
+        that already finished the prompt holds its KV and has answered (or is answering) with
+        the only name of it, so the call runs on in the background and whatever it returns is
+        released. Cutting the connection instead would leave every prompt that finished before
+        the producer saw the disconnect held until ``producer_block_timeout_s``."""
+        call = asyncio.ensure_future(self._prefill(job))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self._detached.add(call)
+            call.add_done_callback(self._release_detached)
+            raise
+
+    def _release_detached(self, call: asyncio.Future[dict[str, Any] | None]) -> None:
+        """The prefill call of a client that left ended: free what the producer holds for it."""
+        self._detached.discard(call)
+        if call.cancelled() or call.exception() is not None:
+            return  # no answer: the producer aborted the request (its connection closed) or failed
+        params = call.result()
+        if params is not None:
+            self._release(params)
+
+    async def _prefill(self, job: Job) -> dict[str, Any] | None:
         body = prefill_body(job.body)
         try:
             _, resp = await self._attempts(Role.PREFILL, job, lambda i: self._post(i, job, body))
@@ -250,7 +278,10 @@ class Forwarder:
     def release_kv(self, job: Job) -> None:
         """P/D: the generating step of ``job`` did not answer; tell the producer holding its
         prompt's KV (if any) to free it. Non-blocking."""
-        remote = RemotePrefill.parse(job.body.get("kv_transfer_params"))
+        self._release(job.body.get("kv_transfer_params"))
+
+    def _release(self, params: Any) -> None:
+        remote = RemotePrefill.parse(params)
         if remote is not None:
             send_release(self.zmq_ctx, remote.host, remote.port, [remote.request_id], remote.tp_size)
             self.metrics.kv_releases.inc()
