@@ -175,8 +175,8 @@ def test_head_dim_the_layout_cannot_hold_is_one_line_error() -> None:
 
 
 def test_resolved_config_and_cli_flag() -> None:
+    from treadle.engine.cli_args import add_engine_args  # the flags come from EngineArgs
     from treadle.engine.resolver import resolve_config
-    from treadle.entrypoints.engine_args import add_engine_args  # the flags come from EngineArgs
     from treadle.loaders import open_model_source
 
     source = open_model_source("stories260k")

@@ -17,8 +17,8 @@ from treadle.core.request import Request, RequestStatus
 from treadle.core.scheduler import Scheduler
 from treadle.core.spec_fallback import FallbackController
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
+from treadle.engine.cli_args import add_engine_args, engine_kwargs
 from treadle.engine.resolver import resolve_speculative
-from treadle.entrypoints.engine_args import add_engine_args, engine_kwargs
 from treadle.layers.attention import AttentionSpec, ReferenceBackend, build_attention_metadata
 from treadle.layers.attention.cpu import CPUBackend
 from treadle.sample.rejection_sampler import verify

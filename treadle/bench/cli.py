@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from treadle.bench.workloads import WORKLOADS, BenchRequest, LengthRange, WorkloadSpec, make_workload, max_total_len
 from treadle.engine.args import EngineArgs
-from treadle.entrypoints.engine_args import DEFAULT_MODEL, add_engine_args, engine_kwargs, positive_int
+from treadle.engine.cli_args import DEFAULT_MODEL, add_engine_args, engine_kwargs, positive_int
 
 if TYPE_CHECKING:
     from treadle.bench.offline import OfflineSetup

@@ -1,6 +1,6 @@
 """EngineArgs: every user-facing engine setting and its default, in one place (vLLM's names).
 
-The CLI flags (``treadle.entrypoints.engine_args``), ``LLM(...)``, ``LLMEngine.from_args`` and
+The CLI flags (``treadle.engine.cli_args``), ``LLM(...)``, ``LLMEngine.from_args`` and
 ``AsyncLLM.from_args`` all read their defaults from here; ``auto`` values and everything derived
 from the checkpoint or the machine are settled by ``treadle.engine.resolver.resolve_config``.
 

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from treadle.engine.args import EngineArgs
-from treadle.entrypoints.engine_args import positive_int
+from treadle.engine.cli_args import positive_int
 
 
 def register(subparsers: Any) -> None:

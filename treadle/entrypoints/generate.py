@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treadle.entrypoints.engine_args import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
+from treadle.engine.cli_args import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
 from treadle.sampling_params import SamplingParams
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from treadle import envs
-from treadle.entrypoints.engine_args import add_engine_args, engine_kwargs, positive_int
+from treadle.engine.cli_args import add_engine_args, engine_kwargs, positive_int
 
 if TYPE_CHECKING:
     from treadle.engine.engine_client import EngineClient

@@ -1,5 +1,7 @@
-"""Engine flags shared by `generate`, `chat`, `serve` and `bench`, made from ``EngineArgs``'
-fields (names, defaults, help), so the CLI holds no second copy of any default."""
+"""Engine flags shared by `generate`, `chat`, `serve`, `bench` and `doctor`, made from
+``EngineArgs``' fields (names, defaults, help), so the CLI holds no second copy of any default.
+It lives beside ``EngineArgs`` so that every verb, in entrypoints/ or in the package that owns
+it (bench/), stands on it from above."""
 from __future__ import annotations
 
 import argparse
