@@ -3,7 +3,7 @@
 A real SIGINT (sent by a timer thread to this process, as a terminal's Ctrl-C is) interrupts a
 real engine's generate eight times at different moments; afterwards every block is free, nothing
 is left queued or in flight, and a request set that needs 56 of the 64 blocks still completes
-with the tokens an untouched engine gives.
+with the tokens it gave before the interrupts.
 """
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import threading
 import pytest
 
 from treadle import LLM, SamplingParams
+from treadle.engine.llm_engine import StepFailedError
 
-LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
 BIG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)  # 24 + 200 tokens: 14 blocks each
 
 
@@ -46,7 +47,7 @@ def assert_all_given_back(llm: LLM) -> None:
 def check_interrupts(executor: str | None) -> None:
     kw = {} if executor is None else {"distributed_executor_backend": executor}
     llm = LLM("stories260k", num_kv_blocks=64, block_size=16, **kw)
-    expected = LLM("stories260k", num_kv_blocks=64, block_size=16).generate(prompts(4, 24, 1), BIG, use_tqdm=False)
+    expected = llm.generate(prompts(4, 24, 1), BIG, use_tqdm=False)
     hits = sum(interrupted_generate(llm, 0.05 + 0.04 * i) for i in range(8))
     assert hits >= 6  # the generates are long enough that (almost) every timer lands inside one
     assert_all_given_back(llm)
@@ -61,5 +62,18 @@ def test_interrupted_generate_gives_back_every_block() -> None:
 
 
 @pytest.mark.server
+@pytest.mark.slow
 def test_interrupted_generate_gives_back_every_block_mp() -> None:
     check_interrupts("mp")
+
+
+def test_requests_that_can_never_get_blocks_fail_instead_of_waiting() -> None:
+    """Blocks held outside the scheduler (a leak, made here by hand) leave too few for a request:
+    the engine fails it with an error naming the cache instead of stepping forever."""
+    llm = LLM("stories260k", num_kv_blocks=64, block_size=16)
+    leaked = llm.engine.kv_manager.pool.allocate(60)
+    with pytest.raises(StepFailedError, match="4 of 64 blocks free, nothing running"):
+        llm.generate(prompts(1, 24, 1), BIG, use_tqdm=False)
+    llm.engine.kv_manager.pool.free(leaked)
+    assert_all_given_back(llm)
+    assert len(llm.generate(prompts(1, 24, 1), BIG, use_tqdm=False)[0].outputs[0].token_ids) == 200

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import signal
+import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -213,7 +215,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduled step. An ordinary exception inside it aborts the requests of this
         step (their blocks freed) and raises StepFailedError naming them; the engine stays
-        usable. EngineDeadError (a lost worker, a dead engine) propagates unchanged."""
+        usable. EngineDeadError (a lost worker, a dead engine) propagates unchanged. A Ctrl-C
+        (in the main thread) is held until the step is done, then raised; a second one raises
+        at once, and the interrupted step is failed like a raising one."""
+        with _HeldInterrupt():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         sched: SchedulerOutput | None = None
         try:
             t0 = time.perf_counter()
@@ -233,10 +241,12 @@ class LLMEngine:
                 touched, result, lambda req: self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             )
             outputs = [self.outputs.make_output(pid) for pid in updated]
+            if sched.is_empty:
+                self._fail_if_stuck()
             self.stats.last_step = StepSeconds(max(started - t0, 0.0), t_model - started, t_update - t_model,
                                                time.perf_counter() - t_update)
             return outputs
-        except EngineDeadError:
+        except (EngineDeadError, StepFailedError):
             raise
         except Exception as e:
             failed = self._fail_step(sched)
@@ -271,6 +281,22 @@ class LLMEngine:
             if sched.is_empty:
                 return
 
+    def _fail_if_stuck(self) -> None:
+        """After an empty step: requests wait while nothing runs, nothing is in flight and no KV
+        transfer is pending, so no block will ever come free for them. Fail them (StepFailedError
+        naming the cache) rather than step forever."""
+        s = self.scheduler
+        if self._in_flight or s.num_running or not s.num_waiting or s.has_pending_transfers():
+            return
+        waiting = [r.request_id for r in s.requests.values() if not r.status.finished]
+        if not waiting:
+            return
+        parents = list(dict.fromkeys(p for c in waiting if (p := self.outputs.parent_of.get(c)) is not None))
+        free, total = self.kv_manager.num_free_blocks, self.kv_manager.pool.num_blocks
+        self.abort_request(parents)
+        raise StepFailedError(parents, f"{len(waiting)} request(s) wait for KV blocks that cannot come free "
+                                       f"({free} of {total} blocks free, nothing running)")
+
     def _fail_step(self, sched: SchedulerOutput | None) -> list[str]:
         """Abort the parents of the requests in ``sched`` (all running ones if scheduling
         itself failed); returns their ids."""
@@ -294,6 +320,36 @@ class LLMEngine:
                                sum(len(result.sampled.get(s.request_id, ())) for s in decode), seconds,
                                decode_rows, sched.total_num_scheduled_tokens - decode_rows,
                                sum(len(s.draft_token_ids) for s in decode))
+
+
+class _HeldInterrupt:
+    """Holds a SIGINT that arrives inside the block and raises KeyboardInterrupt when it ends,
+    so the scheduler's bookkeeping is never cut half-way (a request left marked in flight keeps
+    its blocks for good); a second SIGINT raises at once. Only in the main thread over Python's
+    default handler; elsewhere it does nothing."""
+
+    def __enter__(self) -> _HeldInterrupt:
+        self.held, self.previous = False, None
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self.previous = signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def _hold(self, signum: int, frame: Any) -> None:
+        if self.held:  # pressed again: the step itself is stuck
+            self._restore()
+            raise KeyboardInterrupt
+        self.held = True
+
+    def _restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous = None
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: Any) -> None:
+        self._restore()
+        if self.held and kind is None:
+            raise KeyboardInterrupt
 
 
 class StepFailedError(TreadleError):
