@@ -137,6 +137,7 @@ def test_prefix_cache_hits_give_the_same_tokens(gemma_dir: Path, hf_model) -> No
 
 
 @pytest.mark.server
+@pytest.mark.slow  # two worker processes: ~15-40 s on 2 cores
 def test_two_tensor_parallel_ranks_match_transformers(gemma_dir: Path, hf_model) -> None:
     """T = 2: each rank holds 2 of the 4 query heads and 1 of the 2 KV heads; the output norms
     come after the all-reduces."""
