@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import random
+import signal
 import time
 
 import httpx
 import pytest
-from router_harness import instance, router, router_metric, running
+from router_harness import free_port, health, instance, router, router_metric, running
 from server_harness import engine_idle, metric_values, wait_until
 
 pytestmark = pytest.mark.server
 
 PRODUCER_TIMEOUT_S = 600.0  # the producer's own timeout never fires during these tests
-BACKOFF = ("--poll-interval", "0.2", "--retry-backoff", "0.5", "--max-failures", "4")  # window 0.5+1+2 = 3.5 s
+# a window of 1+2+4 = 7 s: twice the freeze, as a loaded 2-core machine answers health checks late
+BACKOFF = ("--poll-interval", "0.2", "--retry-backoff", "1", "--max-failures", "4")
 PROMPTS = ["Once upon a time there was a little girl named Lily. She loved to play", "The little dog",
            "Lily and Ben went to the park", "One day, a bird"]
 
@@ -34,7 +37,7 @@ def pd(tmp_path_factory):
     producer = instance(tmp, "producer", 0.02, "stories260k",
                         *_kv("kv_producer", producer_block_timeout_s=PRODUCER_TIMEOUT_S))
     consumer = instance(tmp, "consumer", 0.02, "stories260k", *_kv("kv_consumer"))
-    front = router(tmp, "router", "--prefill", producer.url, "--decode", consumer.url, "--poll-interval", "0.2")
+    front = router(tmp, "router", "--prefill", producer.url, "--decode", consumer.url, *BACKOFF)
     with running(producer, consumer), running(front):
         yield producer, consumer, front
 
@@ -87,3 +90,66 @@ def test_clients_leaving_during_the_prefill_call_leave_nothing_held(pd):
     pulled = _counter(producer.url, "pulled")
     assert httpx.post(front.url + "/v1/completions", json=_body(PROMPTS[1]), timeout=60).status_code == 200
     wait_until(lambda: _counter(producer.url, "pulled") == pulled + 1, 10, "the KV pulled")
+
+
+def _post(url: str, body: dict) -> tuple[int, str]:
+    """(status, the text of a completion or the error's message); a stream is read to its end."""
+    if not body["stream"]:
+        resp = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        data = resp.json()
+        return resp.status_code, data["choices"][0]["text"] if resp.status_code == 200 else data["error"]["message"]
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+        if resp.status_code != 200:
+            return resp.status_code, json.loads(resp.read())["error"]["message"]
+        events = [json.loads(ln[6:]) for ln in resp.iter_lines() if ln.startswith("data: {")]
+    return 200, "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+
+
+def test_freezing_the_only_decode_instance_costs_no_request_a_503(pd):
+    """SIGSTOP on the decode instance (its server and engine) for 3 s while requests arrive:
+    the router's health check fails (the instance backs off), and every request is answered
+    once it is resumed, with the output it gives when nothing goes wrong."""
+    producer, consumer, front = pd
+    want = {p: _post(consumer.url, _body(p))[1] for p in PROMPTS}
+    jobs = [_body(PROMPTS[i % len(PROMPTS)], stream=i % 2 == 1) for i in range(14)]
+    noticed = []
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
+        os.killpg(consumer.proc.pid, signal.SIGSTOP)
+        try:
+            futures = []
+            for job in jobs:  # one every 0.25 s: before and after the router notices
+                futures.append(ex.submit(_post, front.url, job))
+                time.sleep(0.25)
+                noticed.append(router_metric(front.url, "treadle:router_instance_failures", role="decode"))
+        finally:
+            os.killpg(consumer.proc.pid, signal.SIGCONT)
+        got = [f.result(timeout=60) for f in futures]
+    assert max(noticed) >= 1  # the router saw it fail (and requests kept arriving after that)
+    assert [status for status, _ in got] == [200] * len(jobs), [m for s, m in got if s != 200]
+    assert [text for _, text in got] == [want[job["prompt"]] for job in jobs]
+    wait_until(lambda: router_metric(front.url, "treadle:router_instance_failures", role="decode") == 0, 10,
+               "the decode instance back in rotation")
+    wait_until(lambda: _held(producer.url) == 0 and engine_idle(consumer.url), 20, "every KV pulled, consumer idle")
+
+
+def test_a_dead_decode_instance_is_taken_out_and_requests_fail_clearly(pd, tmp_path):
+    """A decode URL nobody listens on: it backs off, then leaves rotation after --max-failures;
+    requests then get a 503 at once naming it, and the producer frees the prompts it computed."""
+    producer, _, _ = pd
+    dead = f"http://127.0.0.1:{free_port()}"
+    front = router(tmp_path, "router-dead", "--prefill", producer.url, "--decode", dead, *BACKOFF)
+    try:
+        front.start()
+        wait_until(lambda: front.exited() or health(front.url) is not None, 120, "the router to start")
+        assert not front.exited(), front.log.read_text()[-3000:]
+        wait_until(lambda: health(front.url) == 503, 40, "the router to give the dead instance up")
+        released = _counter(producer.url, "released")
+        for stream in (False, True):
+            t0 = time.monotonic()
+            status, message = _post(front.url, _body(PROMPTS[0], stream=stream))
+            assert status == 503 and time.monotonic() - t0 < 5
+            assert f"{dead} is out of rotation after 4 consecutive failures" in message, message
+        wait_until(lambda: _counter(producer.url, "released") == released + 2, 10, "the prefilled KV released")
+        assert _held(producer.url) == 0
+    finally:
+        front.kill()

@@ -19,6 +19,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--upstream-timeout", type=float, default=300.0,
                    help="seconds to wait for an instance's answer (or its next streamed event)")
     p.add_argument("--max-attempts", type=int, default=3, help="instances tried per step of a request")
+    p.add_argument("--max-failures", type=int, default=5,
+                   help="consecutive failures (failed health checks or connections, one per back-off) that take an "
+                        "instance out of rotation; until then the last instance of a role is retried")
+    p.add_argument("--retry-backoff", type=float, default=1.0,
+                   help="seconds a failing instance is left alone after its first failure, doubled after each")
     p.add_argument("--no-prefix-affinity", dest="prefix_affinity", action="store_false",
                    help="route by load only, ignoring which instance has a prompt's prefix cached")
     p.add_argument("--balance", choices=("cost", "count"), default="cost",
@@ -43,7 +48,8 @@ def run_router(args: argparse.Namespace) -> int:
     try:
         config = RouterConfig(tuple(args.prefill), tuple(args.decode), tuple(args.backend),
                               poll_interval_s=args.poll_interval, upstream_timeout_s=args.upstream_timeout,
-                              max_attempts=args.max_attempts, prefix_affinity=args.prefix_affinity,
+                              max_attempts=args.max_attempts, max_failures=args.max_failures,
+                              retry_backoff_s=args.retry_backoff, prefix_affinity=args.prefix_affinity,
                               balance_by_cost=args.balance == "cost")
     except ValueError as e:
         raise TreadleError(str(e)) from None

@@ -21,7 +21,7 @@ from starlette.responses import Response, StreamingResponse
 import treadle
 from treadle.router.config import Role, RouterConfig
 from treadle.router.forward import Forwarder, Job, OpenStream, Relay, error_body
-from treadle.router.instances import Instance, InstancePool
+from treadle.router.instances import FailurePolicy, Instance, InstancePool
 from treadle.router.metrics import RouterMetrics
 
 T = TypeVar("T")
@@ -31,7 +31,8 @@ MAX_BODY_BYTES = 64 << 20  # the instances apply their own (smaller) limits; thi
 
 def build_app(config: RouterConfig) -> FastAPI:
     """The router for ``config``'s instances; polling starts with the app (its lifespan)."""
-    pool = InstancePool([Instance(url, role) for url, role in config.instances()], config.poll_interval_s,
+    policy = FailurePolicy(config.max_failures, config.retry_backoff_s)
+    pool = InstancePool([Instance(url, role, policy) for url, role in config.instances()], config.poll_interval_s,
                         config.poll_timeout_s)
     metrics = RouterMetrics(pool)
 
@@ -86,13 +87,15 @@ async def _models(request: Request) -> Response:
 async def _health(request: Request) -> Response:
     pool: InstancePool = request.app.state.pool
     roles = {i.role for i in pool.instances}
-    missing = sorted(r.value for r in roles if not any(i.healthy for i in pool.by_role(r)))
+    missing = sorted(r.value for r in roles if all(i.out for i in pool.by_role(r)))  # backing off still counts
     # P/D without a prefill instance still answers (decode instances compute prompts), if slower
     if missing and missing != [Role.PREFILL.value]:
-        body = error_body(f"no healthy {' or '.join(missing)} instance", "service_unavailable_error", "unhealthy")
+        body = error_body(f"every {' and '.join(missing)} instance is out of rotation", "service_unavailable_error",
+                          "unhealthy")
         return JSONResponse(body, 503, headers={"Retry-After": "1"})
     return JSONResponse({"status": "ok", "instances": {i.url: {"role": i.role.value, "healthy": i.healthy,
-                                                               "problem": i.problem} for i in pool.instances}})
+                                                               "failures": i.failures, "problem": i.problem}
+                                                       for i in pool.instances}})
 
 
 async def _metrics(request: Request) -> Response:

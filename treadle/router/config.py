@@ -21,6 +21,8 @@ class RouterConfig:
     connect_timeout_s: float = 3.0
     upstream_timeout_s: float = 300.0  # the longest wait for one response or one streamed event
     max_attempts: int = 3  # instances tried for one step of a request
+    max_failures: int = 5  # consecutive failures (one per back-off) that take an instance out of rotation
+    retry_backoff_s: float = 1.0  # first back-off of a failing instance, doubled after each failure
     prefix_affinity: bool = True
     balance_by_cost: bool = True  # by the instances' predicted remaining tokens where they report them
 
@@ -29,6 +31,8 @@ class RouterConfig:
             raise ValueError("give either --backend, or --prefill and --decode, not both")
         if not self.backend and not (self.prefill and self.decode):
             raise ValueError("give --backend URL..., or --prefill URL... and --decode URL...")
+        if self.max_failures < 1 or not self.retry_backoff_s > 0:
+            raise ValueError("--max-failures must be at least 1 and --retry-backoff above 0")
         urls = [*self.prefill, *self.decode, *self.backend]
         if len(set(urls)) != len(urls):
             raise ValueError("an instance URL is given twice")

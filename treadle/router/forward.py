@@ -2,7 +2,10 @@
 
 A step (prefill, or the generating call) tries up to ``max_attempts`` instances: one that
 cannot be reached, times out, answers 5xx, or ends its stream before the first event is
-left for the next one (connection failures also take it out of rotation at once). An
+left for the next one (connection failures also count against it: ``instances.py``). When
+the generating role has no healthy instance left, a request waits for a backing-off one to
+be due and tries it again, so the last decode instance frozen for a few seconds costs no
+503; only instances out of rotation (``max_failures`` failures) fail a request at once. An
 instance's 4xx is the client's mistake and goes back to the client as it is. A stream is
 only handed to the client once its first event arrived, so everything before that can be
 retried; a failure after it ends the stream with an error event and ``data: [DONE]``.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -152,14 +156,35 @@ class Forwarder:
         self.metrics.decisions.labels(role.value, choice.reason).inc()
         return choice.instance
 
+    async def _retry_after_backoff(self, role: Role, waited: set[str]) -> Instance | None:
+        """The generating role has no healthy instance left to try: wait for one that is backing
+        off (or was, when this request began waiting: ``waited``) to be due for a retry, or to
+        pass a health check. None when none is (every one is out of rotation, or failed otherwise)."""
+        while True:
+            now = time.monotonic()
+            waited.update(i.url for i in self.pool.by_role(role) if i.backing_off)
+            candidates = [i for i in self.pool.by_role(role) if i.url in waited and not i.out]
+            if not candidates:
+                return None
+            due = [i for i in candidates if i.retry_due(now)]
+            if due:
+                return min(due, key=lambda i: i.failures)
+            await asyncio.sleep(min(0.1, min(i.retry_at for i in candidates) - now))
+
     async def _attempts(self, role: Role, job: Job, attempt: Callable[[Instance], Awaitable[T]],
                         keep: bool = False) -> tuple[Instance, T]:
         """``attempt`` on one instance after another until one does not raise UpstreamFailure.
-        The instance's in-flight count stays raised when ``keep`` (the caller lowers it)."""
+        The instance's in-flight count stays raised when ``keep`` (the caller lowers it). With no
+        healthy instance left, the generating role's backing-off instances are retried as their
+        back-off allows (at most ``max_failures`` times); prompts go to the decode side instead."""
         tried: set[str] = set()
+        waited: set[str] = set()
         last = "no instance is healthy"
-        for n in range(self.config.max_attempts):
-            inst = self._pick(role, job, tried)
+        retries = self.config.max_attempts + self.config.max_failures
+        for n in range(retries):
+            inst = self._pick(role, job, tried) if len(tried) < self.config.max_attempts else None
+            if inst is None and role == self.config.generating_role:
+                inst = await self._retry_after_backoff(role, waited)
             if inst is None:
                 break
             tried.add(inst.url)
@@ -174,17 +199,21 @@ class Forwarder:
                 if e.down:
                     inst.mark_down(str(e))
                 logger.warning("%s instance %s failed a request (%s)%s", role.value, inst.url, e,
-                               "; trying another" if n + 1 < self.config.max_attempts else "")
+                               "; trying again" if n + 1 < retries else "")
                 last = f"{inst.url}: {e}"
                 continue
             except BaseException:
                 inst.end(job.prompt_tokens)
                 raise
+            inst.mark_up()  # it answered
             if not keep:
                 inst.end(job.prompt_tokens)
             if role == self.config.prompt_role:
                 self.prefix.record(job.text, inst.url)
             return inst, result
+        out = [f"{i.url} is out of rotation after {i.failures} consecutive failures ({i.problem})"
+               for i in self.pool.by_role(role) if i.out]
+        last = "; ".join(out) or last
         raise Relay.error(503, f"no {role.value} instance could take the request ({last})",
                           "service_unavailable_error", "no_instance")
 
@@ -192,6 +221,8 @@ class Forwarder:
     async def _post(self, inst: Instance, job: Job, body: dict[str, Any]) -> httpx.Response:
         try:
             resp = await self.client.post(inst.url + job.path, json=body, headers=job.headers, timeout=self.timeout)
+        except httpx.ConnectTimeout as e:
+            raise UpstreamFailure(describe(e), down=True) from None
         except httpx.TimeoutException as e:
             raise UpstreamFailure(f"timed out ({type(e).__name__})", down=False) from None
         except httpx.HTTPError as e:
@@ -209,6 +240,8 @@ class Forwarder:
                                             timeout=self.timeout)
         try:
             resp = await self.client.send(request, stream=True)
+        except httpx.ConnectTimeout as e:
+            raise UpstreamFailure(describe(e), down=True) from None
         except httpx.TimeoutException as e:
             raise UpstreamFailure(f"timed out ({type(e).__name__})", down=False) from None
         except httpx.HTTPError as e:

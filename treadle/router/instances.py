@@ -3,14 +3,28 @@
 Every ``poll_interval_s`` each instance is asked ``GET /health`` and, when healthy,
 ``GET /load`` (``{"waiting_prompt_tokens", "running", "waiting", "kv_usage", "role",
 "predicted_remaining_tokens"}``;
-an instance without it is read from its Prometheus ``/metrics``). A failed or non-200
-health check takes the instance out of rotation; the next good one puts it back. A
-request that cannot reach an instance takes it out at once (``mark_down``).
+an instance without it is read from its Prometheus ``/metrics``).
+
+Failures (a failed or non-200 health check, a request that cannot reach the instance) are
+counted, once per back-off period, and a good health check (or answer) clears them:
+
+```
+ failures  0            1 .. max_failures-1                  max_failures
+           healthy  ->  backing off: skipped while others   ->  out of rotation: requests
+                        of its role are healthy; the only       fail at once (503) until a
+                        ones left are retried after             health check passes
+                        backoff_s * 2**(failures-1)
+```
+
+So one connection error or slow health check never takes the last instance of a role away:
+an instance frozen for less than the back-off window (``FailurePolicy.window_s``) costs
+requests only their wait.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,13 +66,29 @@ class InstanceLoad:
                             float(values.get("treadle:kv_cache_usage_perc", 0.0)))
 
 
+@dataclass(frozen=True)
+class FailurePolicy:
+    """How long a failing instance keeps its place before it leaves rotation."""
+    max_failures: int = 5  # consecutive failures (counted once per back-off) that take an instance out
+    backoff_s: float = 1.0  # the back-off after the first failure, doubled after each further one
+
+    def backoff_after(self, failures: int) -> float:
+        return self.backoff_s * 2 ** (failures - 1)
+
+    @property
+    def window_s(self) -> float:
+        """The shortest time from an instance's first failure to its leaving rotation."""
+        return sum(self.backoff_after(f) for f in range(1, self.max_failures))
+
+
 class Instance:
     """One upstream server. ``in_flight`` / ``in_flight_prompt_tokens``: requests this
     router has sent and not yet seen finish (exact and immediate, unlike the polled load)."""
 
-    def __init__(self, url: str, role: Role) -> None:
-        self.url, self.role = url.rstrip("/"), role
-        self.healthy = True  # until the first poll says otherwise
+    def __init__(self, url: str, role: Role, policy: FailurePolicy = FailurePolicy()) -> None:
+        self.url, self.role, self.policy = url.rstrip("/"), role, policy
+        self.failures = 0  # consecutive, counted once per back-off period
+        self.retry_at = 0.0  # time.monotonic() before which a backing-off instance is not retried
         self.problem: str | None = None
         self.load = InstanceLoad()
         self.load_source = "none"  # "load", "metrics" or "none"
@@ -73,15 +103,44 @@ class Instance:
         self.in_flight -= 1
         self.in_flight_prompt_tokens -= prompt_tokens
 
-    def mark_down(self, problem: str) -> None:
-        if self.healthy:
-            logger.warning("%s instance %s is out of rotation: %s", self.role.value, self.url, problem)
-        self.healthy, self.problem = False, problem
+    @property
+    def healthy(self) -> bool:
+        """No failure since its last good health check or answer: first choice for requests."""
+        return self.failures == 0
+
+    @property
+    def out(self) -> bool:
+        """Out of rotation: ``max_failures`` consecutive failures; only a good health check brings it back."""
+        return self.failures >= self.policy.max_failures
+
+    @property
+    def backing_off(self) -> bool:
+        return 0 < self.failures < self.policy.max_failures
+
+    def retry_due(self, now: float) -> bool:
+        """A backing-off instance whose back-off has passed (or one that is healthy again)."""
+        return self.healthy or (self.backing_off and now >= self.retry_at)
+
+    def mark_down(self, problem: str, now: float | None = None) -> None:
+        """One failure; failures within the back-off after the last counted one are the same
+        outage (a burst of requests failing together counts once)."""
+        now = time.monotonic() if now is None else now
+        self.problem = problem
+        if self.out or (self.failures and now < self.retry_at):
+            return
+        self.failures += 1
+        self.retry_at = now + self.policy.backoff_after(self.failures)
+        if self.out:
+            logger.warning("%s instance %s is out of rotation after %d consecutive failures: %s", self.role.value,
+                           self.url, self.failures, problem)
+        elif self.failures == 1:
+            logger.warning("%s instance %s failed (%s); retried with back-off, out of rotation after %d "
+                           "consecutive failures", self.role.value, self.url, problem, self.policy.max_failures)
 
     def mark_up(self) -> None:
-        if not self.healthy:
+        if self.failures:
             logger.info("%s instance %s is back in rotation", self.role.value, self.url)
-        self.healthy, self.problem = True, None
+        self.failures, self.problem = 0, None
 
     async def poll(self, client: httpx.AsyncClient, timeout: float) -> None:
         """One health check and, if healthy, one load reading. Never raises. Only /health

@@ -17,8 +17,10 @@ class _InstanceCollector:
 
     def collect(self) -> Iterator[Metric]:
         rows: list[tuple[str, str, list[tuple[Instance, float]]]] = [
-            ("treadle:router_instance_healthy", "1 while the instance is in rotation.",
-             [(i, float(i.healthy)) for i in self.pool.instances]),
+            ("treadle:router_instance_healthy", "1 while the instance has no failure since its last good health "
+             "check or answer.", [(i, float(i.healthy)) for i in self.pool.instances]),
+            ("treadle:router_instance_failures", "Consecutive failures of the instance (one per back-off); at "
+             "--max-failures it is out of rotation.", [(i, float(i.failures)) for i in self.pool.instances]),
             ("treadle:router_instance_in_flight", "Requests sent to the instance and not finished.",
              [(i, float(i.in_flight)) for i in self.pool.instances]),
             ("treadle:router_instance_running", "Requests running on the instance, as its last poll reported.",
