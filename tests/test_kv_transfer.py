@@ -23,8 +23,8 @@ from treadle.core.kv_connector_data import KVConnectorMetadata, KVConnectorOutpu
 from treadle.core.request import Request, RequestStatus
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.engine.llm_engine import LLMEngine
-from treadle.engine.resolver import resolve_kv_transfer
 from treadle.kv_transfer import create_connector
+from treadle.kv_transfer.options import resolve_kv_transfer
 from treadle.kv_transfer.release import send_release
 from treadle.kv_transfer.scheduler import KVTransferScheduler
 from treadle.kv_transfer.wire import LayerHeader, PullHeader, PullRequest, TransferError, check_frame

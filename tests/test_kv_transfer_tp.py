@@ -28,10 +28,10 @@ from treadle.config import KVTransferConfig, TreadleError
 from treadle.core.kv_connector_data import KVConnectorMetadata, KVConnectorOutput, LoadSpec, RemotePrefill
 from treadle.engine.core_client import EngineCoreClient
 from treadle.engine.llm_engine import LLMEngine
-from treadle.engine.resolver import free_ports
 from treadle.kv_transfer import create_connector
 from treadle.kv_transfer.aggregate import KVOutputAggregator
 from treadle.kv_transfer.heads import HeadSlice, RankPlacement, num_pullers, pull_plan
+from treadle.kv_transfer.options import free_ports
 from treadle.kv_transfer.wire import PullRequest, TransferError
 from treadle.kv_transfer.worker import KVConnectorWorker
 from treadle.sampling_params import SamplingParams

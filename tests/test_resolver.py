@@ -13,8 +13,9 @@ from treadle.config import TreadleError
 from treadle.engine.args import EngineArgs, engine_args
 from treadle.engine.cli_args import add_engine_args, engine_kwargs
 from treadle.engine.memory import CPU_DEFAULT_CAP, GiB, bytes_per_block, weight_bytes
-from treadle.engine.resolver import draft_head_kv_config, resolve_config
+from treadle.engine.resolver import resolve_config
 from treadle.loaders import ModelSource, open_model_source, parse_dtype
+from treadle.spec_decode.options import draft_head_kv_config
 
 PLENTY = 64 * GiB
 

@@ -18,13 +18,13 @@ from treadle.core.scheduler import Scheduler
 from treadle.core.spec_fallback import FallbackController
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.engine.cli_args import add_engine_args, engine_kwargs
-from treadle.engine.resolver import resolve_speculative
 from treadle.layers.attention import AttentionSpec, ReferenceBackend, build_attention_metadata
 from treadle.layers.attention.cpu import CPUBackend
 from treadle.sample.rejection_sampler import verify
 from treadle.sample.sampler import Sampler, SamplingRow
 from treadle.sampling_params import SamplingParams
 from treadle.spec_decode.ngram import NgramProposer
+from treadle.spec_decode.options import resolve_speculative
 from treadle.spec_decode.proposer import DraftLength, ProposerStep, RequestProgress
 
 # -- config ---------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Frozen configuration, one dataclass per concern, composed into EngineConfig."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -324,3 +325,22 @@ class EngineConfig:
     fused_layers: bool  # CPU: decoder layers swapped for the fused one-call layer where they can be
     speculative: SpeculativeConfig | None = None  # None: no speculation (the normal path)
     kv_transfer: KVTransferConfig | None = None  # None: no P/D disaggregation
+
+
+def json_option(raw: dict[str, Any] | str | None, name: str, known: dict[str, Any],
+                 example: str) -> dict[str, Any] | None:
+    """A JSON-object option (a dict, or its JSON text from the CLI): None when unset or empty;
+    not JSON, not an object, or an unknown key -> a one-line TreadleError naming ``name``."""
+    if raw is None or raw == "" or raw == {}:
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise TreadleError(f"{name} is not valid JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(raw, dict):
+        raise TreadleError(f"{name} must be a JSON object, e.g. {example}")
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise TreadleError(f"unknown {name} key {unknown[0]!r}; known: {', '.join(known)}")
+    return raw

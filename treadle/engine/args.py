@@ -87,20 +87,6 @@ class EngineArgs:
                                             "ids only (no text, stop strings, chat or structured output)")
 
 
-# the keys of ``speculative_config`` and their defaults (the resolver settles the rest)
-SPECULATIVE_DEFAULTS: dict[str, Any] = {
-    "method": None, "model": None, "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-    "prompt_lookup_max": 4, "fallback": True,
-}
-
-
-# the keys of ``kv_transfer_config`` and their defaults (kv_port 0: a free port is picked)
-KV_TRANSFER_DEFAULTS: dict[str, Any] = {
-    "kv_connector": "tcp", "kv_role": None, "kv_ip": "127.0.0.1", "kv_port": 0, "engine_id": None,
-    "transfer_timeout_s": 10.0, "producer_block_timeout_s": 60.0, "layerwise_start": True,
-}
-
-
 # annotation -> (types, None allowed, what to say)
 _NUMERIC: dict[str, tuple[type | tuple[type, ...], bool, str]] = {
     "int": (int, False, "an integer"), "int | None": (int, True, "an integer"), "float": ((int, float), False, "a number"),

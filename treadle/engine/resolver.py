@@ -18,27 +18,22 @@ It owns:
                       ranks; no CUDA graphs with several ranks
     attention backend auto -> cpu on the CPU, triton (or reference) on CUDA
     CUDA graphs       off unless the device is CUDA and enforce_eager is False (and never for MoE)
-    speculation       speculative_config (a dict or its JSON) -> SpeculativeConfig, or None
+    speculation       speculative_config -> SpeculativeConfig (parsed and checked against the
+                      target by ``spec_decode/options.py``), or None
+    KV transfer       kv_transfer_config -> KVTransferConfig (``kv_transfer/options.py``), its port
 
 ``create_engine_config`` is the impure shell around it: it opens the checkpoint (once; the
 source is handed on to loading) and reads the device's free memory.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
-import socket
 import uuid
-from typing import Any
 
 import torch
 
 from treadle.config import (
-    KV_CONNECTORS,
-    KV_ROLES,
-    SPEC_METHODS,
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
@@ -53,20 +48,25 @@ from treadle.distributed import check_parallel_sizes, shard_config, stage_layers
 from treadle.engine.args import (
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
-    KV_TRANSFER_DEFAULTS,
-    SPECULATIVE_DEFAULTS,
     EngineArgs,
     check_numeric_types,
     parse_bytes,
 )
 from treadle.engine.memory import available_memory, plan_kv_cache, weight_bytes
+from treadle.kv_transfer.options import free_ports, resolve_kv_transfer
 from treadle.layers.attention.kv_quant import cache_dtype, row_width
 from treadle.layers.attention.selector import resolve_backend_name
 from treadle.loaders import ModelSource, open_model_source, parse_dtype
 from treadle.loaders.hf import weight_files
 from treadle.predict.model import shipped_for
 from treadle.quantization import resolve_quantization, tensor_parallel_error
-from treadle.spec_decode.head_format import HEAD_METHODS, eagle_layer_config, read_head_config
+from treadle.spec_decode.options import (
+    draft_head_kv_config,
+    draft_head_token_bytes,
+    draft_model_config,
+    resolve_speculative,
+    with_draft_head,
+)
 
 logger = logging.getLogger("treadle")
 
@@ -147,76 +147,12 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
     return config, source
 
 
-def free_ports(ip: str, count: int) -> int:
-    """The first of ``count`` consecutive free ports (tensor-parallel rank r serves KV on
-    ``kv_port + r``)."""
-    for _ in range(50):
-        with contextlib.ExitStack() as stack:
-            first = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            first.bind((ip, 0))
-            port = int(first.getsockname()[1])
-            try:
-                for r in range(1, count):
-                    stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)).bind((ip, port + r))
-            except OSError:
-                continue
-            return port
-    raise TreadleError(f"kv_transfer_config: found no {count} consecutive free ports on {ip}; set kv_port")
-
-
 def _kv_transfer_without_pipeline(args: EngineArgs) -> KVTransferConfig | None:
     kv = resolve_kv_transfer(args.kv_transfer_config)
     if kv is not None and args.pipeline_parallel_size > 1:
         raise TreadleError(f"kv_transfer_config is not available with pipeline parallelism (pipeline_parallel_size "
                            f"{args.pipeline_parallel_size}); tensor parallelism is (tensor_parallel_size)")
     return kv
-
-
-def _json_option(raw: dict[str, Any] | str | None, name: str, known: dict[str, Any],
-                 example: str) -> dict[str, Any] | None:
-    """A JSON-object option (a dict, or its JSON text from the CLI): None when unset or empty;
-    not JSON, not an object, or an unknown key -> a one-line TreadleError naming ``name``."""
-    if raw is None or raw == "" or raw == {}:
-        return None
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise TreadleError(f"{name} is not valid JSON: {e.msg} at column {e.colno}") from None
-    if not isinstance(raw, dict):
-        raise TreadleError(f"{name} must be a JSON object, e.g. {example}")
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise TreadleError(f"unknown {name} key {unknown[0]!r}; known: {', '.join(known)}")
-    return raw
-
-
-def resolve_kv_transfer(raw: dict[str, Any] | str | None) -> KVTransferConfig | None:
-    """``kv_transfer_config`` (a dict or its JSON) -> KVTransferConfig (port 0 and engine id ""
-    are settled by ``create_engine_config``); None or empty -> None. Bad keys or values are
-    one-line TreadleErrors."""
-    parsed = _json_option(raw, "kv_transfer_config", KV_TRANSFER_DEFAULTS, '{"kv_connector": "tcp", ...}')
-    if parsed is None:
-        return None
-    kv = {**KV_TRANSFER_DEFAULTS, **parsed}
-    if kv["kv_connector"] not in KV_CONNECTORS:
-        raise TreadleError(f"kv_transfer_config kv_connector {kv['kv_connector']!r} is not one of "
-                           f"{', '.join(KV_CONNECTORS)}")
-    if kv["kv_role"] not in KV_ROLES:
-        raise TreadleError(f"kv_transfer_config kv_role {kv['kv_role']!r} is not one of {', '.join(KV_ROLES)}")
-    port = kv["kv_port"]
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
-        raise TreadleError("kv_transfer_config kv_port must be an integer in [0, 65535]")
-    for key in ("transfer_timeout_s", "producer_block_timeout_s"):
-        if not isinstance(kv[key], (int, float)) or isinstance(kv[key], bool) or not kv[key] > 0:
-            raise TreadleError(f"kv_transfer_config {key} must be a positive number of seconds")
-    if not isinstance(kv["layerwise_start"], bool):
-        raise TreadleError("kv_transfer_config layerwise_start must be true or false")
-    return KVTransferConfig(connector=kv["kv_connector"], role=kv["kv_role"], ip=str(kv["kv_ip"]), port=port,
-                            engine_id=str(kv["engine_id"] or ""),
-                            transfer_timeout_s=float(kv["transfer_timeout_s"]),
-                            producer_block_timeout_s=float(kv["producer_block_timeout_s"]),
-                            layerwise_start=kv["layerwise_start"])
 
 
 def _check_ranges(args: EngineArgs) -> None:
@@ -308,109 +244,3 @@ def _speculative_on_one_rank(args: EngineArgs) -> SpeculativeConfig | None:
     return spec
 
 
-def resolve_speculative(raw: dict[str, Any] | str | None) -> SpeculativeConfig | None:
-    """``speculative_config`` (a dict, or its JSON text from the CLI) -> SpeculativeConfig;
-    None or an empty value -> None. Unknown keys and bad values are one-line TreadleErrors."""
-    parsed = _json_option(raw, "speculative_config", SPECULATIVE_DEFAULTS, '{"method": "ngram"}')
-    if parsed is None:
-        return None
-    spec = {**SPECULATIVE_DEFAULTS, **parsed}
-    method = spec["method"] or ("draft_model" if spec["model"] else None)
-    if method not in SPEC_METHODS:
-        raise TreadleError(f"speculative_config method {method!r} is not one of {', '.join(SPEC_METHODS)}")
-    ints = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
-    for key in ints:
-        if not isinstance(spec[key], int) or isinstance(spec[key], bool) or spec[key] < 1:
-            raise TreadleError(f"speculative_config {key} must be an integer of at least 1")
-    if spec["prompt_lookup_min"] > spec["prompt_lookup_max"]:
-        raise TreadleError("speculative_config prompt_lookup_min must not exceed prompt_lookup_max")
-    if not isinstance(spec["fallback"], bool):
-        raise TreadleError("speculative_config fallback must be true or false")
-    model, draft_layers = _draft_model_name(method, spec["model"])
-    return SpeculativeConfig(method=method, model=model, draft_layers=draft_layers, fallback=spec["fallback"],
-                             **{k: spec[k] for k in ints})
-
-
-def _draft_model_name(method: str, model: object) -> tuple[str | None, int | None]:
-    """(path or name, None) or, for ``"self:N"``, (None, N): the target's first N layers; an
-    eagle / medusa head's directory (None: the target's own, see ``with_draft_head``)."""
-    if method in HEAD_METHODS:
-        if model is not None and (not isinstance(model, str) or not model):
-            raise TreadleError(f'speculative method {method} needs "model": a draft-head directory')
-        return model, None
-    if method != "draft_model":
-        return None, None
-    if not isinstance(model, str) or not model:
-        raise TreadleError('speculative method draft_model needs "model": a path, a name, or "self:N" '
-                           "(the target's first N layers)")
-    if not model.startswith("self:"):
-        return model, None
-    n = model.removeprefix("self:")
-    if not n.isdigit() or int(n) < 1:
-        raise TreadleError(f'speculative_config model {model!r}: "self:N" needs a layer count N of at least 1')
-    return None, int(n)
-
-
-def draft_model_config(spec: SpeculativeConfig | None, target: ModelSource) -> ModelConfig | None:
-    """The config of a draft model with its own KV cache (None: no draft, or a layer-skip one
-    sharing the target's KV); checks the draft's vocabulary against the target's."""
-    if spec is None or spec.method != "draft_model":
-        return None
-    if spec.draft_layers is not None:
-        if spec.draft_layers >= target.config.num_layers:
-            raise TreadleError(f"speculative_config model 'self:{spec.draft_layers}': the draft must use fewer "
-                               f"layers than the target's {target.config.num_layers}")
-        return None
-    assert spec.model is not None
-    draft = open_model_source(spec.model)
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise TreadleError(f"draft model {spec.model}: vocabulary of {draft.config.vocab_size} tokens, the "
-                           f"target's has {target.config.vocab_size}; a draft needs the target's vocabulary")
-    probe = "Once upon a time, 42 cats said: hello!"
-    if draft.tokenizer is not None and target.tokenizer is not None and \
-            draft.tokenizer.encode(probe) != target.tokenizer.encode(probe):
-        raise TreadleError(f"draft model {spec.model}: its tokenizer differs from the target's; "
-                           "a draft needs the target's vocabulary")
-    return draft.config
-
-
-def with_draft_head(spec: SpeculativeConfig | None, target: ModelSource) -> SpeculativeConfig | None:
-    """eagle / medusa: the head's directory (default: the target directory's
-    ``draft-heads/<method>``, e.g. the heads shipped with stories260k), checked against the
-    target (a one-line TreadleError for a missing, malformed or mismatched head)."""
-    if spec is None or spec.method not in HEAD_METHODS:
-        return spec
-    model = spec.model
-    if model is None:
-        default = target.path / "draft-heads" / spec.method
-        if not (target.path.is_dir() and default.is_dir()):
-            raise TreadleError(f'speculative method {spec.method} needs "model": a draft-head directory (make one '
-                               f"with `treadle train-draft-head`); {target.path} ships no {spec.method} head")
-        model = str(default)
-    head = read_head_config(model)
-    if head.method != spec.method:
-        raise TreadleError(f"draft head {model} is a {head.method} head, not {spec.method}")
-    why = head.target.mismatch(target.config)
-    if why is not None:
-        raise TreadleError(f"draft head {model} does not fit this model: {why}")
-    if head.method == "medusa" and spec.num_speculative_tokens > head.num_speculative_tokens:
-        raise TreadleError(f"draft head {model} has {head.num_speculative_tokens} Medusa heads; "
-                           f"num_speculative_tokens {spec.num_speculative_tokens} needs as many")
-    return dataclasses.replace(spec, model=model)
-
-
-def draft_head_token_bytes(spec: SpeculativeConfig | None, target: ModelSource, dtype: torch.dtype) -> int:
-    """Bytes per KV slot the EAGLE proposer keeps beside its KV: the target's hidden state (its
-    lazy catch-up, ``spec_decode/head_proposers.py``); 0 for every other method."""
-    if spec is None or spec.method != "eagle":
-        return 0
-    return target.config.hidden_size * dtype.itemsize
-
-
-def draft_head_kv_config(spec: SpeculativeConfig | None, target: ModelSource) -> ModelConfig | None:
-    """The EAGLE layer's config (its KV shares the blocks); None for every other method."""
-    if spec is None or spec.method != "eagle" or spec.model is None:
-        return None
-    head = read_head_config(spec.model)
-    assert head.layer is not None
-    return eagle_layer_config(target.config, head.layer)

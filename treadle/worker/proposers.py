@@ -58,7 +58,7 @@ def _head_proposer(spec: SpeculativeConfig, target: LlamaForCausalLM, cache: Cac
     layer = EagleLayer(target, config.layer, tensors)
     kv = allocate_kv_cache(eagle_layer_config(target.config, config.layer), cache.num_blocks, cache.block_size,
                            cache_dtype(cache.kv_cache_dtype), device)
-    # the target's hidden state per slot, for the lazy catch-up (the planner counts it: resolver.draft_head_token_bytes)
+    # the target's hidden state per slot, for the lazy catch-up (the planner counts it: spec_decode/options.py draft_head_token_bytes)
     hidden = torch.zeros(cache.num_blocks * cache.block_size, target.config.hidden_size, dtype=target.dtype,
                          device=device)
     return EagleProposer(k, layer, kv[0], hidden, cache.block_size, target.config.max_position_embeddings, device,
