@@ -16,7 +16,7 @@ import torch
 from gguf import GGUFWriter
 
 from treadle.loaders.resolve import resolve_model
-from treadle.quantization.gguf_native import GGUFBlocks, block_shape
+from treadle.quantization.methods.gguf_native import GGUFBlocks, block_shape
 
 # byte offsets of a block's float16 fields: the scale d, then the minimum (m or dmin) if any
 _HALF_FIELDS = {

@@ -19,7 +19,7 @@ from treadle.layers.attention.cpu import CPUBackend
 from treadle.layers.fused_decoder import FusedDecoderLayer
 from treadle.layers.linear import Linear
 from treadle.loaders import load_model
-from treadle.quantization.bfloat16_cpu import BFloat16CPUMethod
+from treadle.quantization.methods.bfloat16_cpu import BFloat16CPUMethod
 
 pytestmark = [pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)"),
               pytest.mark.usefixtures("one_thread")]

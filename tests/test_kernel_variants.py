@@ -11,7 +11,7 @@ from gguf_files import random_blocks
 from kernel_variants import VARIANTS, rand, runnable
 
 from treadle.kernels import native
-from treadle.quantization.gguf_native import NATIVE_TYPES, dequantize_blocks
+from treadle.quantization.methods.gguf_native import NATIVE_TYPES, dequantize_blocks
 
 K = 512  # two K-quant super-blocks per row
 N = 37  # odd: a segment's last row goes alone
@@ -91,7 +91,7 @@ def test_simd_variants_agree_bit_for_bit() -> None:
 def test_w8a8_variant_is_exact(variant: str, k: int) -> None:
     """W8A8 (csrc/w8a8.c) in every variant: the exact int32 sums of the torch reference, bit for
     bit, -128 activations and weights included (the VNNI build offsets activations to u8)."""
-    from treadle.quantization.w8a8 import w8a8_reference
+    from treadle.quantization.methods.w8a8 import w8a8_reference
 
     runnable(variant)
     gen = torch.Generator().manual_seed(k)

@@ -24,7 +24,7 @@ from treadle.kernels import native
 from treadle.layers.attention.cpu import CPUBackend
 from treadle.layers.linear import Linear
 from treadle.loaders import LoadedModel, load_model
-from treadle.quantization.gguf_native import GGUFBlockMethod
+from treadle.quantization.methods.gguf_native import GGUFBlockMethod
 from treadle.worker.fused_layers import fuse_decoder_layers
 
 pytestmark = [

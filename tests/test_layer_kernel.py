@@ -21,7 +21,7 @@ from treadle.layers.attention.cpu import DECODE_ROWS_MAX, CPUBackend
 from treadle.layers.fused_decoder import FusedDecoderLayer, FusedDecoderStack
 from treadle.loaders import LoadedModel, load_model, open_model_source
 from treadle.models.registry import model_class
-from treadle.quantization.gguf_native import GGUFBlockMethod, GGUFBlocks
+from treadle.quantization.methods.gguf_native import GGUFBlockMethod, GGUFBlocks
 from treadle.worker.fused_layers import fuse_decoder_layers
 
 pytestmark = [

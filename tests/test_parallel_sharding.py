@@ -12,7 +12,7 @@ from treadle.models.layout import Split
 from treadle.models.llama import LLAMA_LAYOUT
 from treadle.models.phi3 import PHI3_LAYOUT
 from treadle.models.rank_shard import RankSharder
-from treadle.quantization.gguf_native import dequantize_blocks, quantize_blocks
+from treadle.quantization.methods.gguf_native import dequantize_blocks, quantize_blocks
 
 
 def config(heads: int = 4, kv: int = 2, vocab: int = 259, inter: int = 192, **kw: object) -> ModelConfig:
@@ -109,7 +109,7 @@ def test_a_rank_reads_its_part_of_a_safetensors_file(tmp_path) -> None:  # noqa:
 
 
 def test_k_quant_super_blocks_split_at_256_inputs() -> None:
-    from treadle.quantization.gguf_native import GGUFBlocks
+    from treadle.quantization.methods.gguf_native import GGUFBlocks
 
     cfg = config(inter=512)
     gen = torch.Generator().manual_seed(2)

@@ -15,7 +15,7 @@ from kernel_variants import VARIANTS, rand, runnable
 from treadle.config import TreadleError
 from treadle.kernels import native
 from treadle.layers.linear import Linear
-from treadle.quantization.gguf_native import GGUFBlockMethod, dequantize_blocks
+from treadle.quantization.methods.gguf_native import GGUFBlockMethod, dequantize_blocks
 
 K = 576  # 18 blocks: the minimum terms' 8-lane sums have a padded tail (SmolLM2's hidden size)
 N = 45  # 5 groups of 8 (two tiled as a pair, one alone) and 5 rows that go alone

@@ -14,9 +14,9 @@ from treadle.kernels import native
 from treadle.layers.attention.cpu import CPUBackend
 from treadle.layers.linear import Linear, UnquantizedLinearMethod
 from treadle.loaders import LoadedModel, load_model
-from treadle.quantization.gguf_native import GGUFBlockMethod
-from treadle.quantization.int4_checkpoint import PermutedInputMethod
-from treadle.quantization.w8a8 import W8A8Method
+from treadle.quantization.formats.int4 import PermutedInputMethod
+from treadle.quantization.methods.gguf_native import GGUFBlockMethod
+from treadle.quantization.methods.w8a8 import W8A8Method
 
 pytestmark = pytest.mark.usefixtures("one_thread", "sixteen_bit_activations")  # int4 layers run as Q4_1 blocks
 

@@ -17,10 +17,10 @@ from treadle.kernels import native
 from treadle.layers.attention.cpu import CPUBackend
 from treadle.loaders import load_model, open_model_source
 from treadle.quantization import resolve_quantization
-from treadle.quantization.gguf_native import GGUFBlocks, dequantize_blocks
-from treadle.quantization.int4_checkpoint import Int4Format, q4_1_blocks
-from treadle.quantization.published import parse_quantization_config
-from treadle.quantization.w8a8 import quantize_per_token, w8a8_reference
+from treadle.quantization.formats.int4 import Int4Format, q4_1_blocks
+from treadle.quantization.formats.published import parse_quantization_config
+from treadle.quantization.methods.gguf_native import GGUFBlocks, dequantize_blocks
+from treadle.quantization.methods.w8a8 import quantize_per_token, w8a8_reference
 
 needs_native = pytest.mark.skipif(not native.available(), reason="Treadle's C kernels are not built here")
 

@@ -1,4 +1,4 @@
-"""The GPU path of quantized checkpoints (treadle/quantization/gpu.py, triton_kernels.py) on
+"""The GPU path of quantized checkpoints (treadle/quantization/methods/gpu.py, triton_kernels.py) on
 the CPU through Triton's interpreter: W8A8 bit for bit against the torch reference (exact
 int32 sums, the same float epilogue), W4A16 close to the decoded weights for every group
 layout the formats produce, and whole tiny models whose linear layers all run the Triton
@@ -25,9 +25,9 @@ from treadle.layers.attention.cpu import CPUBackend  # noqa: E402
 from treadle.layers.linear import Linear  # noqa: E402
 from treadle.loaders import LoadedModel, open_model_source, quantization_plan  # noqa: E402
 from treadle.models.registry import model_class  # noqa: E402
-from treadle.quantization import gpu  # noqa: E402
-from treadle.quantization.int4_checkpoint import Int4CheckpointMethod, Int4Weight, install  # noqa: E402
-from treadle.quantization.w8a8 import W8A8Method, quantize_per_token, w8a8_reference  # noqa: E402
+from treadle.quantization.formats.int4 import Int4CheckpointMethod, Int4Weight, install  # noqa: E402
+from treadle.quantization.methods import gpu  # noqa: E402
+from treadle.quantization.methods.w8a8 import W8A8Method, quantize_per_token, w8a8_reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,7 +18,7 @@ from treadle.kernels import native
 from treadle.layers.linear import Linear, UnquantizedLinearMethod
 from treadle.models.llama import LLAMA_LAYOUT
 from treadle.quantization import weight_only_factory
-from treadle.quantization.gguf_native import (
+from treadle.quantization.methods.gguf_native import (
     NATIVE_TYPES,
     GGUFBlockMethod,
     GGUFBlocks,
@@ -26,7 +26,7 @@ from treadle.quantization.gguf_native import (
     dequantize_blocks,
     quantize_blocks,
 )
-from treadle.quantization.int4pack import (
+from treadle.quantization.methods.int4pack import (
     dequantize_int4,
     int4_mm,
     int8_mm,
@@ -35,7 +35,7 @@ from treadle.quantization.int4pack import (
     quantize_int8,
     scale_zeros,
 )
-from treadle.quantization.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
+from treadle.quantization.methods.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
 
 SHARDS = [64, 32, 32]  # a fused qkv-like layer, loaded shard by shard
 IN = 512  # two K-quant super-blocks per row

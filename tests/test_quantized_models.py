@@ -14,9 +14,9 @@ from treadle.kernels import native
 from treadle.layers.attention.cpu import CPUBackend
 from treadle.layers.linear import Linear, UnquantizedLinearMethod
 from treadle.loaders import LoadedModel, load_model
-from treadle.quantization.gguf_native import GGUFBlockMethod, dequantize_blocks, quantize_blocks
-from treadle.quantization.int4pack import dequantize_int4, quantize_int4, quantize_int8
-from treadle.quantization.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
+from treadle.quantization.methods.gguf_native import GGUFBlockMethod, dequantize_blocks, quantize_blocks
+from treadle.quantization.methods.int4pack import dequantize_int4, quantize_int4, quantize_int8
+from treadle.quantization.methods.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
 
 PROMPTS = ["The capital of France is", "Once upon a time there was a dragon who"]
 

@@ -53,9 +53,9 @@ def _arg_type(name: str) -> str:
 
 
 def _quant_cases() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
-    """label -> (kernel, pointer argument types, constexprs) as treadle.quantization.gpu
+    """label -> (kernel, pointer argument types, constexprs) as treadle.quantization.methods.gpu
     launches them: decode-sized (16) and large row tiles, each activation dtype."""
-    from treadle.quantization import gpu
+    from treadle.quantization.methods import gpu
 
     cases: dict[str, tuple[str, dict[str, str], dict[str, object]]] = {}
     for dt in ("fp16", "bf16", "fp32"):
@@ -83,7 +83,7 @@ def compile_all(capability: int) -> dict[str, int]:
     from triton.compiler import ASTSource
 
     from treadle.layers.attention import triton_kernels
-    from treadle.quantization import triton_kernels as quant_kernels
+    from treadle.quantization.methods import triton_kernels as quant_kernels
 
     target = GPUTarget("cuda", capability, 32)
     shared = {}

@@ -70,8 +70,8 @@ def quantization_plan(
     (see treadle.quantization). ``local_config``: the config of the part this rank holds under
     tensor parallelism (its layers' input widths decide the weight-only methods)."""
     from treadle.quantization import resolve_quantization, tensor_parallel_error, weight_only_factory
-    from treadle.quantization.checkpoint import checkpoint_method_factory
-    from treadle.quantization.gguf_native import GGUFNativePlan
+    from treadle.quantization.formats.checkpoint import checkpoint_method_factory
+    from treadle.quantization.methods.gguf_native import GGUFNativePlan
 
     layout = model_layout(source.config.architecture)
     on_cpu = torch.device(device).type == "cpu"
@@ -109,8 +109,8 @@ def load_model(
     already opened ``ModelSource`` is used as it is (the engine opens the checkpoint once).
     ``parallel``: this worker's place among tensor/pipeline ranks (default: the only one); the
     model then holds, and reads from the checkpoint, only its rank's part."""
-    from treadle.quantization.bfloat16_cpu import activation_dtype, bfloat16_cpu_factory
-    from treadle.quantization.float32_cpu import float32_cpu_factory
+    from treadle.quantization.methods.bfloat16_cpu import activation_dtype, bfloat16_cpu_factory
+    from treadle.quantization.methods.float32_cpu import float32_cpu_factory
 
     source = name_or_path if isinstance(name_or_path, ModelSource) else open_model_source(name_or_path)
     cls = model_class(source.config.architecture)

@@ -26,7 +26,7 @@ from treadle.loaders import gguf_gemma3, gguf_moe
 from treadle.loaders.expected import check_tensors
 from treadle.loaders.rotary_layout import interleaved_to_rotate_half
 from treadle.loaders.source import ModelSource
-from treadle.quantization.gguf_native import GGUFBlocks
+from treadle.quantization.methods.gguf_native import GGUFBlocks
 from treadle.tokenizer import Tokenizer
 
 SUPPORTED_TYPES = frozenset(

@@ -18,8 +18,8 @@ from treadle.config import ModelConfig, TreadleError
 from treadle.loaders.expected import check_tensors, expected_tensors, is_ignored
 from treadle.loaders.source import ModelSource
 from treadle.models.registry import supported_architectures
-from treadle.quantization.checkpoint import check_dtypes, quantized_expected
-from treadle.quantization.published import read_checkpoint_quantization
+from treadle.quantization.formats.checkpoint import check_dtypes, quantized_expected
+from treadle.quantization.formats.published import read_checkpoint_quantization
 from treadle.tokenizer import Tokenizer, read_json_object
 
 _INDEX = "model.safetensors.index.json"

@@ -12,7 +12,7 @@ import torch
 from treadle.config import ModelConfig, TreadleError
 
 if TYPE_CHECKING:
-    from treadle.quantization.checkpoint import CheckpointQuantization
+    from treadle.quantization.formats.checkpoint import CheckpointQuantization
     from treadle.structured.compiler import GrammarCompiler
     from treadle.tokenizer import Tokenizer
 

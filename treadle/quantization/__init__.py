@@ -28,9 +28,9 @@ from collections.abc import Callable
 from treadle.config import TreadleError
 from treadle.kernels import native
 from treadle.layers.linear import LinearMethod
-from treadle.quantization.checkpoint import CHECKPOINT_METHODS
-from treadle.quantization.gguf_native import GGUFBlockMethod
-from treadle.quantization.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
+from treadle.quantization.formats.checkpoint import CHECKPOINT_METHODS
+from treadle.quantization.methods.gguf_native import GGUFBlockMethod
+from treadle.quantization.methods.weight_only import Int4WeightOnlyMethod, Int8WeightOnlyMethod
 
 MethodFactory = Callable[[str], LinearMethod | None]
 

@@ -20,8 +20,8 @@ from treadle.layers.fused_decoder import FusedDecoderLayer, FusedDecoderStack, W
 from treadle.layers.linear import Linear
 from treadle.models.layout import STANDARD_LINEARS
 from treadle.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from treadle.quantization.bfloat16_cpu import BFloat16CPUMethod
-from treadle.quantization.gguf_native import GGUFBlockMethod
+from treadle.quantization.methods.bfloat16_cpu import BFloat16CPUMethod
+from treadle.quantization.methods.gguf_native import GGUFBlockMethod
 
 
 def _linear(layer: LlamaDecoderLayer, name: str) -> Linear:

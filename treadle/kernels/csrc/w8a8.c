@@ -29,7 +29,7 @@
  * AVX-512) is the same identity 32 bytes at a time, the K tail added in scalar u8 form.
  *
  * The plain-C path (also built with -DTQ_PLAIN_C for the tests) is the same sum in int32.
- * All give identical bits, as does the plain torch reference in treadle/quantization/w8a8.py.
+ * All give identical bits, as does the plain torch reference in treadle/quantization/methods/w8a8.py.
  * Threads split the weight rows, so a row's result does not depend on the batch it is in.
  */
 #include <float.h>

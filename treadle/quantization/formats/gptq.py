@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from treadle.config import TreadleError
-from treadle.quantization.checkpoint import FLOAT, CheckpointQuantization, LayerFormat, Shape
-from treadle.quantization.int4_checkpoint import Int4Format, Int4Weight, unpack_nibbles
+from treadle.quantization.formats.checkpoint import FLOAT, CheckpointQuantization, LayerFormat, Shape
+from treadle.quantization.formats.int4 import Int4Format, Int4Weight, unpack_nibbles
 
 
 @dataclass(frozen=True)

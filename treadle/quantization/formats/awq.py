@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from treadle.config import TreadleError
-from treadle.quantization.checkpoint import FLOAT, CheckpointQuantization, LayerFormat, Shape
-from treadle.quantization.int4_checkpoint import Int4Format, Int4Weight, unpack_nibbles
+from treadle.quantization.formats.checkpoint import FLOAT, CheckpointQuantization, LayerFormat, Shape
+from treadle.quantization.formats.int4 import Int4Format, Int4Weight, unpack_nibbles
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column ORDER[i] of its 8
 

@@ -33,7 +33,7 @@ from treadle import envs
 from treadle.config import TreadleError
 from treadle.kernels import native
 from treadle.layers.linear import Linear, LinearMethod
-from treadle.quantization.weight_only import shard_rows
+from treadle.quantization.methods.weight_only import shard_rows
 
 NATIVE_TYPES = tuple(native.QTYPES)  # the block types the C kernels read
 

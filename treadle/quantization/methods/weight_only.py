@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from treadle.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
-from treadle.quantization.int4pack import (
+from treadle.quantization.methods.int4pack import (
     int4_mm,
     int4_supported,
     int8_mm,

@@ -30,7 +30,7 @@ def kernels_for(device: torch.device) -> Kernels:
 
 def _kernels() -> ModuleType:
     try:
-        from treadle.quantization import triton_kernels
+        from treadle.quantization.methods import triton_kernels
     except ImportError as exc:
         raise TreadleError(f"quantized checkpoints on a GPU need triton ({exc}); pip install triton") from None
     return triton_kernels

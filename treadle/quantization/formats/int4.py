@@ -35,9 +35,9 @@ from torch import nn
 from treadle.config import TreadleError
 from treadle.kernels import native
 from treadle.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
-from treadle.quantization.checkpoint import LayerFormat
-from treadle.quantization.gguf_native import GGUFBlockMethod, GGUFBlocks
-from treadle.quantization.gpu import Kernels, PackedInt4, TritonInt4Method, kernels_for
+from treadle.quantization.formats.checkpoint import LayerFormat
+from treadle.quantization.methods.gguf_native import GGUFBlockMethod, GGUFBlocks
+from treadle.quantization.methods.gpu import Kernels, PackedInt4, TritonInt4Method, kernels_for
 
 BLOCK = 32
 

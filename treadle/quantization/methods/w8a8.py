@@ -23,7 +23,7 @@ from torch import nn
 
 from treadle.kernels import native
 from treadle.layers.linear import Linear, LinearMethod, load_rows
-from treadle.quantization.gpu import Kernels, kernels_for, w8a8_matmul
+from treadle.quantization.methods.gpu import Kernels, kernels_for, w8a8_matmul
 
 _EPS = torch.finfo(torch.float32).eps
 

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from treadle.config import TreadleError
-from treadle.quantization.awq import AWQQuantization
-from treadle.quantization.checkpoint import CHECKPOINT_METHODS, CheckpointQuantization
-from treadle.quantization.compressed_tensors import CompressedTensorsQuantization
-from treadle.quantization.gptq import GPTQQuantization
+from treadle.quantization.formats.awq import AWQQuantization
+from treadle.quantization.formats.checkpoint import CHECKPOINT_METHODS, CheckpointQuantization
+from treadle.quantization.formats.compressed_tensors import CompressedTensorsQuantization
+from treadle.quantization.formats.gptq import GPTQQuantization
 
 _PARSERS: dict[str, Callable[[dict[str, Any]], CheckpointQuantization]] = {
     "compressed-tensors": CompressedTensorsQuantization.from_config,

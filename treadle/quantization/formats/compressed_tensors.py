@@ -6,7 +6,7 @@ not a guess. Supported (per config group; ``ignore`` and ``targets`` matched wit
 
     int-quantized   W8A8: int8 ``weight`` [N, K], ``weight_scale`` [N, 1] (symmetric, per
                     output channel); input activations dynamic, per token, symmetric int8
-                    -> W8A8Method (treadle/quantization/w8a8.py)
+                    -> W8A8Method (treadle/quantization/methods/w8a8.py)
     pack-quantized  W4A16: ``weight_packed`` int32 [N, ceil(K / 8)] (8 values per word, value
                     + 8 stored, low bits first), ``weight_scale`` [N, K / G] (or [N, 1] per
                     channel), ``weight_shape`` int64 [2], asymmetric also ``weight_zero_point``
@@ -26,8 +26,8 @@ import torch
 
 from treadle.config import TreadleError
 from treadle.layers.linear import LinearMethod
-from treadle.quantization.checkpoint import FLOAT, CheckpointQuantization, LayerFormat, Shape
-from treadle.quantization.int4_checkpoint import Int4Format, Int4Weight
+from treadle.quantization.formats.checkpoint import FLOAT, CheckpointQuantization, LayerFormat, Shape
+from treadle.quantization.formats.int4 import Int4Format, Int4Weight
 
 
 def _ceil(a: int, b: int) -> int:
@@ -88,7 +88,7 @@ class IntQuantizedW8A8(LayerFormat):
         return {"weight": ((rows, in_features), "I8"), "weight_scale": ((rows, 1), FLOAT)}
 
     def method(self) -> LinearMethod:
-        from treadle.quantization.w8a8 import W8A8Method
+        from treadle.quantization.methods.w8a8 import W8A8Method
 
         return W8A8Method()
 

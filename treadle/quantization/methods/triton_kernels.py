@@ -1,10 +1,10 @@
 """Triton kernels for quantized linear layers on a GPU: W8A8 (int8 x int8 -> int32) and W4A16
 (int4 weights dequantized inside the GEMM loop).
 
-This module imports triton at the top; only ``treadle.quantization.gpu`` imports it, lazily.
+This module imports triton at the top; only ``treadle.quantization.methods.gpu`` imports it, lazily.
 Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (the tests' oracle runs).
 
-W8A8, two kernels (the rule of ``treadle/quantization/w8a8.py``, operation for operation)::
+W8A8, two kernels (the rule of ``treadle/quantization/methods/w8a8.py``, operation for operation)::
 
     w8a8_quantize_kernel   one program per token row m:
                            xs[m] = max|x[m, :]| / 127.5 (FLT_EPSILON when 0)
