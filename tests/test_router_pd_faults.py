@@ -135,6 +135,7 @@ def test_freezing_the_only_decode_instance_costs_no_request_a_503(pd):
     wait_until(lambda: _held(producer.url) == 0 and engine_idle(consumer.url), 20, "every KV pulled, consumer idle")
 
 
+@pytest.mark.slow  # the whole back-off window (14 s) and a router start
 def test_a_dead_decode_instance_is_taken_out_and_requests_fail_clearly(pd, tmp_path):
     """A decode URL nobody listens on: it backs off, then leaves rotation after --max-failures;
     requests then get a 503 at once naming it, and the producer frees the prompts it computed."""
