@@ -315,7 +315,7 @@ class Forwarder:
 
     def _release(self, params: Any) -> None:
         remote = RemotePrefill.parse(params)
-        if remote is not None:
+        if remote is not None and not self.zmq_ctx.closed:  # closed: the router is shutting down
             send_release(self.zmq_ctx, remote.host, remote.port, [remote.request_id], remote.tp_size)
             self.metrics.kv_releases.inc()
 
