@@ -6,6 +6,8 @@ bound; the messages are in ``core_messages.py``.
     loop:  poll(input, parent sentinel; wait 0.25 s when idle, not at all when busy)
            parent gone       -> exit (the API process died: nobody to serve)
            apply commands    -> Admitted (one message for all adds of the iteration)
+                                a structured-output add is compiled in a thread first (xgrammar
+                                drops the GIL), so the loop steps on; admitted when compiled
            step if any work  -> StepReport(outputs as deltas, gauges, heartbeat)
            step failed (StepFailedError) -> RequestsFailed(its requests), loop goes on
 
@@ -23,6 +25,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -57,6 +60,7 @@ from treadle.engine.outputs import RequestOutput
 logger = logging.getLogger("treadle")
 
 IDLE_WAIT_MS = 250  # how often an idle loop wakes to send a heartbeat
+COMPILE_WAIT_MS = 20  # how often a loop with nothing but compiles in progress looks at them
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 
@@ -108,16 +112,22 @@ class CoreLoop:
             self.poller.register(self.parent_sentinel, zmq.POLLIN)
         self.stop = False
         self.seen: set[str] = set()  # requests that have had an output (their prompt logprobs are sent)
+        self.compiling: dict[str, tuple[AddRequest, Future[None]]] = {}  # adds waiting for their grammar
+        self.aborted_compiling: set[str] = set()
+        self.compiler: ThreadPoolExecutor | None = None
 
     def run(self) -> None:
         try:
             while not self.stop:
-                events = dict(self.poller.poll(0 if self.core.has_work() else IDLE_WAIT_MS))
+                wait = 0 if self.core.has_work() else COMPILE_WAIT_MS if self.compiling else IDLE_WAIT_MS
+                events = dict(self.poller.poll(wait))
                 if self.parent_sentinel is not None and self.parent_sentinel in events:
                     logger.warning("the API server process is gone; the engine process exits")
                     return
                 if self.inp in events:
                     self._apply_commands()
+                if self.compiling:
+                    self._admit_compiled()
                 if not self.core.has_work() and (problem := self.core.health()) is not None:
                     self._send(EngineDead(problem))
                     return
@@ -145,15 +155,47 @@ class CoreLoop:
             except msgspec.DecodeError:
                 logger.exception("dropping an unreadable command")
                 continue
-            if isinstance(msg, AddRequest):
+            if isinstance(msg, AddRequest) and msg.params.structured_outputs is not None:
+                self._compile(msg)
+            elif isinstance(msg, AddRequest):
                 admitted.append((msg.request_id, self._admit(msg)))
             elif isinstance(msg, AbortRequests):
+                # an add still compiling is refused when its compile ends
+                self.aborted_compiling.update(rid for rid in msg.request_ids if rid in self.compiling)
                 self.core.abort(msg.request_ids)
                 self.seen.difference_update(msg.request_ids)
             elif isinstance(msg, UtilityCall):
                 self._send(self._utility(msg))
             elif isinstance(msg, Shutdown):
                 self.stop = True
+        if admitted:
+            self._send(Admitted(admitted))
+
+    def _compile(self, msg: AddRequest) -> None:
+        """Compile the add's grammar off the loop (a cache hit when it was compiled before)."""
+        spec = msg.params.structured_outputs
+        assert spec is not None
+        if self.compiler is None:
+            self.compiler = ThreadPoolExecutor(1, thread_name_prefix="treadle-grammar")
+        self.compiling[msg.request_id] = (msg, self.compiler.submit(self.core.engine.compile_grammar, spec))
+
+    def _admit_compiled(self) -> None:
+        """Admit (or refuse, with the compile's error) each add whose grammar is ready."""
+        admitted: list[tuple[str, WireError | None]] = []
+        for rid, (msg, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[rid]
+            error = future.exception()
+            if rid in self.aborted_compiling:
+                self.aborted_compiling.discard(rid)
+                admitted.append((rid, wire_error(TreadleError("the request was aborted while its grammar compiled"))))
+            elif isinstance(error, TreadleError):
+                admitted.append((rid, wire_error(error)))
+            elif error is not None:
+                admitted.append((rid, wire_error(TreadleError(f"the grammar did not compile: {error!r}"))))
+            else:
+                admitted.append((rid, self._admit(msg)))
         if admitted:
             self._send(Admitted(admitted))
 

@@ -40,6 +40,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(prompts x n x max_tokens x (logprobs+1), plus prompt logprobs; default 500,000)")
     p.add_argument("--stream-stall-timeout", type=float, default=None,
                    help="abort a streamed request whose client has read nothing for this many seconds (default 30)")
+    p.add_argument("--max-grammar-compile-s", type=float, default=None,
+                   help="refuse (400) a structured-output spec that does not compile within this many seconds "
+                        "(compiled in a child process, killed at the deadline; default 10)")
+    p.add_argument("--max-grammar-bytes", type=positive_int, default=None,
+                   help="refuse (400) a structured-output schema, regex or grammar larger than this (default 65536)")
     p.add_argument("--header-timeout", type=float, default=None,
                    help="close a connection whose request headers are not complete this many seconds after its "
                         "first byte (or after it opened; default 10)")
@@ -110,7 +115,8 @@ def _limits(args: argparse.Namespace):  # noqa: ANN202 - ServerLimits, imported 
 
     given = {"max_waiting": args.max_waiting, "max_seqs_per_request": args.max_seqs_per_request,
              "max_request_bytes": args.max_request_bytes, "max_logprob_entries": args.max_logprob_entries,
-             "stream_stall_timeout": args.stream_stall_timeout}
+             "stream_stall_timeout": args.stream_stall_timeout, "max_grammar_compile_s": args.max_grammar_compile_s,
+             "max_grammar_bytes": args.max_grammar_bytes}
     return ServerLimits(**{k: v for k, v in given.items() if v is not None})
 
 

@@ -32,7 +32,7 @@ from treadle.server.errors import APIError, engine_error
 from treadle.server.protocol import MAX_N, SamplingFields
 from treadle.server.sse import SSE_DONE, sse, sse_error
 from treadle.server.state import ServerState
-from treadle.server.structured import StructuredRequest, structured_request
+from treadle.server.structured import StructuredRequest, check_compile_budget, structured_request
 
 T = TypeVar("T")
 
@@ -135,6 +135,7 @@ class GenerationView(ABC):
         (so a bad schema is a 400 here and the step loop never compiles)."""
         prompts = self.prompts()
         if self.structured is not None:
+            check_compile_budget(self.state, self.structured)
             try:
                 self.state.llm.compile_grammar(self.structured.spec)
             except TreadleError as e:

@@ -67,6 +67,8 @@ class DrainingServer(uvicorn.Server):
     def begin_drain(self) -> None:
         """Stop admitting and exit once in-flight requests are done (or time is up)."""
         self.state.draining = True
+        if self.state.grammar_probe is not None:  # a compile in progress must not hold the exit
+            self.state.grammar_probe.close()
         if self._drain_task is None:
             self._drain_task = asyncio.ensure_future(self._drain())
 

@@ -3,15 +3,21 @@ admission checks every generation request passes before it reaches the engine.""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from treadle.engine.engine_client import EngineClient, OutputGroup
 from treadle.server.errors import APIError
 from treadle.server.metrics import ServerMetrics
 from treadle.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from treadle.structured.probe import CompileProbe
+
 DEFAULT_MAX_SEQS_PER_REQUEST = 512
 DEFAULT_MAX_LOGPROB_ENTRIES = 500_000  # ~300 MB at most in the API process (docs/serving.md)
 DEFAULT_STREAM_STALL_TIMEOUT_S = 30.0
+DEFAULT_MAX_GRAMMAR_COMPILE_S = 10.0  # 1,000 optional properties compile in ~4 s on 2 cores
+DEFAULT_MAX_GRAMMAR_BYTES = 64 << 10
 _MIN_REQUEST_BYTES = 1 << 20
 _REQUEST_BYTES_PER_TOKEN = 128  # a token as JSON text or as an id in a list, generously
 
@@ -29,13 +35,17 @@ class ServerLimits:
     body size (413 above; None: sized from max_model_len). ``max_logprob_entries``: the
     logprob entries one request may ask for (400 above; see backpressure.py).
     ``stream_stall_timeout``: seconds a streaming client may read nothing before its
-    request is aborted."""
+    request is aborted. ``max_grammar_compile_s`` / ``max_grammar_bytes``: the time a
+    structured-output spec may take to compile (in a child process, killed at the deadline)
+    and its size (400 above either; see treadle/structured/probe.py)."""
 
     max_waiting: int | None = None
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
     max_request_bytes: int | None = None
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
     stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT_S
+    max_grammar_compile_s: float = DEFAULT_MAX_GRAMMAR_COMPILE_S
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
 
 
 @dataclass
@@ -47,6 +57,7 @@ class ServerState:
     api_key: str | None = None
     draining: bool = False
     open_groups: set[OutputGroup] = field(default_factory=set)  # admitted and not yet released
+    grammar_probe: CompileProbe | None = None  # built on first use (server/structured.py)
 
     @property
     def max_prompt_chars(self) -> int:

@@ -6,15 +6,23 @@ Accepted (at most one per request): OpenAI's ``response_format`` (``json_object`
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import threading
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from treadle.config import InvalidRequestError
 from treadle.server.errors import APIError
 from treadle.server.protocol import SamplingFields
 from treadle.structured import StructuredOutputsParams
 
+if TYPE_CHECKING:
+    from treadle.server.state import ServerState
+    from treadle.structured.probe import CompileProbe
+
 _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
            ("guided_grammar", "grammar"))
+
+
+_probe_lock = threading.Lock()
 
 
 class StructuredRequest(NamedTuple):
@@ -56,3 +64,29 @@ def structured_request(body: SamplingFields) -> StructuredRequest | None:
         return StructuredRequest(StructuredOutputsParams(**fields), param)
     except InvalidRequestError as e:
         raise APIError.bad_request(str(e), param) from None
+
+
+def grammar_probe(state: ServerState) -> CompileProbe:
+    """The server's compile probe (built on the first structured request, in a worker thread)."""
+    from treadle.structured.compiler import tokenizer_info
+    from treadle.structured.probe import CompileProbe
+
+    with _probe_lock:
+        if state.grammar_probe is None:
+            cfg = state.llm.model_config
+            info = tokenizer_info(state.tokenizer("structured_outputs"), cfg.vocab_size, cfg.stop_token_ids)
+            state.grammar_probe = CompileProbe(info.serialize_json(), state.limits.max_grammar_compile_s,
+                                               state.limits.max_grammar_bytes)
+        return state.grammar_probe
+
+
+def check_compile_budget(state: ServerState, structured: StructuredRequest) -> None:
+    """In a worker thread: a 400 naming --max-grammar-bytes or --max-grammar-compile-s when the
+    spec is too large or does not compile in time (compiled in a child process that is killed
+    at the deadline), or naming the spec's problem; the engine then compiles it knowing it fits."""
+    if structured.spec.kind == "json_object":  # one fixed, tiny grammar
+        return
+    try:
+        grammar_probe(state).check(structured.spec)
+    except InvalidRequestError as e:
+        raise APIError.bad_request(str(e), structured.param) from None

@@ -1,0 +1,149 @@
+"""CompileProbe: a structured-output spec is compiled first in a small child process, under a
+time budget, so that one pathological schema cannot hold the server (issue 34).
+
+xgrammar compiles in C++ and cannot be interrupted in a thread; its compile time grows
+steeply with a schema's optional properties (3.7 s at 1,000, 35 s at 2,000). The child
+(probe_child.py, started on first use, kept for the next spec) compiles
+the spec and answers ok or the error; past ``max_seconds`` it is killed (a new one starts on the
+next spec) and the spec is refused naming ``--max-grammar-compile-s``. Its grammar is not sent
+back: a compiled grammar serializes to tens of MB and takes longer to serialize than to compile,
+so the caller compiles it again, knowing it finishes within the budget. Specs that passed are
+remembered (LRU), so a repeated schema costs nothing here.
+
+The wire is in probe_child.py. The budget counts from the spec's sending: the child's own
+start-up (importing xgrammar, reading the vocabulary) is not charged to a request.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from treadle.config import InvalidRequestError
+from treadle.sampling_params import STRUCTURED_PARAM, StructuredOutputsParams
+from treadle.structured.probe_child import read as _read
+from treadle.structured.probe_child import write as _write
+
+_REMEMBERED = 1024
+_CHILD = str(Path(__file__).with_name("probe_child.py"))
+START_TIMEOUT_S = 120.0  # the child's start-up (a loaded machine)
+
+
+def spec_text(spec: StructuredOutputsParams) -> str:
+    """The text a spec's size is measured by: its schema, regex, grammar or choices."""
+    kind = spec.kind
+    if kind == "choice":
+        return json.dumps(list(spec.choice or []))
+    return "" if kind == "json_object" else str(getattr(spec, kind))
+
+
+_NONE = object()  # no answer
+
+
+class CompileProbe:
+    def __init__(self, tokenizer_info_json: str, max_seconds: float, max_bytes: int | None = None) -> None:
+        self.max_seconds = max_seconds
+        self.max_bytes = max_bytes
+        self.compiles = 0  # specs compiled in a child (a test counts them)
+        # the vocabulary goes by file: MBs down a pipe would block until the child has started
+        self._info_file = tempfile.NamedTemporaryFile("w", prefix="treadle-vocab-", suffix=".json")
+        self._info_file.write(tokenizer_info_json)
+        self._info_file.flush()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._ready = False  # the child has said "ready"
+        self._lock = threading.Lock()
+        self._passed: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._closed = False
+        atexit.register(self.close)
+
+    def check(self, spec: StructuredOutputsParams) -> None:
+        """Return when ``spec`` compiles within the budget; otherwise an InvalidRequestError
+        naming the limit it broke, or xgrammar's complaint about the spec."""
+        size = len(spec_text(spec).encode())
+        if self.max_bytes is not None and size > self.max_bytes:
+            raise InvalidRequestError(f"the structured-output spec has {size} bytes, more than the server's limit "
+                                      f"of {self.max_bytes} (--max-grammar-bytes)", STRUCTURED_PARAM)
+        key = spec.key
+        with self._lock:
+            if key in self._passed:
+                self._passed.move_to_end(key)
+                return
+            error = self._compile(spec)
+            if error is None:
+                self._passed[key] = None
+                while len(self._passed) > _REMEMBERED:
+                    self._passed.popitem(last=False)
+        if error is not None:
+            raise InvalidRequestError(error, STRUCTURED_PARAM)
+
+    def _compile(self, spec: StructuredOutputsParams) -> str | None:
+        """In the child, under the lock: None (compiled) or the error message."""
+        proc = self._child()
+        if proc is None:
+            return "the server is shutting down" if self._closed else "the grammar compiler process did not start"
+        assert proc.stdin is not None
+        self.compiles += 1
+        _write(proc.stdin, [spec.kind, spec_text(spec)])
+        answer = self._answer(proc, self.max_seconds)
+        if answer is not _NONE:
+            return None if answer is None else str(answer)
+        if self._closed:
+            return "the server is shutting down"
+        self._spawn()  # the next spec finds a child started (start-up is seconds: xgrammar imports torch)
+        return (f"the structured-output spec did not compile within the server's limit of {self.max_seconds:g} s "
+                "(--max-grammar-compile-s); simplify the schema (fewer optional properties)")
+
+    def _answer(self, proc: subprocess.Popen[bytes], seconds: float) -> object:
+        """The child's next frame, or _NONE (the child is then killed) when it does not come
+        within ``seconds``, the child dies, or the probe is closed."""
+        assert proc.stdout is not None
+        deadline = time.monotonic() + seconds
+        while not self._closed and (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([proc.stdout], [], [], min(left, 0.1))
+            if ready:
+                try:
+                    return _read(proc.stdout)
+                except (EOFError, ValueError):
+                    break
+        self._kill()
+        return _NONE
+
+    def _child(self) -> subprocess.Popen[bytes] | None:
+        """The running child, started (and waited for) when there is none; None if it fails."""
+        if self._proc is not None and self._ready and self._proc.poll() is None:
+            return self._proc
+        proc = self._proc if self._proc is not None and self._proc.poll() is None else self._spawn()
+        if proc is None:
+            return None
+        self._ready = self._answer(proc, START_TIMEOUT_S) == "ready"
+        return proc if self._ready else None
+
+    def _spawn(self) -> subprocess.Popen[bytes] | None:
+        """Start a child (it says "ready" when it can compile); None when closed."""
+        if self._closed:
+            return None
+        self._proc = subprocess.Popen([sys.executable, _CHILD, self._info_file.name], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE)
+        self._ready = False
+        return self._proc
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+            self._proc = None
+
+    def close(self) -> None:
+        """Stop the child now (a compile in progress is abandoned and its request refused)."""
+        self._closed = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        self._info_file.close()
