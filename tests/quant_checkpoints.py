@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from conftest import make_tiny_model
 from safetensors.torch import load_file, save_file
+from tiny_models import make_tiny_model
 
 TINY = dict(hidden_size=128, intermediate_size=256)
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_model
 from kernel_variants import VARIANTS, force, rand, runnable
 from paged_session import PagedSession
+from tiny_models import make_tiny_model
 
 from treadle import LLM, SamplingParams
 from treadle.kernels import native

@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-from conftest import make_tiny_model
 from server_harness import (
     ENGINE_KW,
     MODEL_NAME,
@@ -19,6 +18,7 @@ from server_harness import (
     stories_with_chat_template,
     wait_until,
 )
+from tiny_models import make_tiny_model
 
 from treadle.engine.async_engine import AsyncLLM
 from treadle.engine.outputs import Logprob

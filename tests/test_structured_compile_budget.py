@@ -1,0 +1,146 @@
+"""Issue 34, fault 1: a structured-output schema must not freeze the server. A spec is compiled
+first in a child process under --max-grammar-compile-s / --max-grammar-bytes (over either: a
+400 naming the flag), once per spec; the engine compiles it beside its step loop, so other
+streams keep receiving tokens; SIGTERM during a compile stops the server at once."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from server_harness import StepControl, serve, wait_until
+from test_server_lifecycle import kill_group, serve_subprocess, sse_events
+
+from treadle import LLM
+from treadle.config import InvalidRequestError
+from treadle.loaders.resolve import resolve_model
+from treadle.sampling_params import StructuredOutputsParams
+from treadle.server.state import ServerLimits
+from treadle.structured.compiler import tokenizer_info
+from treadle.structured.probe import CompileProbe
+
+CMPL = "/v1/completions"
+
+
+def schema(properties: int) -> dict:
+    """An object of ``properties`` optional string properties: xgrammar's compile time grows
+    steeply with them (stories260k's vocabulary: 0.2 s at 300, 1.5 s at 600, 7.6 s at 1,000)."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(properties)}}
+
+
+def spec(properties: int) -> StructuredOutputsParams:
+    return StructuredOutputsParams(json=json.dumps(schema(properties)))
+
+
+def structured(properties: int, **extra) -> dict:
+    return {"prompt": "Once", "max_tokens": 4, "guided_json": schema(properties), **extra}
+
+
+def test_probe_refuses_slow_and_large_specs_and_compiles_each_spec_once() -> None:
+    engine = LLM("stories260k").llm_engine
+    cfg = engine.model_config
+    info = tokenizer_info(engine.tokenizer, cfg.vocab_size, cfg.stop_token_ids)
+    probe = CompileProbe(info.serialize_json(), max_seconds=0.5, max_bytes=40_000)
+    try:
+        probe.check(spec(5))  # starts the child (not charged to the budget)
+        probe.check(spec(5))
+        assert probe.compiles == 1  # a spec that passed is remembered
+        t0 = time.monotonic()
+        with pytest.raises(InvalidRequestError, match="--max-grammar-compile-s"):
+            probe.check(spec(1400))  # ~39 KB, tens of seconds to compile
+        assert time.monotonic() - t0 < 3.0
+        assert probe.compiles == 2
+        with pytest.raises(InvalidRequestError, match="--max-grammar-bytes"):
+            probe.check(spec(2000))  # ~56 KB
+        assert probe.compiles == 2  # refused by its size, never compiled
+        with pytest.raises(InvalidRequestError, match='invalid JSON schema for structured output: Unsupported type'):
+            probe.check(StructuredOutputsParams(json='{"type": "nope"}'))  # a fresh child, started after the kill
+        probe.check(spec(6))
+        assert probe.compiles == 4
+    finally:
+        probe.close()
+
+
+def _stream(url: str, times: list[float], errors: list[BaseException]) -> None:
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 150, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + CMPL, json=body, timeout=60) as resp:
+            for _ in sse_events(resp):
+                times.append(time.monotonic())
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+        errors.append(e)
+
+
+@pytest.mark.server
+def test_slow_schema_is_refused_and_a_fair_one_compiles_while_another_stream_flows() -> None:
+    limits = ServerLimits(max_grammar_compile_s=8.0)
+    with serve(resolve_model("stories260k"), control=StepControl(step_delay=0.03), limits=limits) as (srv, _):
+        url = srv.url
+        warm = httpx.post(url + CMPL, json=structured(3), timeout=180)  # starts the compile child
+        assert warm.status_code == 200, warm.text
+        times: list[float] = []
+        errors: list[BaseException] = []
+        streamer = threading.Thread(target=_stream, args=(url, times, errors), daemon=True)
+        streamer.start()
+        wait_until(lambda: len(times) >= 3 or errors, 60, "the stream's first tokens")
+        t0 = time.monotonic()
+        slow = httpx.post(url + CMPL, json=structured(2000), timeout=60)  # ~56 KB; minutes to compile
+        refused_after = time.monotonic() - t0
+        assert slow.status_code == 400, slow.text
+        error = slow.json()["error"]
+        assert "--max-grammar-compile-s" in error["message"] and error["param"] == "guided_json"
+        assert refused_after < 8.0 + 4.0
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        # 600 properties: ~1.5 s to compile in the probe, again in the engine process (beside its step loop)
+        fair = httpx.post(url + CMPL, json=structured(600), timeout=60)
+        assert fair.status_code == 200, fair.text
+        big = httpx.post(url + CMPL, json=structured(2500), timeout=60)  # ~70 KB
+        assert big.status_code == 400 and "--max-grammar-bytes" in big.json()["error"]["message"]
+        streamer.join(60)
+        assert not errors and len(times) >= 100
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        assert max(gaps) < 1.0, f"the stream stalled {max(gaps):.2f} s"
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_sigterm_during_a_compile_stops_the_server_at_once() -> None:
+    port = _port()
+    url = f"http://127.0.0.1:{port}"
+    proc = serve_subprocess(port, 0.0, "--max-grammar-compile-s", "600", "--shutdown-timeout", "30")
+    try:
+        wait_until(lambda: proc.poll() is not None or _health(url) == 200, 120, "server start")
+        warm = httpx.post(url + CMPL, json=structured(3), timeout=180)
+        assert warm.status_code == 200, warm.text
+        answers: list[int] = []
+        sender = threading.Thread(target=lambda: answers.append(
+            httpx.post(url + CMPL, json=structured(2000), timeout=60).status_code), daemon=True)
+        sender.start()
+        time.sleep(2.0)  # well into a compile of minutes
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert time.monotonic() - t0 < 10.0
+        sender.join(10)
+        assert answers and answers[0] in (400, 503)
+    finally:
+        kill_group(proc)
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _health(url: str) -> int | None:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code
+    except httpx.TransportError:
+        return None
