@@ -41,7 +41,7 @@ def structured(properties: int, **extra) -> dict:
 
 
 def test_probe_refuses_slow_and_large_specs_and_compiles_each_spec_once() -> None:
-    engine = LLM("stories260k").llm_engine
+    engine = LLM("stories260k").engine
     cfg = engine.model_config
     info = tokenizer_info(engine.tokenizer, cfg.vocab_size, cfg.stop_token_ids)
     probe = CompileProbe(info.serialize_json(), max_seconds=0.5, max_bytes=40_000)

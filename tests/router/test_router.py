@@ -12,7 +12,7 @@ import pytest
 from router_harness import instance, router, router_metric, running, upstream_count
 from server_harness import engine_idle, metric_values, stories_with_chat_template, wait_until
 
-pytestmark = pytest.mark.slow  # three servers to start: about a minute on a quiet 2-core machine
+pytestmark = [pytest.mark.server, pytest.mark.slow]  # three servers to start: about a minute on a quiet 2-core machine
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park", "One day, a bird"]
 STEP_DELAY = 0.01  # each engine step sleeps this long, so long requests stay in flight

@@ -37,6 +37,8 @@ from treadle.kv_transfer.worker import KVConnectorWorker
 from treadle.sampling_params import SamplingParams
 from treadle.server import build_app
 
+pytestmark = pytest.mark.server  # starts processes (servers, workers)
+
 PROMPT = "Once upon a time there was a little girl named Lily. She loved to play outside in the park"
 PROMPT_LEN = 30  # tokens of PROMPT
 # a colocated run computes prompt[:-1] in one chunk, then the last prompt token: what a consumer

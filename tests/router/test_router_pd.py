@@ -11,7 +11,7 @@ import pytest
 from router_harness import instance, router, router_metric, running, upstream_count
 from server_harness import engine_idle, metric_values, stories_with_chat_template, wait_until
 
-pytestmark = pytest.mark.slow  # four servers to start
+pytestmark = [pytest.mark.server, pytest.mark.slow]  # four servers to start
 
 PROMPTS = ["Once upon a time there was a little girl named Lily. She loved to play", "The little dog",
            "Lily and Ben went to the park", "One day, a bird"]

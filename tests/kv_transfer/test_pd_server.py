@@ -36,6 +36,8 @@ from treadle.engine.core_client import EngineCoreClient
 from treadle.engine.llm_engine import LLMEngine
 from treadle.server import build_app
 
+pytestmark = pytest.mark.server  # starts processes (servers, workers)
+
 PROMPT = "Once upon a time there was a little girl named Lily. She loved to play"
 PRODUCER_TIMEOUT_S = 5.0  # long enough for a pull on a busy 2-core machine
 
