@@ -1,12 +1,13 @@
 # make run: create .venv, install, chat with (or, off a terminal, generate from) the default model.
 # make test: install the test dependencies and run the whole suite.
+# make test-fast: the part to run while working: no slow tests, none that start processes.
 # make lint: ruff and mypy over the whole treadle package (CI runs it before the tests).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint clean
+.PHONY: install run test test-fast lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +25,9 @@ run: install
 
 test: install
 	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow and not server"
 
 lint: install
 	$(VENV)/bin/ruff check treadle tests
