@@ -185,8 +185,10 @@ def test_load_endpoint(pd: tuple[str, str, str]) -> None:
     producer, consumer, colocated = pd
     for url, role in ((producer, "kv_producer"), (consumer, "kv_consumer"), (colocated, None)):
         load = httpx.get(f"{url}/load", timeout=10).json()
-        assert set(load) == {"waiting_prompt_tokens", "running", "waiting", "kv_usage", "role"}
+        assert set(load) == {"waiting_prompt_tokens", "running", "waiting", "kv_usage", "role",
+                             "predicted_remaining_tokens"}
         assert load["role"] == role and load["running"] == 0 and load["waiting_prompt_tokens"] == 0
+        assert load["predicted_remaining_tokens"] in (None, 0)  # nothing running: no predicted work
 
 
 # -- a client that leaves between prefill and decode ------------------------------------------------
