@@ -28,10 +28,11 @@ does not cut it: the call ends in the background and what it returns is released
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -81,6 +82,20 @@ class UpstreamFailure(Exception):
     def __init__(self, message: str, down: bool) -> None:
         super().__init__(message)
         self.down = down  # unreachable: out of rotation until a health check passes
+
+
+@contextlib.contextmanager
+def upstream_errors() -> Iterator[None]:
+    """httpx's failures of one upstream call as UpstreamFailures (``down``: the instance could
+    not be reached; a read timeout is not that)."""
+    try:
+        yield
+    except httpx.ConnectTimeout as e:
+        raise UpstreamFailure(describe(e), down=True) from None
+    except httpx.TimeoutException as e:
+        raise UpstreamFailure(f"timed out ({type(e).__name__})", down=False) from None
+    except httpx.HTTPError as e:
+        raise UpstreamFailure(describe(e), down=True) from None
 
 
 @dataclass
@@ -219,14 +234,8 @@ class Forwarder:
 
     # --- one upstream call -----------------------------------------------------------------
     async def _post(self, inst: Instance, job: Job, body: dict[str, Any]) -> httpx.Response:
-        try:
+        with upstream_errors():
             resp = await self.client.post(inst.url + job.path, json=body, headers=job.headers, timeout=self.timeout)
-        except httpx.ConnectTimeout as e:
-            raise UpstreamFailure(describe(e), down=True) from None
-        except httpx.TimeoutException as e:
-            raise UpstreamFailure(f"timed out ({type(e).__name__})", down=False) from None
-        except httpx.HTTPError as e:
-            raise UpstreamFailure(describe(e), down=True) from None
         if resp.status_code >= 500:
             raise UpstreamFailure(f"answered {resp.status_code}: {resp.text[:200]}", down=False)
         self._count(inst, resp.status_code)
@@ -238,14 +247,8 @@ class Forwarder:
     async def _open(self, inst: Instance, job: Job, body: dict[str, Any]) -> OpenStream:
         request = self.client.build_request("POST", inst.url + job.path, json=body, headers=job.headers,
                                             timeout=self.timeout)
-        try:
+        with upstream_errors():
             resp = await self.client.send(request, stream=True)
-        except httpx.ConnectTimeout as e:
-            raise UpstreamFailure(describe(e), down=True) from None
-        except httpx.TimeoutException as e:
-            raise UpstreamFailure(f"timed out ({type(e).__name__})", down=False) from None
-        except httpx.HTTPError as e:
-            raise UpstreamFailure(describe(e), down=True) from None
         try:
             if resp.status_code != 200:
                 await resp.aread()
