@@ -20,6 +20,8 @@ from treadle.loaders.resolve import resolve_model
 from treadle.server import build_app
 from treadle.server.lifecycle import DrainingServer
 
+pytestmark = pytest.mark.server  # starts processes (servers, workers)
+
 CMPL = "/v1/completions"
 LONG = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
 
@@ -83,7 +85,7 @@ def _free_port() -> int:
 def serve_subprocess(port: int, step_delay: float, *flags: str) -> subprocess.Popen:
     """`treadle serve stories260k` (engine process by default) with ``step_delay`` s before
     each step, in its own session (so a test can signal its whole process group)."""
-    tests_dir = os.path.dirname(__file__)
+    tests_dir = os.path.dirname(os.path.dirname(__file__))  # tests/, where server_harness is
     cmd = [sys.executable, "-c", "import server_harness as h; h.serve_main()", str(step_delay),
            "serve", "stories260k", "--port", str(port), "--kv-cache-memory", "8MiB", "--log-level", "warning",
            *flags]

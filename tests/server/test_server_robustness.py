@@ -30,7 +30,7 @@ from treadle.server.state import ServerLimits
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 MAX_LEN = ENGINE_KW["max_model_len"]
 MAX_GAP_S = 1.0  # a stalled event loop or engine loop shows up as seconds; a busy shared CPU as tenths (0.5 failed once under load 15)
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.server, pytest.mark.usefixtures("one_thread")]
 
 
 class ChunkGaps:
