@@ -9,8 +9,10 @@ import sys
 
 from treadle.config import TreadleError
 
-_SUBCOMMANDS: list[str] = ["generate", "convert", "bench", "serve", "router",
-                          "train_draft_head", "train_length_predictor", "quantize", "eval", "doctor"]  # modules under treadle.entrypoints, e.g. "convert"
+# the module of each subcommand: a bare name is under treadle.entrypoints; a package that owns its
+# whole verb (bench) is named in full
+_SUBCOMMANDS: list[str] = ["generate", "convert", "treadle.bench.cli", "serve", "router",
+                          "train_draft_head", "train_length_predictor", "quantize", "eval", "doctor"]
 
 
 class _Version(argparse.Action):
@@ -36,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
     for name in _SUBCOMMANDS:
-        importlib.import_module(f"treadle.entrypoints.{name}").register(sub)
+        importlib.import_module(name if "." in name else f"treadle.entrypoints.{name}").register(sub)
     return parser
 
 
