@@ -133,6 +133,7 @@ class EngineCoreClient(EngineClient):
             args=(engine_factory, f"ipc://{self._dir}/input", f"ipc://{self._dir}/output",
                   threads or torch.get_num_threads(), log_level))
         self._proc.start()
+        self._reap_lock = threading.Lock()  # one thread at a time waits on the process (see _reap)
         # if this client is never shut down, still reap the engine before multiprocessing joins it at exit
         multiprocessing.util.Finalize(self, _kill, args=(self._proc,), exitpriority=10)
         try:
@@ -240,8 +241,7 @@ class EngineCoreClient(EngineClient):
 
     def _close(self, timeout: float) -> None:
         self._closing = True
-        self._proc.join(timeout)
-        if self._proc.is_alive():
+        if not self._reap(timeout):
             logger.warning("the engine process did not stop within %.0f s; killing it", timeout)
             _kill(self._proc)
         reader = getattr(self, "_reader", None)
@@ -253,6 +253,15 @@ class EngineCoreClient(EngineClient):
             self._output.close(linger=0)
             self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _reap(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the engine process to exit; True once it has (reaped).
+        The reader thread and shutdown may both wait: without the lock the loser's waitpid finds
+        no child, multiprocessing then reports the process alive, and shutdown would warn and
+        signal a PID that is already gone."""
+        with self._reap_lock:
+            self._proc.join(timeout)
+            return self._proc.exitcode is not None
 
     def _send(self, msg: Any) -> None:
         """Queue ``msg`` for the engine; EngineDeadError if no engine process is connected
@@ -295,7 +304,7 @@ class EngineCoreClient(EngineClient):
                 self._drain_output()
             elif self._proc.sentinel in events:
                 self._drain_output()  # whatever it said before it went
-                self._proc.join(1)
+                self._reap(1.0)
                 reason = ("the engine was shut down" if self._closing
                           else f"the engine process died (exit code {self._proc.exitcode})")
                 if not self._closing:
