@@ -65,26 +65,30 @@ def test_probe_refuses_slow_and_large_specs_and_compiles_each_spec_once() -> Non
         probe.close()
 
 
-def _stream(url: str, times: list[float], errors: list[BaseException]) -> None:
+def _stream(url: str, times: list[float], errors: list[BaseException], stop: threading.Event) -> None:
     try:
-        body = {"prompt": "Once upon a time", "max_tokens": 150, "ignore_eos": True, "stream": True}
+        body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + CMPL, json=body, timeout=60) as resp:
             for _ in sse_events(resp):
                 times.append(time.monotonic())
+                if stop.is_set():
+                    return
     except BaseException as e:  # noqa: BLE001 - reported by the test
         errors.append(e)
 
 
 @pytest.mark.server
+@pytest.mark.slow
 def test_slow_schema_is_refused_and_a_fair_one_compiles_while_another_stream_flows() -> None:
-    limits = ServerLimits(max_grammar_compile_s=8.0)
-    with serve(resolve_model("stories260k"), control=StepControl(step_delay=0.03), limits=limits) as (srv, _):
+    limits = ServerLimits(max_grammar_compile_s=10.0)
+    with serve(resolve_model("stories260k"), control=StepControl(step_delay=0.05), limits=limits) as (srv, _):
         url = srv.url
         warm = httpx.post(url + CMPL, json=structured(3), timeout=180)  # starts the compile child
         assert warm.status_code == 200, warm.text
         times: list[float] = []
         errors: list[BaseException] = []
-        streamer = threading.Thread(target=_stream, args=(url, times, errors), daemon=True)
+        stop = threading.Event()
+        streamer = threading.Thread(target=_stream, args=(url, times, errors, stop), daemon=True)
         streamer.start()
         wait_until(lambda: len(times) >= 3 or errors, 60, "the stream's first tokens")
         t0 = time.monotonic()
@@ -93,15 +97,17 @@ def test_slow_schema_is_refused_and_a_fair_one_compiles_while_another_stream_flo
         assert slow.status_code == 400, slow.text
         error = slow.json()["error"]
         assert "--max-grammar-compile-s" in error["message"] and error["param"] == "guided_json"
-        assert refused_after < 8.0 + 4.0
+        assert refused_after < 10.0 + 4.0
         assert httpx.get(url + "/health", timeout=5).status_code == 200
-        # 600 properties: ~1.5 s to compile in the probe, again in the engine process (beside its step loop)
-        fair = httpx.post(url + CMPL, json=structured(600), timeout=60)
+        # 700 properties: ~2.5 s to compile in the probe, again in the engine process (beside its step loop)
+        fair = httpx.post(url + CMPL, json=structured(700), timeout=60)
         assert fair.status_code == 200, fair.text
+        assert streamer.is_alive(), "the stream ended before the compiles: nothing was shown"
         big = httpx.post(url + CMPL, json=structured(2500), timeout=60)  # ~70 KB
         assert big.status_code == 400 and "--max-grammar-bytes" in big.json()["error"]["message"]
+        stop.set()
         streamer.join(60)
-        assert not errors and len(times) >= 100
+        assert not errors and len(times) >= 20
         gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         assert max(gaps) < 1.0, f"the stream stalled {max(gaps):.2f} s"
 

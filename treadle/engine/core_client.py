@@ -105,7 +105,6 @@ class EngineCoreClient(EngineClient):
         ``skip_tokenizer_init``: as the engine's (this process loads no tokenizer either)."""
         source = open_model_source(model, skip_tokenizer_init)  # tokenizer and config; weights stay unread
         self.tokenizer, self.model_config = source.tokenizer, source.config
-        self._source = source  # its grammar compiler (built on first use) checks specs here
         self.heartbeat_timeout = heartbeat_timeout
         self.dead_error: BaseException | None = None
         self.snapshot = EngineSnapshot()
@@ -178,12 +177,13 @@ class EngineCoreClient(EngineClient):
         await asyncio.wrap_future(done)
 
     def compile_grammar(self, spec: StructuredOutputsParams) -> None:
-        """Compiled with this process's own compiler (a bad spec fails here, before it is
-        sent); the engine process compiles it again, once per spec, at add_request."""
+        """Not compiled here (a grammar compiled in this process would serve nothing): the
+        engine process compiles it once, in a thread beside its step loop, before admitting the
+        request, and refuses a bad spec then; the server has checked it first, under its
+        compile budget (treadle/structured/probe.py)."""
         if self.tokenizer is None:
             raise InvalidRequestError("structured output needs a tokenizer, and this engine was started with "
                                       "skip_tokenizer_init", "structured_outputs")
-        self._source.grammars.compile(spec)
 
     def _prompt(self, prompt: PromptType) -> tuple[str | None, list[int], Any]:
         """(prompt text, prompt ids, what to send). The server sends prompts it has already
