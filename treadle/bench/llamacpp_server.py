@@ -156,12 +156,15 @@ class GreedyRun(NamedTuple):
 
 
 def greedy_logprobs(gguf: str | Path, prompts: list[list[int]], max_tokens: int, top_n: int = 5,
-                    ignore_eos: bool = False, threads: int | None = None) -> list[GreedyRun]:
+                    ignore_eos: bool = False, threads: int | None = None,
+                    extra_args: tuple[str, ...] = ()) -> list[GreedyRun]:
     """llama.cpp's greedy continuation of each prompt (token ids, BOS included if wanted) with
-    the log-softmax of its raw logits at each step: one llama-server, one slot, no prompt reuse."""
+    the log-softmax of its raw logits at each step: one llama-server, one slot, no prompt reuse.
+    ``extra_args`` go to llama-server (``("--no-repack",)`` avoids ggml's AMX path, which dies
+    with SIGILL on the project's VM; see docs/kernels.md)."""
     ctx = max(len(p) for p in prompts) + max_tokens + 8
     out = []
-    with LlamaServer(gguf, slots=1, ctx_per_slot=ctx, threads=threads) as server:
+    with LlamaServer(gguf, slots=1, ctx_per_slot=ctx, threads=threads, extra_args=extra_args) as server:
         for prompt in prompts:
             body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "n_probs": top_n,
                     "return_tokens": True, "cache_prompt": False, "ignore_eos": ignore_eos}
@@ -182,6 +185,7 @@ class LlamaServerBackend:
     gguf: Path
     n_ctx: int  # per slot
     threads: int | None = None
+    extra_args: tuple[str, ...] = ()  # passed to llama-server
     name: str = "llamacpp-server"
     server: LlamaServer | None = None
 
@@ -192,7 +196,8 @@ class LlamaServerBackend:
     def _server_for(self, concurrency: int) -> LlamaServer:
         if self.server is None or self.server.slots != concurrency:
             self.close()
-            self.server = LlamaServer(self.gguf, slots=concurrency, ctx_per_slot=self.n_ctx, threads=self.threads)
+            self.server = LlamaServer(self.gguf, slots=concurrency, ctx_per_slot=self.n_ctx, threads=self.threads,
+                                      extra_args=self.extra_args)
         return self.server
 
     def run(self, reqs: list[BenchRequest], concurrency: int, progress: Any = None) -> RunResult:
