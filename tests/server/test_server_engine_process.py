@@ -94,3 +94,21 @@ def test_engine_process_exits_when_the_api_server_dies(server):
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     wait_until(lambda: not alive(engine_pid), 10, "the orphaned engine process to exit")
+
+
+def test_shutdown_after_the_engine_process_died_neither_warns_nor_signals(caplog: pytest.LogCaptureFixture) -> None:
+    """The reader thread and shutdown both wait on a dead engine process: only one may reap it;
+    the other used to see it as alive, warn that it 'did not stop within 10 s' and kill a PID
+    that was gone. Run a few times: which thread waits first is up to the scheduler."""
+    from server_harness import start_engine
+
+    from treadle.loaders.resolve import resolve_model
+
+    for _ in range(3):
+        client = start_engine(resolve_model("stories260k"))
+        os.kill(client.engine_pid, signal.SIGKILL)
+        t = time.monotonic()
+        with caplog.at_level("WARNING", logger="treadle"):
+            client.shutdown()
+        assert time.monotonic() - t < 5
+        assert not [r for r in caplog.records if "did not stop" in r.getMessage()]
