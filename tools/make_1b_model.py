@@ -10,7 +10,7 @@ tinyllama-shape-random-seed0/: hf/ (safetensors, float16), f16.gguf, Q4_K_M.gguf
 The last line printed is that folder.
 
 The tokenizer is a SentencePiece BPE model written piece by piece: <unk> <s> </s>, the 256 byte
-pieces (byte fallback), then letter pieces up to the 32,000-token vocabulary: enough for text to
+pieces (byte fallback), then "\u2581" (the space) and letter pieces up to the 32,000-token vocabulary: enough for text to
 round-trip, and the vocabulary's size (the embedding and lm_head bytes) is TinyLlama's.
 """
 from __future__ import annotations
@@ -58,10 +58,10 @@ def write_tokenizer(folder: Path, vocab_size: int) -> None:
     for b in range(256):
         proto.pieces.add(piece=f"<0x{b:02X}>", score=0.0, type=Piece.BYTE)
     letters = string.ascii_lowercase
-    words = itertools.chain(letters, string.ascii_uppercase, string.digits, string.punctuation,
+    words = itertools.chain(("",), letters, string.ascii_uppercase, string.digits, string.punctuation,
                             ("".join(p) for p in itertools.product(letters, repeat=2)),
                             ("".join(p) for p in itertools.product(letters, repeat=3)))
-    for rank, text in enumerate(w for word in words for w in ("\u2581" + word, word)):
+    for rank, text in enumerate(w for word in words for w in ("\u2581" + word, word) if w):
         if len(proto.pieces) == vocab_size:
             break
         proto.pieces.add(piece=text, score=-float(rank), type=Piece.NORMAL)
