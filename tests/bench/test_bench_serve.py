@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from server_harness import serve
 
 from treadle.bench.workloads import LengthRange, WorkloadSpec, make_workload
 from treadle.entrypoints.cli import main
+
+pytestmark = pytest.mark.server  # starts processes (servers, workers)
 
 
 def test_bench_serve_against_real_server(tiny_llama, tmp_path, capsys):

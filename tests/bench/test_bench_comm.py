@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from treadle.bench.comm import hidden_percent
 
 
@@ -19,6 +21,7 @@ def test_hidden_percent_is_the_share_of_comm_that_did_not_add_time() -> None:
     assert math.isnan(hidden_percent(1.0, 1.0, 0.0))
 
 
+@pytest.mark.server
 def test_bench_comm_reports_both_modes_for_each_step_size() -> None:
     # its own session, so that the rank processes it starts go with it whatever happens
     proc = subprocess.Popen([sys.executable, "-m", "treadle.entrypoints.cli", "bench", "comm", "--model", "stories260k",
