@@ -139,17 +139,24 @@ def test_slow_schema_is_refused_and_a_fair_one_compiles_while_another_stream_flo
 
 @pytest.mark.server
 @pytest.mark.slow
-def test_sigterm_during_a_compile_stops_the_server_at_once() -> None:
+def test_a_client_that_leaves_or_sigterm_stops_a_compile_at_once() -> None:
     port = _port()
     url = f"http://127.0.0.1:{port}"
-    proc = serve_subprocess(port, "--max-grammar-compile-s", "600", "--shutdown-timeout", "30")
+    proc = serve_subprocess(port, "--max-grammar-compile-s", "600", "--max-grammar-bytes", "200000",
+                            "--shutdown-timeout", "30")
     try:
         wait_until(lambda: proc.poll() is not None or _health(url) == 200, 120, "server start")
         warm = httpx.post(url + CMPL, json=structured(3), timeout=180)
         assert warm.status_code == 200, warm.text
+        with pytest.raises(httpx.ReadTimeout):  # 3,000 properties: minutes to compile; the client leaves
+            httpx.post(url + CMPL, json=structured(3000), timeout=httpx.Timeout(60, read=1.5))
+        t0 = time.monotonic()
+        after = httpx.post(url + CMPL, json=structured(4), timeout=120)  # not queued behind the abandoned compile
+        assert after.status_code == 200, after.text
+        assert time.monotonic() - t0 < 45.0  # a fresh compile child's start-up at most (seconds on a loaded CPU)
         answers: list[int] = []
         sender = threading.Thread(target=lambda: answers.append(
-            httpx.post(url + CMPL, json=structured(2000), timeout=60).status_code), daemon=True)
+            httpx.post(url + CMPL, json=structured(3000), timeout=60).status_code), daemon=True)
         sender.start()
         time.sleep(2.0)  # well into a compile of minutes
         t0 = time.monotonic()

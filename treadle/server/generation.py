@@ -11,6 +11,7 @@ subclass it with their body checks, prompts, and choice/delta shapes. Leaving ea
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -111,7 +112,14 @@ class GenerationView(ABC):
         params = self.sampling_params()
         state.check_num_sequences(self.num_prompts(), params.n)
         state.check_admitting()
-        prompts = await asyncio.to_thread(self._prepare)
+        if self.structured is None:
+            prompts = await asyncio.to_thread(self._prepare)
+        else:  # its compile probe may take seconds: a client that leaves stops it
+            left = threading.Event()
+            try:
+                prompts = await until_disconnect(request, asyncio.to_thread(self._prepare, left))
+            finally:
+                left.set()
         self.prompt_lens = [prompt_length(p) for p in prompts]
         check_logprob_budget(state, params, self.prompt_lens)
         group = await submit(state, self.request_id, prompts, params, self.prompt_param, self.body.priority)
@@ -130,12 +138,13 @@ class GenerationView(ABC):
             data["kv_transfer_params"] = kv_params[0]
         return JSONResponse(data)
 
-    def _prepare(self) -> list[PromptType]:
+    def _prepare(self, left: threading.Event | None = None) -> list[PromptType]:
         """In a worker thread: the prompts, and the grammar compiled into the engine's cache
-        (so a bad schema is a 400 here and the step loop never compiles)."""
+        (so a bad schema is a 400 here and the step loop never compiles). ``left``: set when
+        the client has gone."""
         prompts = self.prompts()
         if self.structured is not None:
-            check_compile_budget(self.state, self.structured)
+            check_compile_budget(self.state, self.structured, left)
             try:
                 self.state.llm.compile_grammar(self.structured.spec)
             except TreadleError as e:

@@ -80,13 +80,14 @@ def grammar_probe(state: ServerState) -> CompileProbe:
         return state.grammar_probe
 
 
-def check_compile_budget(state: ServerState, structured: StructuredRequest) -> None:
+def check_compile_budget(state: ServerState, structured: StructuredRequest,
+                         left: threading.Event | None = None) -> None:
     """In a worker thread: a 400 naming --max-grammar-bytes or --max-grammar-compile-s when the
     spec is too large or does not compile in time (compiled in a child process that is killed
     at the deadline), or naming the spec's problem; the engine then compiles it knowing it fits."""
     if structured.spec.kind == "json_object":  # one fixed, tiny grammar
         return
     try:
-        grammar_probe(state).check(structured.spec)
+        grammar_probe(state).check(structured.spec, left)
     except InvalidRequestError as e:
         raise APIError.bad_request(str(e), structured.param) from None

@@ -63,9 +63,10 @@ class CompileProbe:
         self._closed = False
         atexit.register(self.close)
 
-    def check(self, spec: StructuredOutputsParams) -> None:
+    def check(self, spec: StructuredOutputsParams, left: threading.Event | None = None) -> None:
         """Return when ``spec`` compiles within the budget; otherwise an InvalidRequestError
-        naming the limit it broke, or xgrammar's complaint about the spec."""
+        naming the limit it broke, or xgrammar's complaint about the spec. ``left``: set when
+        the client has gone (its compile is then killed)."""
         size = len(spec_text(spec).encode())
         if self.max_bytes is not None and size > self.max_bytes:
             raise InvalidRequestError(f"the structured-output spec has {size} bytes, more than the server's limit "
@@ -75,7 +76,7 @@ class CompileProbe:
             if key in self._passed:
                 self._passed.move_to_end(key)
                 return
-            error = self._compile(spec)
+            error = "the client left" if left is not None and left.is_set() else self._compile(spec, left)
             if error is None:
                 self._passed[key] = None
                 while len(self._passed) > _REMEMBERED:
@@ -83,7 +84,7 @@ class CompileProbe:
         if error is not None:
             raise InvalidRequestError(error, STRUCTURED_PARAM)
 
-    def _compile(self, spec: StructuredOutputsParams) -> str | None:
+    def _compile(self, spec: StructuredOutputsParams, left: threading.Event | None) -> str | None:
         """In the child, under the lock: None (compiled) or the error message."""
         proc = self._child()
         if proc is None:
@@ -91,21 +92,26 @@ class CompileProbe:
         assert proc.stdin is not None
         self.compiles += 1
         _write(proc.stdin, [spec.kind, spec_text(spec)])
-        answer = self._answer(proc, self.max_seconds)
+        answer = self._answer(proc, self.max_seconds, left)
         if answer is not _NONE:
             return None if answer is None else str(answer)
         if self._closed:
             return "the server is shutting down"
         self._spawn()  # the next spec finds a child started (start-up is seconds: xgrammar imports torch)
+        if left is not None and left.is_set():
+            return "the client left"
         return (f"the structured-output spec did not compile within the server's limit of {self.max_seconds:g} s "
                 "(--max-grammar-compile-s); simplify the schema (fewer optional properties)")
 
-    def _answer(self, proc: subprocess.Popen[bytes], seconds: float) -> object:
+    def _answer(self, proc: subprocess.Popen[bytes], seconds: float, gone: threading.Event | None = None) -> object:
         """The child's next frame, or _NONE (the child is then killed) when it does not come
-        within ``seconds``, the child dies, or the probe is closed."""
+        within ``seconds``, the child dies, the probe is closed or ``gone`` is set."""
         assert proc.stdout is not None
         deadline = time.monotonic() + seconds
-        while not self._closed and (left := deadline - time.monotonic()) > 0:
+        while not self._closed and not (gone is not None and gone.is_set()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
             ready, _, _ = select.select([proc.stdout], [], [], min(left, 0.1))
             if ready:
                 try:
