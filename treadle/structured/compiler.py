@@ -10,7 +10,6 @@ low and has no multi-second first-token outliers; it also takes EBNF grammars di
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -20,18 +19,13 @@ import xgrammar as xgr
 from treadle.config import InvalidRequestError
 from treadle.sampling_params import STRUCTURED_PARAM as PARAM
 from treadle.sampling_params import StructuredOutputsParams
+from treadle.structured.probe_child import choice_grammar
+from treadle.structured.probe_child import reason as _reason
 from treadle.tokenizer import Tokenizer
 
 CACHE_SIZE = 256
 _NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
           "grammar": "grammar"}
-_SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:00:00] /src/x.cc:12: "
-
-
-def _reason(e: Exception) -> str:
-    """xgrammar's message, first line, without its C++ source location."""
-    lines = str(e).strip().splitlines()
-    return _SOURCE_PREFIX.sub("", lines[0]) if lines else type(e).__name__
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
@@ -45,11 +39,6 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequen
     meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
     return xgr.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=size, stop_token_ids=list(stop_token_ids),
                              add_prefix_space=meta["add_prefix_space"])
-
-
-def choice_grammar(choices: list[str]) -> str:
-    """EBNF matching exactly one of ``choices`` (JSON string escapes are EBNF's too)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 class GrammarCompiler:
