@@ -8,15 +8,13 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from server_harness import StepControl, serve, wait_until
+from test_server_lifecycle import kill_group, serve_subprocess, sse_events  # tests/server
 
 from treadle import LLM
 from treadle.config import InvalidRequestError
@@ -27,28 +25,6 @@ from treadle.structured.compiler import tokenizer_info
 from treadle.structured.probe import CompileProbe
 
 CMPL = "/v1/completions"
-
-
-def sse_events(resp: httpx.Response):
-    for line in resp.iter_lines():
-        if line.startswith("data: "):
-            yield line[6:]
-
-
-def serve_subprocess(port: int, *flags: str) -> subprocess.Popen:
-    """`treadle serve stories260k` (its engine in its own process) in its own session."""
-    cmd = [str(Path(sys.executable).with_name("treadle")), "serve", "stories260k", "--port", str(port), "--kv-cache-memory", "8MiB",
-           "--log-level", "warning", *flags]
-    return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the server and all it started (the engine and compile processes), then reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(10)
 
 
 def schema(properties: int) -> dict:
@@ -142,7 +118,7 @@ def test_slow_schema_is_refused_and_a_fair_one_compiles_while_another_stream_flo
 def test_a_client_that_leaves_or_sigterm_stops_a_compile_at_once() -> None:
     port = _port()
     url = f"http://127.0.0.1:{port}"
-    proc = serve_subprocess(port, "--max-grammar-compile-s", "600", "--max-grammar-bytes", "200000",
+    proc = serve_subprocess(port, 0.0, "--max-grammar-compile-s", "600", "--max-grammar-bytes", "200000",
                             "--shutdown-timeout", "30")
     try:
         wait_until(lambda: proc.poll() is not None or _health(url) == 200, 120, "server start")

@@ -99,6 +99,7 @@ def test_bad_specs_are_clear_errors(llm: LLM) -> None:
         SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a"))
 
 
+@pytest.mark.server
 def test_mp_executor(model_dir) -> None:
     """The spec crosses to the worker process as plain data; the worker compiles it there."""
     llm = LLM(str(model_dir), distributed_executor_backend="mp", **ENGINE_KW)
