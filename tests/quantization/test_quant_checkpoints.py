@@ -67,10 +67,12 @@ def test_compressed_tensors_matches_transformers(tmp_path: Path, kind: str) -> N
     path = write_compressed_tensors(tmp_path / "ct", kind)
     lm = load_model(str(path), CPUBackend(), quantization="auto")
     kinds = methods(lm)
-    assert kinds.pop("lm_head") is UnquantizedLinearMethod  # in the ignore list
-    assert kinds.pop("embed_tokens") is UnquantizedLinearMethod
-    expect = W8A8Method if kind == "w8a8" else (GGUFBlockMethod if native.available() else UnquantizedLinearMethod)
-    assert set(kinds.values()) == {expect}
+    assert issubclass(kinds.pop("lm_head"), UnquantizedLinearMethod)  # in the ignore list: float (CPU: tiled)
+    assert issubclass(kinds.pop("embed_tokens"), UnquantizedLinearMethod)
+    if kind == "w8a8" or native.available():
+        assert set(kinds.values()) == {W8A8Method if kind == "w8a8" else GGUFBlockMethod}
+    else:
+        assert all(issubclass(k, UnquantizedLinearMethod) for k in kinds.values())
     # transformers reads W8A8 and symmetric W4A16 compressed (it runs the library's own
     # dynamic activation quantization); asymmetric it cannot in this version, so it runs the
     # weights the library itself decompresses
@@ -86,7 +88,7 @@ def test_gptq_awq_match_transformers_on_the_packed_values(tmp_path: Path, method
                                                            desc_act: bool) -> None:
     path = write_int4_checkpoint(tmp_path / method, tmp_path / "float", method, group, sym, desc_act)
     lm = load_model(str(path), CPUBackend())  # quantization None: the checkpoint's own method
-    kinds = set(methods(lm).values()) - {UnquantizedLinearMethod}
+    kinds = {k for k in methods(lm).values() if not issubclass(k, UnquantizedLinearMethod)}  # the float ones out
     if native.available():
         assert kinds == ({PermutedInputMethod} if desc_act else {GGUFBlockMethod})
     assert_matches(lm, tmp_path / "float", INT4_TOL)
