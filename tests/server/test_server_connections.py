@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from server_harness import ENGINE_KW, MODEL_NAME, engine, engine_idle, wait_until
+from server_harness import ENGINE_KW, MODEL_NAME, ServerThread, engine, engine_idle, wait_until
 
 from treadle.engine.engine_client import EngineClient
 from treadle.loaders.resolve import resolve_model
@@ -32,8 +32,8 @@ MAX_IDLE = 4
 pytestmark = [pytest.mark.server, pytest.mark.usefixtures("one_thread")]
 
 
-class GuardedServer:
-    """uvicorn in a thread with the `treadle serve` connection settings (uvicorn_config)."""
+class GuardedServer(ServerThread):
+    """ServerThread with the `treadle serve` connection settings (uvicorn_config)."""
 
     def __init__(self, app: Any, send_buffer: int | None = None, **config: Any) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -45,16 +45,6 @@ class GuardedServer:
         self.server = uvicorn.Server(uvicorn_config(app, log_level="warning", lifespan="off",
                                                     timeout_graceful_shutdown=1, **config))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> GuardedServer:
-        self.thread.start()
-        wait_until(lambda: self.server.started, 30, "server start")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
 
     def connect(self) -> socket.socket:
         s = socket.create_connection(("127.0.0.1", self.port), timeout=10)
