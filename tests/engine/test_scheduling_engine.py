@@ -3,7 +3,6 @@ outputs do not depend on the policy, and ``predicted`` really reorders."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from treadle.config import TreadleError
 from treadle.entrypoints.llm import LLM
@@ -14,13 +13,7 @@ PROMPTS = [p.text for p in prompt_set.load(split="heldout")][::7][:8]
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=m) for m in (60, 4, 90, 12, 3, 40, 7, 75)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """A tiny model: one intra-op thread is faster, and far faster on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: a tiny model runs faster on one thread
 
 
 def run(policy: str, **kw) -> tuple[list[list[int]], LLM]:

@@ -29,13 +29,7 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """A tiny model: one intra-op thread is faster, and far faster on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: a tiny model runs faster on one thread
 
 
 @pytest.fixture(scope="module")
