@@ -1,6 +1,6 @@
 """Each kernel variant checked against the plain-C reference build on random inputs, by the
 accuracy contract the variant promises (what ``treadle doctor`` prints, and what the tests in
-tests/test_kernel_variants.py, test_q8_activations.py and test_bf16_matmul.py hold every variant to):
+tests/kernels/test_kernel_variants.py, test_q8_activations.py and test_bf16_matmul.py hold every variant to):
 
     check                    contract
     w8a8 int8 x int8         bit-exact (exact int32 sums, the same float scaling)

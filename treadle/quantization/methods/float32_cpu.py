@@ -8,7 +8,7 @@ that changes logprobs, and, where two tokens are nearly tied, greedy tokens.
 
 ``Float32TiledMethod`` multiplies every call as tiles of ``ROW_TILE`` rows, each tile in its own
 buffer and the last one padded with zero rows: every matmul of a layer then has one shape, so a
-row's result does not depend on the rows beside it (checked in tests/test_engine_prefix_exact.py
+row's result does not depend on the rows beside it (checked in tests/engine/test_engine_prefix_exact.py
 and tests/test_float32_rows.py). Decode pays ROW_TILE rows of arithmetic for one (small against
 reading the weights); prefill reads the weights once per tile.
 

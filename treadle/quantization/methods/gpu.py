@@ -4,8 +4,8 @@ kernels (``triton_kernels.py``; imported here lazily, so the CPU engine never ne
 Which kernels a layer runs is chosen once, at load, from the device of its weights
 (``kernels_for``): "triton" for CUDA tensors, "cpu" (Treadle's C kernels, or plain torch)
 otherwise. The same Triton code runs on CPU tensors under ``TRITON_INTERPRET=1``, which is
-how the tests check it against the torch references (tests/test_quant_gpu_kernels.py) and
-``tests/test_triton_compile.py`` compiles it for sm_90. ``torch._int_mm`` is not used: its
+how the tests check it against the torch references (tests/gpu/test_quant_gpu_kernels.py) and
+``tests/gpu/test_triton_compile.py`` compiles it for sm_90. ``torch._int_mm`` is not used: its
 shape rules (M > 16, K and N multiples of 8) would need a second path for decode batches.
 """
 from __future__ import annotations
