@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 from server_harness import StepControl, serve, wait_until
-from test_server_lifecycle import kill_group, serve_subprocess, sse_events  # tests/server
+from test_server_lifecycle import _free_port, _health, kill_group, serve_subprocess, sse_events  # tests/server
 
 from treadle import LLM
 from treadle.config import InvalidRequestError
@@ -116,7 +115,7 @@ def test_slow_schema_is_refused_and_a_fair_one_compiles_while_another_stream_flo
 @pytest.mark.server
 @pytest.mark.slow
 def test_a_client_that_leaves_or_sigterm_stops_a_compile_at_once() -> None:
-    port = _port()
+    port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = serve_subprocess(port, 0.0, "--max-grammar-compile-s", "600", "--max-grammar-bytes", "200000",
                             "--shutdown-timeout", "30")
@@ -145,14 +144,3 @@ def test_a_client_that_leaves_or_sigterm_stops_a_compile_at_once() -> None:
         kill_group(proc)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _health(url: str) -> int | None:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code
-    except httpx.TransportError:
-        return None

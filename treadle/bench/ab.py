@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treadle.config import TreadleError
-from treadle.engine.llm_engine import LLMEngine, StepSeconds
+from treadle.engine.llm_engine import LLMEngine
+from treadle.engine.stats import StepSeconds
 from treadle.sampling_params import SamplingParams
 
 
