@@ -114,3 +114,26 @@ class Executor(ABC):
         reason = self.health()
         if reason is not None:
             raise EngineDeadError(reason)
+
+
+class WorkerGroupExecutor(Executor):
+    """The parts the executors over worker processes (mp) and actors (ray) share: the
+    capacity the workers reported at start, a death that is final, and ``execute`` as
+    ``submit`` then ``collect`` (they pipeline steps; the pair is theirs)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.world_size = config.parallel.world_size
+        self._dead: str | None = None  # why the executor is dead (a lost worker, or shut down)
+        self._capacity = KVCapacity(0, 0)  # set once every worker has allocated its cache
+
+    def kv_capacity(self) -> KVCapacity:
+        return self._capacity
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(sched)
+        return self.collect()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)

@@ -26,7 +26,7 @@ import zmq
 from treadle import envs
 from treadle.config import EngineConfig, EngineDeadError, TreadleError
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
-from treadle.executor.base import Executor, KVCapacity
+from treadle.executor.base import KVCapacity, WorkerGroupExecutor
 from treadle.executor.messages import ERR, STEP, STOP, Codec
 from treadle.executor.worker_proc import WorkerSpec, worker_main
 
@@ -38,12 +38,10 @@ _REAP_TIMEOUT_S = 1.0  # how long to wait for a dead worker to be reaped before 
 _LOOPBACK = "tcp://127.0.0.1"
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(WorkerGroupExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.world_size = config.parallel.world_size
         self._codec = Codec()
-        self._dead: str | None = None
         self._in_flight = 0  # steps submitted and not yet collected
         self._early: dict[int, deque[tuple[bytes, bytes]]] = {}  # a rank's answers to later steps
         self._partial: dict[int, tuple[bytes, bytes]] = {}  # answers to the oldest step, while collecting it
@@ -78,16 +76,8 @@ class MultiprocExecutor(Executor):
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
-    def kv_capacity(self) -> KVCapacity:
-        return self._capacity
-
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self.submit(sched)
-        return self.collect()
-
     def submit(self, sched: SchedulerOutput) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
+        self._check_alive()
         payload = self._codec.encode(sched)
         for sock in self._inputs:
             try:
@@ -97,8 +87,7 @@ class MultiprocExecutor(Executor):
         self._in_flight += 1
 
     def collect(self) -> ModelRunnerOutput:
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
+        self._check_alive()
         assert self._in_flight > 0, "collect without a submitted step"
         self._in_flight -= 1
         while self._abandoned:  # an interrupted step's answers come first, whatever they say

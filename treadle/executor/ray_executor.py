@@ -29,7 +29,7 @@ from treadle import envs
 from treadle.config import EngineConfig, EngineDeadError, TreadleError
 from treadle.core.kv_connector_data import KVConnectorOutput
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
-from treadle.executor.base import Executor, KVCapacity
+from treadle.executor.base import KVCapacity, WorkerGroupExecutor
 
 logger = logging.getLogger("treadle")
 
@@ -82,7 +82,7 @@ def _import_ray() -> Any:
     return ray
 
 
-class RayExecutor(Executor):
+class RayExecutor(WorkerGroupExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         ray = self._ray = _import_ray()
@@ -92,8 +92,7 @@ class RayExecutor(Executor):
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
-        self.world_size = world = config.parallel.world_size
-        self._dead: str | None = None
+        world = self.world_size
         self._pending: deque[list[Any]] = deque()  # object refs of the steps in flight
         self._actors: list[Any] = []
         threads = torch.get_num_threads()
@@ -123,21 +122,12 @@ class RayExecutor(Executor):
     def worker_pids(self) -> list[int]:
         return self._gather([a.pid.remote() for a in self._actors], 30, "answer", loading=True)
 
-    def kv_capacity(self) -> KVCapacity:
-        return self._capacity
-
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self.submit(sched)
-        return self.collect()
-
     def submit(self, sched: SchedulerOutput) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
+        self._check_alive()
         self._pending.append([a.execute.remote(sched) for a in self._actors])
 
     def collect(self) -> ModelRunnerOutput:
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
+        self._check_alive()
         outs = self._gather(self._pending.popleft(), envs.execute_timeout_s(), "finish a step")
         out = outs[self.world_size - 1]
         assert out is not None
