@@ -63,6 +63,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _grid(m: int, n: int, tiles: tuple[int, int, int]) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """The launch grid for an [m, n] output and the tiles (BLOCK_M shrunk to fit small m)."""
+    bm, bn, bk = tiles
+    bm = _block_m(m, bm)
+    return (_cdiv(m, bm), _cdiv(n, bn)), (bm, bn, bk)
+
+
 def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] float -> [..., N] float32: x quantized per token, times int8 ``weight`` [N, K]
@@ -72,10 +79,8 @@ def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     xq, xs = w8a8_quantize(x.reshape(-1, k))
     m = xq.shape[0]
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    bm, bn, bk = _W8A8_TILES
-    bm = _block_m(m, bm)
+    grid, (bm, bn, bk) = _grid(m, n, _W8A8_TILES)
     if m:
-        grid = (_cdiv(m, bm), _cdiv(n, bn))
         tk.w8a8_matmul_kernel[grid](xq, xs, weight, weight_scale, y if bias is None else bias, y, m, n, k,
                                     HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                     enable_fp_fusion=False)
@@ -140,10 +145,8 @@ def w4a16_matmul(x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = Non
         flat = flat.contiguous()
     m = flat.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, bn, bk = _W4A16_TILES
-    bm = _block_m(m, bm)
+    grid, (bm, bn, bk) = _grid(m, n, _W4A16_TILES)
     if m:
-        grid = (_cdiv(m, bm), _cdiv(n, bn))
         tk.w4a16_matmul_kernel[grid](flat, w.packed, w.group, w.shard, w.scale, w.mins, y if bias is None else bias, y,
                                      m, n, k, flat.stride(0), group_size, HAS_BIAS=bias is not None,
                                      IEEE=x.dtype == torch.float32, UNIFORM=group_size > 0,
