@@ -32,6 +32,7 @@ LAYERS: dict[str, float] = {
     "treadle.calibrate": 6,  # treadle quantize: calibration on transformers, compressed-tensors writer
     "treadle.executor": 7,  # drives the workers (in process or in worker processes)
     "treadle.engine": 8,
+    "treadle.asgi": 9,  # ASGI plumbing the server and the router share (torch-free)
     "treadle.server": 10,
     "treadle.bench": 10,
     "treadle.router": 10,  # the HTTP front for many instances: speaks HTTP only (torch-free, no engine)

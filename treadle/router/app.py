@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import zmq
@@ -19,12 +19,12 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 import treadle
+from treadle.asgi.disconnect import until_disconnect
 from treadle.router.config import Role, RouterConfig
 from treadle.router.forward import Forwarder, Job, OpenStream, Relay, error_body
 from treadle.router.instances import FailurePolicy, Instance, InstancePool
 from treadle.router.metrics import RouterMetrics
 
-T = TypeVar("T")
 _PASSED_HEADERS = ("authorization",)
 MAX_BODY_BYTES = 64 << 20  # the instances apply their own (smaller) limits; this one guards the router
 
@@ -126,10 +126,10 @@ async def _generate(request: Request, path: str) -> Response:
     forwarder: Forwarder = request.app.state.forwarder
     job = Job(path, await _json_body(request), _headers(request))
     if job.body.get("stream") is True:
-        stream = await _until_disconnect(request, _start_stream(forwarder, job))
+        stream = await until_disconnect(request, _start_stream(forwarder, job), _client_gone)
         return StreamingResponse(_stream_events(forwarder, stream), media_type="text/event-stream",
                                  background=BackgroundTask(stream.close))
-    return await _until_disconnect(request, _answer(forwarder, job))
+    return await until_disconnect(request, _answer(forwarder, job), _client_gone)
 
 
 async def _with_kv(forwarder: Forwarder, job: Job) -> Job:
@@ -175,25 +175,5 @@ async def _stream_events(forwarder: Forwarder, stream: OpenStream) -> AsyncItera
         await stream.close()
 
 
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """``work`` unless the client leaves first; then it is cancelled (closing its upstream
-    connections, so the instances abort) and the answer is a 499."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise Relay.error(499, "client closed the connection", "invalid_request_error", "client_disconnected")
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+def _client_gone() -> Exception:
+    return Relay.error(499, "client closed the connection", "invalid_request_error", "client_disconnected")

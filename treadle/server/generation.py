@@ -15,14 +15,15 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, ClassVar, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.responses import Response
 
+from treadle.asgi.disconnect import until_disconnect
 from treadle.config import EngineDeadError, InvalidRequestError, TreadleError
 from treadle.engine.engine_client import OutputGroup
 from treadle.engine.llm_engine import PromptType, StepFailedError
@@ -34,8 +35,6 @@ from treadle.server.protocol import MAX_N, SamplingFields
 from treadle.server.sse import SSE_DONE, sse, sse_error
 from treadle.server.state import ServerState
 from treadle.server.structured import StructuredRequest, check_compile_budget, structured_request
-
-T = TypeVar("T")
 
 
 class GenerationView(ABC):
@@ -117,7 +116,7 @@ class GenerationView(ABC):
         else:  # its compile probe may take seconds: a client that leaves stops it
             left = threading.Event()
             try:
-                prompts = await until_disconnect(request, asyncio.to_thread(self._prepare, left))
+                prompts = await until_disconnect(request, asyncio.to_thread(self._prepare, left), _client_gone)
             finally:
                 left.set()
         self.prompt_lens = [prompt_length(p) for p in prompts]
@@ -128,7 +127,7 @@ class GenerationView(ABC):
                                       lambda: release(state, group))
             return StreamingResponse(self._sse(outputs), media_type="text/event-stream",
                                      background=BackgroundTask(release, state, group))
-        finals = await until_disconnect(request, collect(state, group, len(prompts)))
+        finals = await until_disconnect(request, collect(state, group, len(prompts)), _client_gone)
         choices = [self.choice(out, c) for out in finals for c in out.outputs]
         data = {"id": self.request_id, "object": self.object_name, "created": self.created,
                 "model": state.served_model_name, "choices": choices, "usage": self.usage(finals)}
@@ -327,31 +326,8 @@ async def collect(state: ServerState, group: OutputGroup, num_prompts: int) -> l
     return [f for f in finals if f is not None]
 
 
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work`` unless the client goes away first; then cancel it (which aborts its
-    requests) and raise CancelledError. Used by non-streaming responses, which Starlette
-    does not cancel on disconnect by itself."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this handler itself was cancelled (e.g. shutdown): take the work down too
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise APIError(499, "client closed the connection", None, "client_disconnected")
-    return task.result()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+def _client_gone() -> APIError:
+    return APIError(499, "client closed the connection", None, "client_disconnected")
 
 
 def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
