@@ -21,9 +21,9 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from treadle.engine.async_engine import AsyncLLM
-from treadle.engine.core_client import EngineCoreClient
-from treadle.engine.engine_client import EngineClient
+from treadle.engine.client.engine_client import EngineClient
+from treadle.engine.client.in_process import AsyncLLM
+from treadle.engine.client.multi_process import EngineCoreClient
 from treadle.engine.llm_engine import LLMEngine
 from treadle.loaders.resolve import resolve_model
 from treadle.server import build_app

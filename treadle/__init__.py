@@ -13,7 +13,7 @@ __all__ = ["LLM", "AsyncLLM", "EngineArgs", "CompletionOutput", "RequestOutput",
 
 _LAZY = {
     "LLM": "treadle.entrypoints.llm",
-    "AsyncLLM": "treadle.engine.async_engine",
+    "AsyncLLM": "treadle.engine.client.in_process",
     "EngineArgs": "treadle.engine.args",
     "SamplingParams": "treadle.sampling_params",
     "StructuredOutputsParams": "treadle.sampling_params",

@@ -21,7 +21,7 @@ from treadle import LLM, SamplingParams
 from treadle.config import EngineDeadError, ParallelConfig, TreadleError
 from treadle.core.step_data import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from treadle.engine.args import engine_args
-from treadle.engine.async_engine import AsyncLLM
+from treadle.engine.client.in_process import AsyncLLM
 from treadle.engine.resolver import create_engine_config
 from treadle.executor.messages import Codec
 from treadle.executor.multiproc import MultiprocExecutor

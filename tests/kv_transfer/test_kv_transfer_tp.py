@@ -26,7 +26,7 @@ from server_harness import MODEL_NAME, ServerThread, engine_idle, metric_values,
 
 from treadle.config import KVTransferConfig, TreadleError
 from treadle.core.kv_connector_data import KVConnectorMetadata, KVConnectorOutput, LoadSpec, RemotePrefill
-from treadle.engine.core_client import EngineCoreClient
+from treadle.engine.client.multi_process import EngineCoreClient
 from treadle.engine.llm_engine import LLMEngine
 from treadle.kv_transfer import create_connector
 from treadle.kv_transfer.aggregate import KVOutputAggregator

@@ -32,7 +32,7 @@ from server_harness import (
     wait_until,
 )
 
-from treadle.engine.core_client import EngineCoreClient
+from treadle.engine.client.multi_process import EngineCoreClient
 from treadle.engine.llm_engine import LLMEngine
 from treadle.server import build_app
 

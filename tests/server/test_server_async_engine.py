@@ -11,8 +11,8 @@ from server_harness import ENGINE_KW, StepControl, engine, start_engine, wait_un
 
 from treadle import LLM, SamplingParams
 from treadle.config import EngineDeadError, TreadleError
-from treadle.engine.core_client import EngineCoreClient
-from treadle.engine.engine_client import EngineClient
+from treadle.engine.client.engine_client import EngineClient
+from treadle.engine.client.multi_process import EngineCoreClient
 from treadle.loaders.resolve import resolve_model
 
 pytestmark = pytest.mark.server  # starts processes (servers, workers)

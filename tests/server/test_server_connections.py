@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 from server_harness import ENGINE_KW, MODEL_NAME, ServerThread, engine, engine_idle, wait_until
 
-from treadle.engine.engine_client import EngineClient
+from treadle.engine.client.engine_client import EngineClient
 from treadle.loaders.resolve import resolve_model
 from treadle.server import build_app
 from treadle.server.connections import IDLE_GRACE_S, uvicorn_config

@@ -20,7 +20,7 @@ from server_harness import (
 )
 from tiny_models import make_tiny_model
 
-from treadle.engine.async_engine import AsyncLLM
+from treadle.engine.client.in_process import AsyncLLM
 from treadle.engine.outputs import Logprob
 from treadle.loaders.resolve import resolve_model
 from treadle.server import build_app

@@ -7,7 +7,7 @@ import pytest
 from server_harness import ENGINE_KW, MODEL_NAME, ServerThread, engine_idle, metric_values, wait_until
 
 from treadle import LLM, SamplingParams
-from treadle.engine.async_engine import AsyncLLM
+from treadle.engine.client.in_process import AsyncLLM
 from treadle.server import build_app
 
 pytestmark = pytest.mark.server  # starts processes (servers, workers)

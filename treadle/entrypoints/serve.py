@@ -17,7 +17,7 @@ from treadle import envs
 from treadle.engine.cli_args import add_engine_args, engine_kwargs, positive_int
 
 if TYPE_CHECKING:
-    from treadle.engine.engine_client import EngineClient
+    from treadle.engine.client.engine_client import EngineClient
     from treadle.engine.llm_engine import LLMEngine
 
 
@@ -72,8 +72,8 @@ def start_engine(args: argparse.Namespace, engine_factory: Callable[..., LLMEngi
     lose their core stall every parallel region (measured on 2 cores: 66 vs 675 tok/s)."""
     import torch
 
-    from treadle.engine.async_engine import AsyncLLM
-    from treadle.engine.core_client import EngineCoreClient
+    from treadle.engine.client.in_process import AsyncLLM
+    from treadle.engine.client.multi_process import EngineCoreClient
     from treadle.engine.llm_engine import LLMEngine
 
     kw = engine_kwargs(args)

@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import treadle
-from treadle.engine.engine_client import EngineClient
+from treadle.engine.client.engine_client import EngineClient
 from treadle.server import chat, completions
 from treadle.server.body_limit import BodyLimit
 from treadle.server.errors import APIError, install_error_handlers

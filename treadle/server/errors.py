@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from treadle.config import EngineDeadError, InvalidRequestError, TreadleError
-from treadle.engine.engine_core import QueueFullError
+from treadle.engine.core.engine_core import QueueFullError
 
 logger = logging.getLogger("treadle")
 

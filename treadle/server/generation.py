@@ -25,7 +25,7 @@ from starlette.responses import Response
 
 from treadle.asgi.disconnect import until_disconnect
 from treadle.config import EngineDeadError, InvalidRequestError, TreadleError
-from treadle.engine.engine_client import OutputGroup
+from treadle.engine.client.engine_client import OutputGroup
 from treadle.engine.llm_engine import PromptType, StepFailedError
 from treadle.engine.outputs import CompletionOutput, RequestOutput
 from treadle.sampling_params import SamplingParams

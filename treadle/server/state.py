@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from treadle.engine.engine_client import EngineClient, OutputGroup
+from treadle.engine.client.engine_client import EngineClient, OutputGroup
 from treadle.server.errors import APIError
 from treadle.server.metrics import ServerMetrics
 from treadle.tokenizer import Tokenizer

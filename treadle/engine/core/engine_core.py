@@ -1,13 +1,12 @@
-"""EngineCore: the engine side of every engine client, whichever carries the commands.
-
-Both step loops (the ``AsyncLLM`` thread and the engine-core process of
-``core_proc.py``) drive an ``LLMEngine`` through this one class, so admission with
-backpressure, the handling of requests the engine cannot take, and the gauges that
-/metrics reads are written once. It is not thread-safe: one loop owns it.
+"""EngineCore: what the step loop (``loop.py``) does to an ``LLMEngine``, whichever
+client it serves: admission with backpressure, the handling of requests the engine
+cannot take, the grammar compile an add waits for, a step whose failure is its own
+requests', and the gauges that /metrics reads. It is not thread-safe: one loop owns it.
 """
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +54,19 @@ class StepResult:
 class EngineCore:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self._compiler: ThreadPoolExecutor | None = None  # started by the first structured-output add
+
+    def prepare(self, params: SamplingParams) -> Future[None] | None:
+        """The work an add needs before ``admit`` that must not hold up the step loop: its
+        structured-output grammar, compiled in a thread (xgrammar drops the GIL; a spec
+        compiled before is a cache hit). A future that ends with the compile (its exception:
+        the spec's problem), or None when there is nothing to wait for."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="treadle-grammar")
+        return self._compiler.submit(self.engine.compile_grammar, spec)
 
     def admit(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
               max_waiting: int | None, arrival_time: float) -> None:
@@ -94,6 +106,8 @@ class EngineCore:
         return self.engine.health()
 
     def shutdown(self) -> None:
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()
 
     def snapshot(self) -> EngineSnapshot:

@@ -1,7 +1,8 @@
 """EngineClient: what the server (and any asyncio caller) uses of an engine, wherever its
-step loop runs: ``AsyncLLM`` (a thread of this process) or ``EngineCoreClient`` (an
-engine-core process). Outputs reach callers through ``OutputGroup``s: one asyncio
-queue per group, fed from the client's loop or reader thread by ``post``.
+step loop runs: ``AsyncLLM`` (``in_process.py``: a thread of this process) or
+``EngineCoreClient`` (``multi_process.py``: an engine-core process). Outputs reach
+callers through ``OutputGroup``s: one asyncio queue per group, fed from the client's loop
+or reader thread by ``post``.
 
     caller (event loop)                          client
     -------------------                          ------
@@ -14,13 +15,14 @@ A dead engine fails every open request with EngineDeadError and refuses new ones
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from treadle.config import EngineDeadError, ModelConfig
-from treadle.engine.engine_core import EngineSnapshot
+from treadle.engine.core.engine_core import EngineSnapshot
 from treadle.engine.llm_engine import PromptType
 from treadle.engine.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams, StructuredOutputsParams
@@ -55,6 +57,16 @@ def post_by_loop(items: list[tuple[Sink, Any]]) -> None:
         batches.setdefault(sink.loop, []).append((sink.queue, item))
     for loop, batch in batches.items():
         post(loop, batch)
+
+
+def settle(future: concurrent.futures.Future[Any], value: Any, error: BaseException | None) -> None:
+    """Resolve ``future`` with ``value``, or fail it with ``error``, unless it is already done."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(value)
+    else:
+        future.set_exception(error)
 
 
 class EngineClient(ABC):

@@ -1,9 +1,10 @@
 """EngineCoreClient: the EngineClient whose step loop runs in an engine-core process.
 
 The API process keeps what is cheap and per-request (tokenizing prompts, HTTP, the
-asyncio queues); the engine process (``core_proc.py``) owns the LLMEngine, its
-scheduler, KV cache, model and detokenizer. Two ZeroMQ pipes on ipc:// sockets join
-them (messages in ``core_messages.py``):
+asyncio queues); the engine process (``core/process.py``) owns the LLMEngine, its
+scheduler, KV cache, model and detokenizer, and runs the one step loop (``core/loop.py``)
+with a ZeroMQ transport. Two ZeroMQ pipes on ipc:// sockets join them (messages in
+``core/messages.py``):
 
     API process                                         engine-core process
     -----------                                         -------------------
@@ -40,7 +41,10 @@ import torch
 import zmq
 
 from treadle.config import EngineDeadError, InvalidRequestError, TreadleError
-from treadle.engine.core_messages import (
+from treadle.engine.client.engine_client import EngineClient, Sink, post_by_loop, settle
+from treadle.engine.core.engine_core import EngineSnapshot
+from treadle.engine.core.loop import IDLE_WAIT_S
+from treadle.engine.core.messages import (
     AbortRequests,
     AddRequest,
     Admitted,
@@ -58,15 +62,15 @@ from treadle.engine.core_messages import (
     from_core_decoder,
     from_wire,
 )
-from treadle.engine.core_proc import IDLE_WAIT_MS, run_engine_core
-from treadle.engine.engine_client import EngineClient, Sink, post_by_loop
-from treadle.engine.engine_core import EngineSnapshot
+from treadle.engine.core.process import run_engine_core
 from treadle.engine.llm_engine import LLMEngine, PromptType, StepFailedError
 from treadle.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from treadle.loaders import open_model_source
 from treadle.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("treadle")
+
+IDLE_WAIT_MS = int(IDLE_WAIT_S * 1000)  # how often the reader thread looks at the engine process
 
 
 class _Stream:
@@ -210,7 +214,7 @@ class EngineCoreClient(EngineClient):
             self._send(AbortRequests(ids))
 
     async def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
-        """Run ``core_proc.UTILITIES[method](core, *args)`` in the engine process, between steps."""
+        """Run ``core.loop.UTILITIES[method](core, *args)`` in the engine process, between steps."""
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         call_id = next(self._call_ids)
         with self._lock:
@@ -332,12 +336,12 @@ class EngineCoreClient(EngineClient):
                     if error is not None:
                         self._streams.pop(request_id, None)
                 if done is not None:
-                    _settle(done, None, None if error is None else from_wire(error))
+                    settle(done, None, None if error is None else from_wire(error))
         elif isinstance(msg, UtilityResult):
             with self._lock:
                 call = self._calls.pop(msg.call_id, None)
             if call is not None:
-                _settle(call, msg.value, None if msg.error is None else from_wire(msg.error))
+                settle(call, msg.value, None if msg.error is None else from_wire(msg.error))
         elif isinstance(msg, EngineDead):
             logger.error("%s; failing all open requests", msg.reason)
             self._fail_everything(EngineDeadError(msg.reason))
@@ -371,15 +375,6 @@ class EngineCoreClient(EngineClient):
         for done in waiting:
             if not done.done():
                 done.set_exception(error)
-
-
-def _settle(future: concurrent.futures.Future[Any], value: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(value)
-    else:
-        future.set_exception(error)
 
 
 def _kill(proc: multiprocessing.process.BaseProcess) -> None:

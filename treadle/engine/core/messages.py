@@ -1,7 +1,7 @@
 """The wire between the API process and the engine-core process: msgspec structs,
 one per msgpack frame, on two ZeroMQ PUSH/PULL pipes.
 
-    API process (EngineCoreClient)                  engine-core process (core_proc)
+    API process (EngineCoreClient)                  engine-core process (process.py)
       input PUSH  ---- AddRequest | AbortRequests | UtilityCall | Shutdown ---->  PULL
       output PULL <--- Ready | StartupFailed | Admitted | StepReport | RequestsFailed |
                        UtilityResult | EngineDead ------------------------------  PUSH
@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from treadle.config import EngineDeadError, InvalidRequestError, TreadleError
-from treadle.engine.engine_core import EngineSnapshot, QueueFullError
+from treadle.engine.core.engine_core import EngineSnapshot, QueueFullError
 from treadle.engine.outputs import Logprob, RequestMetrics
 from treadle.sampling_params import SamplingParams, SamplingParamsError
 
@@ -43,7 +43,7 @@ class AbortRequests(_Msg):
 
 class UtilityCall(_Msg):
     call_id: int
-    method: str  # one of core_proc.UTILITIES
+    method: str  # one of loop.UTILITIES
     args: list[Any] = []
 
 
