@@ -226,6 +226,7 @@ class CacheConfig:
     bytes_per_block: int
     enable_prefix_caching: bool
     kv_cache_dtype: str  # what the cache holds: the model's float dtype name, "int8" or "fp8"
+    hybrid_kv: bool = False  # a block table per KV group, sliding groups keep their window (core/kv_groups.py)
 
     @property
     def num_tokens(self) -> int:

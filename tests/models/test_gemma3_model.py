@@ -102,7 +102,9 @@ def test_logits_match_transformers_through_paged_cache(gemma_dir: Path, hf_model
 ENGINE_PATHS = {
     "batch": {},
     "chunked": dict(max_num_batched_tokens=8),
-    "preempt": dict(num_kv_blocks=12, block_size=8),
+    # hybrid KV: a block holds one layer's KV here (4 groups of 1 layer), so 40 blocks are 10 of one table
+    "preempt": dict(num_kv_blocks=40, block_size=8),
+    "preempt-one-table": dict(num_kv_blocks=12, block_size=8, disable_hybrid_kv_cache_manager=True),
     "ngram-spec": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                            "prompt_lookup_max": 2}),
 }
@@ -113,7 +115,7 @@ def test_engine_greedy_matches_transformers(gemma_dir: Path, hf_model, path: str
     prompts = _prompts(3)
     got, llm = run(gemma_dir, prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
                    **ENGINE_PATHS[path])
-    if path == "preempt":
+    if path.startswith("preempt"):
         assert llm.engine.stats.num_preemptions > 0
     for prompt, tokens in zip(prompts, got):
         assert tokens == _hf_greedy(hf_model, prompt, NEW_TOKENS)

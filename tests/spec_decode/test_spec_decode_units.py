@@ -153,7 +153,7 @@ def test_prefix_index_never_holds_rejected_tokens() -> None:
     step(s, {"a": [20]}, {"a": [91, 92, 93, 94, 95]})  # drafts would fill block 1 and spill into 2
     step(s, {"a": [21]}, {})  # every draft rejected
     assert r.num_computed_tokens == 4
-    keys = [b.key for b in s.kv._blocks["a"] if b.key is not None]
+    keys = [b.key for b in s.kv._tables["a"][0] if b is not None and b.key is not None]
     assert keys == [(0, (10, 11, 12, 20))]  # only the computed, accepted block
     assert all(b.key is None or not set(b.key[1]) & {91, 92, 93, 94, 95} for b in s.kv.pool.blocks)
 

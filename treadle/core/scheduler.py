@@ -72,10 +72,12 @@ class Scheduler:
                 f"{total} tokens, more than max_model_len ({self.config.max_model_len})",
                 param, "context_length_exceeded",
             )
-        if self.kv.blocks_needed(total) > self.kv.pool.num_blocks:
-            prompt_alone = self.kv.blocks_needed(req.num_prompt_tokens) > self.kv.pool.num_blocks
+        chunk = self.config.max_num_batched_tokens
+        need = self.kv.peak_blocks(total, chunk)
+        if need > self.kv.pool.num_blocks:
+            prompt_alone = self.kv.peak_blocks(req.num_prompt_tokens, chunk) > self.kv.pool.num_blocks
             raise InvalidRequestError(
-                f"request needs {self.kv.blocks_needed(total)} KV blocks but the whole cache has "
+                f"request needs {need} KV blocks but the whole cache has "
                 f"{self.kv.pool.num_blocks}; raise kv_cache_memory or lower max_tokens",
                 "prompt" if prompt_alone else "max_tokens", "context_length_exceeded",
             )
@@ -121,7 +123,8 @@ class Scheduler:
             drafts = req.spec_token_ids[: max(0, req.num_computed_tokens + n - req.num_tokens)]
             propose = self.spec is not None and self.spec.will_speculate(req.request_id, len(self.running))
             out.append(ScheduledRequest(req.request_id, self.kv.block_ids(req.request_id),
-                                        req.num_computed_tokens, n, drafts, self._unsent_tokens(req), propose))
+                                        req.num_computed_tokens, n, drafts, self._unsent_tokens(req), propose,
+                                        self.kv.group_block_ids(req.request_id)))
             self._in_flight.add(req.request_id)
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         return SchedulerOutput(new_reqs, out, finished, preempted, self._connector_metadata())
@@ -203,17 +206,17 @@ class Scheduler:
                     budget -= n
                 continue
             cached = self.kv.match_prefix(req)
-            remaining = req.num_tokens - len(cached) * self.kv.block_size
+            num_cached = cached.num_blocks * self.kv.block_size
+            remaining = req.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
             n = min(remaining, budget)
-            if not self.kv.allocate_slots(req, n + self._lookahead(req, len(cached) * self.kv.block_size + n),
-                                          cached):
+            if not self.kv.allocate_slots(req, n + self._lookahead(req, num_cached + n), cached):
                 break
             self._waiting.pop()
             if req.num_preemptions == 0:
-                req.num_cached_prompt_tokens = len(cached) * self.kv.block_size
-            req.num_computed_tokens = len(cached) * self.kv.block_size
+                req.num_cached_prompt_tokens = num_cached
+            req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled[req.request_id] = n
@@ -256,7 +259,7 @@ class Scheduler:
             tokens = result.sampled.get(s.request_id)
             if tokens is None:
                 req.num_computed_tokens += s.num_scheduled_tokens
-                self.kv.cache_computed_blocks(req)
+                self.kv.on_tokens_computed(req)
                 continue
             num_rejected = len(s.draft_token_ids) - (len(tokens) - 1)
             req.num_computed_tokens += s.num_scheduled_tokens - num_rejected
@@ -269,7 +272,7 @@ class Scheduler:
                 continue
             if num_rejected:
                 self.kv.trim(req)
-            self.kv.cache_computed_blocks(req)
+            self.kv.on_tokens_computed(req)
             req.spec_token_ids = result.draft_token_ids.get(req.request_id, [])[: self._max_drafts(req)]
             touched.append(req)
         return touched

@@ -38,6 +38,8 @@ class ScheduledRequest:
     # that would hold every stage to the slowest step)
     new_token_ids: list[int] = field(default_factory=list)
     propose: bool = True  # the runner drafts for the next step (False: the fallback would drop them)
+    # hybrid KV (core/kv_groups.py): the tables of KV groups 1.. (``block_ids`` is group 0's); empty: one group
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

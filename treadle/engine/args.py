@@ -43,6 +43,9 @@ class EngineArgs:
                                                 "the weights given to the KV cache")
     block_size: int = _arg(16, "tokens per KV block")
     num_kv_blocks: int | None = _arg(None, "exact number of KV blocks (overrides the memory budget)", type=int)
+    disable_hybrid_kv_cache_manager: bool = _arg(
+        False, "one block table for all layers, also on models mixing sliding-window and full-attention layers "
+               "(Gemma 3), whose sliding layers then keep every token's KV instead of their window's")
     kv_cache_dtype: str = _arg("auto", "what the KV cache stores: auto (the model's dtype), int8 (symmetric, a "
                                        "float32 scale per token and KV head) or fp8 (e4m3, scaled the same way); "
                                        "int8/fp8 hold ~2x the tokens of bf16, ~4x of float32",

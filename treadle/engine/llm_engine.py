@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from treadle.config import EngineConfig, EngineDeadError, InvalidRequestError, TreadleError
 from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.kv_groups import kv_groups
 from treadle.core.request import Request, RequestStatus
 from treadle.core.scheduler import Scheduler
 from treadle.core.spec_fallback import FallbackController
@@ -65,7 +66,8 @@ class LLMEngine:
                     config.attention_backend,
                     config.parallel.distributed_executor_backend)
         self.kv_manager = KVCacheManager(capacity.num_blocks, capacity.block_size,
-                                         config.cache.enable_prefix_caching)
+                                         config.cache.enable_prefix_caching,
+                                         kv_groups(self.model_config, config.cache.hybrid_kv).windows)
         spec = config.speculative
         self.spec = None if spec is None else FallbackController(spec.fallback)
         sched_kw: dict[str, Any] = dict(max_batches=self.executor.max_concurrent_batches,

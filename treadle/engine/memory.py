@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from treadle.config import ModelConfig, TreadleError
+from treadle.core.kv_groups import kv_groups
 from treadle.layers.attention.kv_quant import row_bytes
 from treadle.models.registry import model_layout
 
@@ -29,10 +30,11 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return model_layout(cfg.architecture).weight_bytes(cfg, torch.tensor([], dtype=dtype).element_size())
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, cache_dtype: torch.dtype) -> int:
-    """K and V of ``block_size`` tokens in every layer, in a cache of ``cache_dtype`` (a
-    quantized cache's per-row scales included)."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row_bytes(cfg.head_dim, cache_dtype)
+def bytes_per_block(cfg: ModelConfig, block_size: int, cache_dtype: torch.dtype, hybrid: bool = False) -> int:
+    """K and V of ``block_size`` tokens in every layer (``hybrid``: in one KV group's layers,
+    ``core/kv_groups.py``), in a cache of ``cache_dtype`` (a quantized cache's per-row scales included)."""
+    layers = kv_groups(cfg, hybrid).group_size
+    return 2 * layers * block_size * cfg.num_kv_heads * row_bytes(cfg.head_dim, cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -69,17 +71,19 @@ def plan_kv_cache(
     on_cpu: bool,
     draft: ModelConfig | None = None,
     draft_token_bytes: int = 0,
+    hybrid: bool = False,
 ) -> KVPlan:
     """How many blocks to allocate: ``num_blocks`` if given; else ``kv_cache_memory`` bytes
     (checked against ``available``); else ``memory_fraction`` of the memory left after the
     weights, capped (on the CPU) and never more than ``max_num_seqs`` full-length sequences use.
     ``draft``: a draft model whose KV shares the blocks (a block holds both models' KV).
     ``cache_dtype``: what the cache holds (a quantized cache's rows carry their scales).
-    ``draft_token_bytes``: what a proposer keeps per slot beside its KV (EAGLE: a hidden state)."""
-    per_block = bytes_per_block(cfg, block_size, cache_dtype) + block_size * draft_token_bytes
+    ``draft_token_bytes``: what a proposer keeps per slot beside its KV (EAGLE: a hidden state).
+    ``hybrid``: a block holds one KV group's layers, and a sequence has a table per group."""
+    per_block = bytes_per_block(cfg, block_size, cache_dtype, hybrid) + block_size * draft_token_bytes
     if draft is not None:
         per_block += bytes_per_block(draft, block_size, cache_dtype)
-    min_blocks = -(-max_model_len // block_size)
+    min_blocks = -(-max_model_len // block_size) * len(kv_groups(cfg, hybrid).groups)
     if num_blocks is not None:
         return KVPlan(num_blocks, block_size, per_block)
     if kv_cache_memory is not None:

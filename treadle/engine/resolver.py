@@ -44,6 +44,7 @@ from treadle.config import (
     SpeculativeConfig,
     TreadleError,
 )
+from treadle.core.kv_groups import kv_groups
 from treadle.distributed import check_parallel_sizes, shard_config, stage_layers
 from treadle.engine.args import (
     EXECUTOR_BACKENDS,
@@ -106,11 +107,14 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
         draft = draft_head_kv_config(speculative, source)
     kv_dtype = _kv_cache_dtype(args.kv_cache_dtype, dtype, source.config.head_dim)
     share = world if on_cpu else 1
+    # KV groups per attention kind (sliding layers keep their window) unless a KV connector moves blocks
+    kv_transfer = _kv_transfer_without_pipeline(args)
+    hybrid = not args.disable_hybrid_kv_cache_manager and kv_transfer is None and kv_groups(rank_cfg, True).hybrid
     plan = plan_kv_cache(
         rank_cfg, cache_dtype(kv_dtype), scheduler.max_model_len, scheduler.max_num_seqs, available // share, weights // world,
         block_size=args.block_size, kv_cache_memory=None if kv_memory is None else kv_memory // share,
         memory_fraction=args.kv_cache_memory_fraction, num_blocks=args.num_kv_blocks, on_cpu=on_cpu, draft=draft,
-        draft_token_bytes=draft_head_token_bytes(speculative, source, dtype),
+        draft_token_bytes=draft_head_token_bytes(speculative, source, dtype), hybrid=hybrid,
     )
     return EngineConfig(
         model=source.config,
@@ -119,7 +123,7 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
                         skip_tokenizer_init=args.skip_tokenizer_init),
         cache=CacheConfig(block_size=plan.block_size, num_blocks=plan.num_blocks,
                           bytes_per_block=plan.bytes_per_block, enable_prefix_caching=args.enable_prefix_caching,
-                          kv_cache_dtype=kv_dtype),
+                          kv_cache_dtype=kv_dtype, hybrid_kv=hybrid),
         scheduler=scheduler,
         parallel=parallel,
         device=str(device),
@@ -128,7 +132,7 @@ def resolve_config(args: EngineArgs, source: ModelSource, available: int) -> Eng
         enforce_eager=args.enforce_eager or device.type != "cuda" or world > 1 or source.config.moe is not None,
         fused_layers=args.fused_layers,
         speculative=speculative,
-        kv_transfer=_kv_transfer_without_pipeline(args),
+        kv_transfer=kv_transfer,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from treadle.config import EngineConfig
+from treadle.core.kv_groups import kv_groups
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.distributed import ParallelContext, shard_config, stage_layers
 from treadle.executor.base import KVCapacity
@@ -42,8 +43,9 @@ class Worker:
         cache, sched = config.cache, config.scheduler
         local = shard_config(loaded.config, parallel.tp_size, parallel.tp_rank)
         layers = stage_layers(local.num_layers, parallel.pp_size, parallel.pp_rank)
+        groups = kv_groups(local, cache.hybrid_kv)
         kv = allocate_kv_cache(local, cache.num_blocks, cache.block_size, cache_dtype(cache.kv_cache_dtype), device,
-                               layers)
+                               layers, groups)
         graphs = maybe_graph_runner(config.enforce_eager, device, loaded.model, kv, sched.max_num_seqs,
                                     -(-sched.max_model_len // cache.block_size), cache.block_size)
         if graphs is not None:
@@ -52,7 +54,7 @@ class Worker:
         fused = config.fused_layers and parallel.tp_size == 1
         self.runner = ModelRunner(loaded.model, kv, cache.block_size, sched.max_num_batched_tokens,
                                   device, config.load.seed, graphs, fused, parallel,
-                                  config.parallel.comm_overlap, grammars=grammars)
+                                  config.parallel.comm_overlap, grammars=grammars, kv_groups=groups)
         self.runner.proposer = build_proposer(config.speculative, loaded.model, kv, cache, device, fused)
         self._capacity = KVCapacity(cache.num_blocks, cache.block_size)
         placement = RankPlacement(loaded.config.num_kv_heads, parallel.tp_size, parallel.tp_rank)

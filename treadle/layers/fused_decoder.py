@@ -114,7 +114,7 @@ class FusedDecoderStack:
         kv_caches: list[KVCache],  # one per layer, all allocated alike (the first one is checked)
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # P/D layer-wise start: Python waits between layers
-        out = None if meta.wait_for_layer is not None or residual is not None else \
+        # P/D layer-wise start: Python waits between layers; hybrid KV: each layer has its own tables
+        out = None if meta.wait_for_layer is not None or meta.layer_meta is not None or residual is not None else \
             _run(self.kernel, self.workspace, positions, x, None, kv_caches, meta)
         return self.fallback(positions, x, residual, kv_caches, meta) if out is None else out

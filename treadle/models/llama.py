@@ -141,7 +141,7 @@ class LayerByLayer:
         for i in self.stage:
             if meta.wait_for_layer is not None:  # P/D layer-wise start: layer i's KV must have landed
                 meta.wait_for_layer(i)
-            x, residual = self.layers[i](positions, x, residual, kv_caches[i], meta)
+            x, residual = self.layers[i](positions, x, residual, kv_caches[i], meta.for_layer(i))
         assert residual is not None
         return x, residual
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from treadle.config import ModelConfig
+from treadle.core.kv_groups import KVGroups
 from treadle.core.step_data import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from treadle.distributed import ParallelContext
 from treadle.distributed.overlap import split_tokens
@@ -73,18 +74,24 @@ class BatchInputs:
 
 def allocate_kv_cache(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
-    layers: range | None = None,
+    layers: range | None = None, groups: KVGroups | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (k, v) pair per layer; ``cfg`` is the rank's (its KV heads). Layers outside
     ``layers`` (another pipeline stage's) get empty tensors. A quantized ``dtype`` (int8,
-    float8_e4m3fn) holds each row's scale after its values (``layers.attention.kv_quant``)."""
+    float8_e4m3fn) holds each row's scale after its values (``layers.attention.kv_quant``).
+    Hybrid ``groups`` (``core/kv_groups.py``): ``group_size`` pairs, layer l gets pair
+    ``slot_of(l)`` (one block id names rows of one group's layers)."""
     layers = range(cfg.num_layers) if layers is None else layers
 
     def pair(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (blocks, block_size, cfg.num_kv_heads, row_width(cfg.head_dim, dtype))
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
-    return [pair(num_blocks if i in layers else 0) for i in range(cfg.num_layers)]
+    if groups is None or not groups.hybrid:
+        return [pair(num_blocks if i in layers else 0) for i in range(cfg.num_layers)]
+    slots = [groups.slot_of(i) for i in range(cfg.num_layers)]
+    pairs = {slot: pair(num_blocks) for slot in sorted({slots[i] for i in layers})}
+    return [pairs[slots[i]] if i in layers else pair(0) for i in range(cfg.num_layers)]
 
 
 class ModelRunner:
@@ -105,8 +112,10 @@ class ModelRunner:
         overlap: bool = False,
         proposer: Proposer | None = None,
         grammars: GrammarMatchers | None = None,
+        kv_groups: KVGroups | None = None,
     ) -> None:
-        """``overlap`` (tensor parallelism without pipeline stages): cut each step of two or
+        """``kv_groups``: the layers' KV groups (hybrid: each group's layers read its own block
+        tables, ``ScheduledRequest.group_block_ids``; None: one group). ``overlap`` (tensor parallelism without pipeline stages): cut each step of two or
         more tokens into two micro-batches whose all-reduces overlap compute. ``grammars``:
         structured output (None: the model has no tokenizer, so no request can be constrained).
         ``proposer``: speculative decoding (``treadle.worker.proposers.build_proposer``)."""
@@ -128,12 +137,17 @@ class ModelRunner:
         self.overlap = overlap and self.parallel.tp_size > 1 and self.parallel.pp_size == 1
         self._micro_inputs = [StepInputBuilder(block_size, max_num_batched_tokens, self.device) for _ in range(2)]
         self._ids = np.zeros(max_num_batched_tokens, dtype=np.int64)
+        groups = kv_groups or KVGroups.single(model.config.num_layers)
+        self._layer_group = [groups.group_of(i) for i in range(groups.num_layers)] if groups.hybrid else None
+        self._group_inputs = [StepInputBuilder(block_size, max_num_batched_tokens, self.device)
+                              for _ in groups.groups[1:]]
 
     def _prepare(self, sched: SchedulerOutput) -> BatchInputs:
         n_tok = sched.total_num_scheduled_tokens
         if n_tok > self._ids.shape[0]:
             self._ids = np.zeros(n_tok, dtype=np.int64)
         query_lens, seq_lens, tables = [], [], []
+        group_tables: list[list[list[int]]] = [[] for _ in self._group_inputs]
         sample_rows: list[tuple[str, int]] = []
         verify_rows: list[tuple[str, int, list[int]]] = []
         prompt_rows: list[tuple[str, int, int, int]] = []
@@ -148,6 +162,8 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(s.block_ids)
+            for g, ids in enumerate(s.group_block_ids):
+                group_tables[g].append(ids)
             if start + real == state.num_tokens:
                 if drafts:
                     verify_rows.append((s.request_id, cursor + real - 1, drafts))
@@ -159,9 +175,11 @@ class ModelRunner:
             cursor += n
         positions, meta = self.inputs.build(query_lens, seq_lens, tables)
         meta.plan = self.backend.plan(meta)  # once per step, read by every layer
+        if self._layer_group is not None:
+            meta.layer_meta = self._layer_meta(meta, query_lens, seq_lens, group_tables)
         input_ids = torch.from_numpy(self._ids[:cursor]).to(self.device)
         batch = BatchInputs(input_ids, positions, meta, sample_rows, verify_rows, prompt_rows)
-        if self.overlap and cursor >= 2:
+        if self.overlap and cursor >= 2 and self._layer_group is None:
             batch.micro = []
             for builder, part in zip(self._micro_inputs, split_tokens(query_lens, seq_lens, tables, cursor // 2)):
                 pos, micro_meta = builder.build(*part)
@@ -169,11 +187,23 @@ class ModelRunner:
                 batch.micro.append((pos, micro_meta))
         return batch
 
+    def _layer_meta(self, meta: AttentionMetadata, query_lens: list[int], seq_lens: list[int],
+                    group_tables: list[list[list[int]]]) -> list[AttentionMetadata]:
+        """Hybrid KV: each layer's metadata, its group's tables over the step's tokens (planned once per group)."""
+        metas = [meta]
+        for builder, tables in zip(self._group_inputs, group_tables):
+            group_meta = builder.build(query_lens, seq_lens, tables).meta
+            group_meta.plan = self.backend.plan(group_meta)
+            metas.append(group_meta)
+        assert self._layer_group is not None
+        return [metas[g] for g in self._layer_group]
+
     def forward(self, batch: BatchInputs) -> torch.Tensor | None:  # [num_tokens, hidden_size]
         """Run the model over a prepared step (a captured CUDA graph when one fits). Under
         pipeline parallelism a stage receives the previous stage's carry and sends its own to
         the next; only the last stage returns hidden states (None elsewhere)."""
-        if self.graphs is not None and batch.meta.wait_for_layer is None and self.graphs.can_run(batch.meta):
+        if (self.graphs is not None and batch.meta.wait_for_layer is None and batch.meta.layer_meta is None
+                and self.graphs.can_run(batch.meta)):
             return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         par = self.parallel
         if batch.micro is not None:

@@ -61,6 +61,12 @@ class AttentionMetadata:
     plan: StepPlan | None = None  # the backend's, set by the runner from AttentionBackend.plan
     # P/D layer-wise start: the model calls it with i before layer i runs (some KV still arriving)
     wait_for_layer: Callable[[int], None] | None = None
+    # hybrid KV (core/kv_groups.py): layer i reads and writes through layer_meta[i] (its group's block
+    # tables and slots, same tokens and positions); None: every layer through this one
+    layer_meta: list[AttentionMetadata] | None = None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        return self if self.layer_meta is None else self.layer_meta[layer]
 
     @property
     def num_seqs(self) -> int:
