@@ -15,7 +15,7 @@ do, so K/V come from memory. Clock: thread CPU time with one thread (other jobs 
 machine then cost less), wall time with more; minimum and median of repeats (the minimum is the
 better estimate of what the kernel costs; the median shows the noise).
 
-Run: .venv/bin/python benchmarks/attention_floor_cpu.py [--threads N] [--batch 16] [--context 1000]
+Run: .venv/bin/python benchmarks/kernels/attention_floor_cpu.py [--threads N] [--batch 16] [--context 1000]
 
 ``--ref REF`` also builds git ref REF's kernels and times them on the same caches, call by call
 interleaved with this tree's (both through ctypes, so neither pays the Python wrapper), and
@@ -23,17 +23,15 @@ prints their ratio per case: the A/B for a change to ``paged_attention.c``.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
-import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
+import harness
 import torch
+from harness import Case, Run, Timings
 
-from qmatmul_batch_cpu import build_ref  # a sibling script (benchmarks/ is on sys.path)
 from treadle.kernels import native
 from treadle.kernels.attention import KV_FORMATS, paged_decode
 from treadle.layers.attention import build_attention_metadata
@@ -44,31 +42,18 @@ COLD_BYTES = 256 << 20
 FORMATS = {"float32": (torch.float32, 0), "bfloat16": (torch.bfloat16, 0), "int8": (torch.int8, 4)}
 
 
-def timed(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
-    """(min, median) seconds of fn over repeats, after one warm-up call."""
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = clock()
-        fn()
-        times.append(clock() - t)
-    return min(times), statistics.median(times)
-
-
-def bandwidth(repeats: int = 9) -> tuple[float, float]:
+def bandwidth(run: Run, repeats: int = 9) -> tuple[float, float]:
     """(read GB/s, copy GB/s counting read + written bytes), best of repeats."""
     big = torch.rand(128 << 20)  # 512 MiB
-    read, _ = timed(lambda: big.sum(), repeats)
     src, dst = big[: 64 << 20], torch.empty(64 << 20)
-    copy, _ = timed(lambda: dst.copy_(src), repeats)
-    return big.numel() * 4 / read / 1e9, 2 * src.numel() * 4 / copy / 1e9
+    t = run.time([Case("read", lambda: big.sum()), Case("copy", lambda: dst.copy_(src))], repeats, warmup=1)
+    return big.numel() * 4 / t.best("read") / 1e9, 2 * src.numel() * 4 / t.best("copy") / 1e9
 
 
-def kv_case(batch: int, context: int, fmt: str, repeats: int,
-            ref: ctypes.CDLL | None = None) -> tuple[float, float, int, tuple[float, float] | None]:
-    """(min s, median s, KV bytes read, the ref's (min s, median s) or None) of one layer's decode
-    attention over a cold cache."""
+def kv_case(run: Run, batch: int, context: int, fmt: str, ref_name: str | None = None,
+            ref: ctypes.CDLL | None = None) -> tuple[Timings, int]:
+    """(seconds per layer call of "this tree" and, with a ref, of ``ref_name``; KV bytes read) of
+    one layer's decode attention over a cold cache."""
     dtype, extra = FORMATS[fmt]
     g = torch.Generator().manual_seed(0)
     need = -(-context // BS)
@@ -94,14 +79,13 @@ def kv_case(batch: int, context: int, fmt: str, repeats: int,
     slots, block_tables, lens = plan.decode.kernel_args
     no_write = torch.full_like(slots, -1)  # attend only: the timed bytes are the reads
 
-    def run() -> None:
+    def run_all() -> None:
         for kc, vc in caches:
             assert paged_decode(q, k, v, kc, vc, no_write, block_tables, lens, D**-0.5) is not None
 
     nbytes = 2 * batch * context * row_bytes
     if ref is None:
-        best, med = timed(run, repeats)
-        return best / copies, med / copies, nbytes, None
+        return run.time([Case("this tree", run_all, calls=copies)]), nbytes
     out = torch.empty(batch, H, D)
     kv_format = KV_FORMATS[dtype][0]
     q, k, v = (t.float() for t in (q, k, v))  # what paged_decode hands the kernel
@@ -114,49 +98,36 @@ def kv_case(batch: int, context: int, fmt: str, repeats: int,
                  block_tables.shape[1], BS, H, HKV, D, 0, D**-0.5, kv_format, out.data_ptr()) for kc, vc in caches]
         return lambda: [fn(*a) for a in args] and None
 
-    mine, theirs = direct(native.library()), direct(ref)
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    mine(), theirs()
-    t_mine, t_ref = [], []
-    for _ in range(repeats):
-        for fn, ts in ((mine, t_mine), (theirs, t_ref)):
-            t = clock()
-            fn()
-            ts.append(clock() - t)
-    return (min(t_mine) / copies, statistics.median(t_mine) / copies, nbytes,
-            (min(t_ref) / copies, statistics.median(t_ref) / copies))
+    assert ref_name is not None
+    cases = [Case("this tree", direct(native.library()), calls=copies), Case(ref_name, direct(ref), calls=copies)]
+    return run.time(cases), nbytes
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=None)
+    ap = harness.parser(__doc__, repeats=15, threads=None)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--context", type=int, nargs="+", default=[1000])
-    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--ref", default=None, help="a git ref whose kernels to time beside this tree's")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    read, copy = bandwidth()
-    clock = "thread CPU time" if torch.get_num_threads() == 1 else "wall"
-    print(f"threads={torch.get_num_threads()} clock={clock} kernels={native.describe()}")
+    run = harness.start(args)
+    read, copy = bandwidth(run)
     print(f"read bandwidth {read:.1f} GB/s, copy {copy:.1f} GB/s (read + write)")
-    print(f"{'case':22s} {'KV MB':>7s} {'min ms':>8s} {'med ms':>8s} {'x30 ms':>7s} {'GB/s':>6s} {'floor ms':>9s} "
-          f"{'% floor':>8s}")
+    rows: list[list[object]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        ref = build_ref(args.ref, Path(tmp)) if args.ref else None
+        ref = harness.build_ref(args.ref, Path(tmp)) if args.ref else None
         for batch in args.batch:
             for context in args.context:
                 for fmt in FORMATS:
-                    best, med, nbytes, theirs = kv_case(batch, context, fmt, args.repeats, ref)
+                    t, nbytes = kv_case(run, batch, context, fmt, args.ref, ref)
                     floor = nbytes / (read * 1e9)
-                    print(f"b{batch} ctx{context} {fmt:9s} {nbytes / 1e6:7.2f} {best * 1e3:8.3f} {med * 1e3:8.3f} "
-                          f"{best * LAYERS * 1e3:7.2f} {nbytes / best / 1e9:6.1f} {floor * 1e3:9.3f} "
-                          f"{100 * floor / best:7.0f}%")
-                    if theirs:
-                        print(f"{'  ' + args.ref:22s} {'':7s} {theirs[0] * 1e3:8.3f} {theirs[1] * 1e3:8.3f} "
-                              f"{theirs[0] * LAYERS * 1e3:7.2f} {nbytes / theirs[0] / 1e9:6.1f} {'':9s} "
-                              f"{100 * floor / theirs[0]:7.0f}%   this tree {theirs[1] / med:.2f}x (medians)")
+                    for name in t.names:
+                        best, med = t.best(name), t.median(name)
+                        rows.append([f"b{batch} ctx{context} {fmt}", name, nbytes / 1e6, best * 1e3, med * 1e3,
+                                     best * LAYERS * 1e3, nbytes / best / 1e9, floor * 1e3, f"{100 * floor / best:.0f}%",
+                                     f"{t.ratio(name, 'this tree'):.2f}"])
+    run.table(["case", "build", "KV MB", "min ms", "med ms", "x30 ms", "GB/s", "floor ms", "% floor",
+               "x this tree (medians)"], rows, title="one layer's decode attention, per call")
+    run.finish()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """How close the 8-bit activation matmul (csrc/q8act.c) runs to this CPU's integer-dot ceiling.
 
-    .venv/bin/python benchmarks/int8_peak_cpu.py [--batch 256]
+    .venv/bin/python benchmarks/kernels/int8_peak_cpu.py [--batch 256]
 
 On AVX2 without VNNI, a 32-byte dot step is one ``vpmaddubsw`` (32 multiply-adds into int16 pairs),
 and every 8 steps of a Q4 block take one ``vpmaddwd`` to widen to int32 (Q8_0: one per step, its
@@ -14,21 +14,17 @@ the fraction is this machine's whatever its clock is doing; the figures name the
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import subprocess
-import sys
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 
+import harness
 import torch
+from harness import Case
 
-ROOT = Path(__file__).parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from gguf_files import random_blocks  # noqa: E402
-
-from treadle.kernels import native  # noqa: E402
+from treadle.kernels import native
 
 LOOPS = r"""
 #include <immintrin.h>
@@ -77,46 +73,41 @@ def loops(tmp: Path) -> ctypes.CDLL:
     return so
 
 
-def matmul_rate(qtype: str, n: int, k: int, m: int, repeats: int) -> float:
-    """Multiply-adds per second of one thread's 8-bit matmul, packed rows where the type packs."""
-    w = random_blocks(qtype, n, k, seed=1).data.reshape(-1).clone()
+MATMULS = (("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576))
+
+
+def matmul(qtype: str, n: int, k: int, m: int) -> Callable[[], object]:
+    """One thread's 8-bit matmul of ``m`` rows, packed rows where the type packs."""
+    w = harness.random_blocks(qtype, n, k, seed=1).clone()
     seg = native.pack_rows(qtype, w, n, k) if qtype in native.PACKED.values() else qtype
     x = torch.randn(m, k)
-    native.qmatmul(((seg, n),), w, x, act_bits=8)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.thread_time()
-        native.qmatmul(((seg, n),), w, x, act_bits=8)
-        best = min(best, time.thread_time() - t)
-    return n * k * m / best
+    return lambda: native.qmatmul(((seg, n),), w, x, act_bits=8)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__, repeats=7, threads=1)
     ap.add_argument("--batch", type=int, default=256, help="activation rows of the timed matmuls")
-    ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    flags = sorted({f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-                    for f in line.split(":")[1].split() if f.startswith(("avx", "fma", "amx"))})
-    print(f"CPU flags: {' '.join(flags)}; kernels: {native.selected_variant()}; one thread")
+    args.threads = 1  # the instruction loops run on one thread: so does the matmul they bound
+    run = harness.start(args)
     with tempfile.TemporaryDirectory() as tmp:
         so = loops(Path(tmp))
         n = 50_000_000
         rate = {name: max(getattr(so, name)(n) for _ in range(3))
                 for name in ("maddubs", "maddwd", "add16", "fma_ps", "mixed")}
-    print("| instruction (8 chains) | G per s |\n|---|---|")
-    for name, r in rate.items():
-        print(f"| {name} | {r / 1e9:.2f} |")
+    run.table(["instruction (8 chains)", "G per s"], [[name, r / 1e9] for name, r in rate.items()], digits=2)
     shared = rate["mixed"] < 1.5 * min(rate["maddubs"], rate["maddwd"])
     print(f"vpmaddubsw and vpmaddwd {'share' if shared else 'do not share'} a port "
           f"(both at once: {rate['mixed'] / 1e9:.2f} G/s)")
     slot = rate["maddubs"]
     ceilings = {"Q4_1": 32 * slot * (8 / 9 if shared else 1), "Q8_0": 32 * slot / (2 if shared else 1)}
-    print(f"\n| matmul (M={args.batch}) | GMAC/s | ceiling GMAC/s | fraction |\n|---|---|---|---|")
-    for qtype, n_, k in (("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576)):
-        got = matmul_rate(qtype, n_, k, args.batch, args.repeats)
-        print(f"| {qtype} {n_}x{k} | {got / 1e9:.1f} | {ceilings[qtype] / 1e9:.1f} | {got / ceilings[qtype]:.0%} |")
+    t = run.time([Case(f"{qtype} {n_}x{k}", matmul(qtype, n_, k, args.batch)) for qtype, n_, k in MATMULS])
+    rows = []
+    for qtype, n_, k in MATMULS:
+        got = n_ * k * args.batch / t.best(f"{qtype} {n_}x{k}")  # multiply-adds per second, best of repeats
+        rows.append([f"{qtype} {n_}x{k}", f"{got / 1e9:.1f}", f"{ceilings[qtype] / 1e9:.1f}", f"{got / ceilings[qtype]:.0%}"])
+    run.table([f"matmul (M={args.batch})", "GMAC/s", "ceiling GMAC/s", "fraction"], rows)
+    run.finish()
 
 
 if __name__ == "__main__":

@@ -3,32 +3,37 @@ so a token's bits do not depend on how its prompt was cut) against torch's SDPA 
 over the gathered context (what it did before), side by side, interleaved, one layer of
 SmolLM2-135M's shape (9 query heads, 3 KV heads, head_dim 64), float32 cache.
 
-    .venv/bin/python benchmarks/prefill_attention_cpu.py --threads 2
+    .venv/bin/python benchmarks/kernels/prefill_attention_cpu.py --threads 2
 """
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
+from collections.abc import Callable
 
+import harness
 import torch
+from harness import Case
 
-from treadle.layers.attention import build_attention_metadata
+from treadle.layers.attention import AttentionMetadata, build_attention_metadata
 from treadle.layers.attention.backend import AttentionSpec
 from treadle.layers.attention.cpu import DECODE_ROWS_MAX, CPUBackend, build_plan
+from treadle.layers.attention.metadata import StepPlan
 
 H, HKV, D, BS = 9, 3, 64, 16
 
 
+def use_plan(meta: AttentionMetadata, plan: StepPlan) -> Callable[[], None]:
+    def switch() -> None:
+        meta.plan = plan
+    return switch
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=15)
+    ap = harness.parser(__doc__, repeats=15, threads=2, clock="wall")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    run = harness.start(args)
     spec = AttentionSpec(H, HKV, D, D ** -0.5)
     backend = CPUBackend()
-    print(f"threads {args.threads}; ms per layer call, median of {args.repeats} (rows = C kernel, sdpa = before)")
+    rows = []
     for context, q_len in [(0, 512), (0, 128), (384, 128), (1024, 512)]:
         seq = context + q_len
         blocks = list(range(1, -(-seq // BS) + 1))
@@ -36,15 +41,14 @@ def main() -> None:
         meta = build_attention_metadata([q_len], [seq], [blocks], BS)
         q, k, v = torch.randn(q_len, H, D), torch.randn(q_len, HKV, D), torch.randn(q_len, HKV, D)
         plans = {"rows": build_plan(meta), "sdpa": build_plan(meta, DECODE_ROWS_MAX)}
-        times: dict[str, list[float]] = {name: [] for name in plans}
-        for _ in range(args.repeats + 1):
-            for name, plan in plans.items():
-                meta.plan = plan
-                t = time.perf_counter()
-                backend.forward(q, k, v, cache[0], cache[1], meta, spec)
-                times[name].append(time.perf_counter() - t)
-        rows, sdpa = (statistics.median(times[n][1:]) * 1e3 for n in ("rows", "sdpa"))
-        print(f"context {context:5d} + {q_len:4d} new: rows {rows:7.3f}  sdpa {sdpa:7.3f}  ratio {rows / sdpa:5.2f}")
+        def layer(q=q, k=k, v=v, cache=cache, meta=meta) -> None:  # noqa: ANN001
+            backend.forward(q, k, v, cache[0], cache[1], meta, spec)
+
+        t = run.time([Case(name, layer, before=use_plan(meta, plan)) for name, plan in plans.items()])
+        rows.append([context, q_len, t.median("rows") * 1e3, t.median("sdpa") * 1e3, f"{t.ratio('rows', 'sdpa'):.2f}"])
+    run.table(["context", "new", "rows ms", "sdpa ms", "rows / sdpa"], rows,
+              title="ms per layer call, median (rows = C kernel, sdpa = before)")
+    run.finish()
 
 
 if __name__ == "__main__":

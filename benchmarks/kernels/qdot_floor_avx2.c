@@ -5,7 +5,7 @@
  * then the 8-bit activation path's mix (csrc/q8act.c: vpmaddubsw + vpmaddwd with ones + vcvtdq2ps +
  * vmulps + vfmadd, same tile) and its integer half.
  *
- *   gcc -O3 -mavx2 -mfma benchmarks/qdot_floor_avx2.c -o /tmp/qdot && /tmp/qdot
+ *   gcc -O3 -mavx2 -mfma benchmarks/kernels/qdot_floor_avx2.c -o /tmp/qdot && /tmp/qdot
  *
  * Thread CPU time, best of 5. */
 #include <immintrin.h>
