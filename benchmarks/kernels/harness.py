@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -103,11 +105,16 @@ def interleave(cases: Sequence[Case], repeats: int, warmup: int, clock: Callable
 
 
 def machine() -> dict[str, Any]:
-    """The CPU model, its SIMD features, logical CPUs, torch threads and the kernel variant."""
-    from treadle.bench.doctor import cpu_info
-    from treadle.kernels import native
+    """The CPU model, its SIMD features, logical CPUs, torch threads and the kernel variant, as
+    ``treadle doctor`` reports them (a tree on PYTHONPATH older than the doctor: the bare platform)."""
+    try:
+        from treadle.bench.doctor import cpu_info
+        from treadle.kernels import native
 
-    return {**cpu_info(), "kernels": native.describe()}
+        return {**cpu_info(), "kernels": native.describe()}
+    except (ImportError, AttributeError):
+        return {"model": platform.processor() or platform.machine(), "features": [], "logical_cpus": os.cpu_count(),
+                "threads": torch.get_num_threads(), "kernels": "unknown (no treadle doctor in this tree)"}
 
 
 def parser(doc: str | None, *, repeats: int = 15, warmup: int = 1, threads: int | None = 1,
@@ -116,8 +123,8 @@ def parser(doc: str | None, *, repeats: int = 15, warmup: int = 1, threads: int 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=repeats, help="timed rounds (default %(default)s)")
     ap.add_argument("--warmup", type=int, default=warmup, help="untimed rounds first (default %(default)s)")
-    ap.add_argument("--threads", type=int, default=threads, help="torch threads (default: %(default)s; "
-                    "None: torch's own)")
+    ap.add_argument("--threads", type=int, default=threads,
+                    help="torch threads (default: " + (str(threads) if threads else "torch's own") + ")")
     ap.add_argument("--clock", choices=["auto", *CLOCKS], default=clock,
                     help="auto: thread CPU time at one thread, wall time with more (default %(default)s)")
     ap.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the tables here")
