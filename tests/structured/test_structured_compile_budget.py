@@ -20,7 +20,7 @@ from treadle.config import InvalidRequestError
 from treadle.loaders.resolve import resolve_model
 from treadle.sampling_params import StructuredOutputsParams
 from treadle.server.state import ServerLimits
-from treadle.structured.compiler import tokenizer_info
+from treadle.structured.compiler import GrammarCompiler, tokenizer_info
 from treadle.structured.probe import CompileProbe
 
 CMPL = "/v1/completions"
@@ -44,7 +44,7 @@ def test_probe_refuses_slow_and_large_specs_and_compiles_each_spec_once() -> Non
     engine = LLM("stories260k").engine
     cfg = engine.model_config
     info = tokenizer_info(engine.tokenizer, cfg.vocab_size, cfg.stop_token_ids)
-    probe = CompileProbe(info.serialize_json(), max_seconds=0.5, max_bytes=40_000)
+    probe = CompileProbe(info.serialize_json(), max_seconds=0.5, max_bytes=40_000, direct_chars=0)  # all to the child
     try:
         probe.check(spec(5))  # starts the child (not charged to the budget)
         probe.check(spec(5))
@@ -58,9 +58,38 @@ def test_probe_refuses_slow_and_large_specs_and_compiles_each_spec_once() -> Non
             probe.check(spec(2000))  # ~56 KB
         assert probe.compiles == 2  # refused by its size, never compiled
         with pytest.raises(InvalidRequestError, match='invalid JSON schema for structured output: Unsupported type'):
-            probe.check(StructuredOutputsParams(json='{"type": "nope"}'))  # a fresh child, started after the kill
-        probe.check(spec(6))
-        assert probe.compiles == 4
+            probe.check(StructuredOutputsParams(json='{"type": "nope"}'))  # found by the grammar build, not compiled
+        probe.check(spec(6))  # a fresh child, started after the kill
+        assert probe.compiles == 3
+    finally:
+        probe.close()
+
+
+def test_a_small_spec_is_compiled_once_by_the_engine_and_only_a_large_one_in_the_probe() -> None:
+    """The server's path for a spec: CompileProbe.check, then the engine's GrammarCompiler.
+    A small spec (most: a grammar of <= DIRECT_CHARS characters, ~0.1 s at most) skips the
+    probe's child, so it is compiled once; before, every spec was compiled twice."""
+    engine = LLM("stories260k").engine
+    cfg = engine.model_config
+    compiler = GrammarCompiler(engine.tokenizer, cfg.vocab_size, cfg.stop_token_ids)
+    probe = CompileProbe(tokenizer_info(engine.tokenizer, cfg.vocab_size, cfg.stop_token_ids).serialize_json(),
+                         max_seconds=60.0, max_bytes=40_000)
+    small = [spec(5), StructuredOutputsParams(regex="[a-z]{1,8}"), StructuredOutputsParams(choice=["yes", "no"]),
+             StructuredOutputsParams(grammar='root ::= "a" | "b"')]
+    try:
+        for s in small:
+            probe.check(s)
+            compiler.compile(s)
+        assert (probe.compiles, compiler.compiles) == (0, len(small))  # once each, in the engine
+        with pytest.raises(InvalidRequestError, match="invalid JSON schema for structured output: Unsupported type"):
+            probe.check(StructuredOutputsParams(json='{"type": "nope"}'))  # found by the grammar build
+        with pytest.raises(InvalidRequestError, match="invalid regex"):
+            probe.check(StructuredOutputsParams(regex="(a"))
+        assert probe.compiles == 0
+        large = spec(200)  # ~27,000 grammar characters: the child compiles it under the budget
+        probe.check(large)
+        probe.check(large)  # remembered
+        assert probe.compiles == 1
     finally:
         probe.close()
 

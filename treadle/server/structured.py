@@ -83,8 +83,9 @@ def grammar_probe(state: ServerState) -> CompileProbe:
 def check_compile_budget(state: ServerState, structured: StructuredRequest,
                          left: threading.Event | None = None) -> None:
     """In a worker thread: a 400 naming --max-grammar-bytes or --max-grammar-compile-s when the
-    spec is too large or does not compile in time (compiled in a child process that is killed
-    at the deadline), or naming the spec's problem; the engine then compiles it knowing it fits."""
+    spec is too large or, being large, does not compile in time (in a child process that is
+    killed at the deadline), or naming the spec's problem. The engine then compiles it: the
+    only compile of a small spec (most), a second one, known to fit, of a large one."""
     if structured.spec.kind == "json_object":  # one fixed, tiny grammar
         return
     try:

@@ -9,7 +9,6 @@ low and has no multi-second first-token outliers; it also takes EBNF grammars di
 """
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -19,13 +18,11 @@ import xgrammar as xgr
 from treadle.config import InvalidRequestError
 from treadle.sampling_params import STRUCTURED_PARAM as PARAM
 from treadle.sampling_params import StructuredOutputsParams
-from treadle.structured.probe_child import choice_grammar
-from treadle.structured.probe_child import reason as _reason
+from treadle.structured.probe import spec_text
+from treadle.structured.probe_child import build, error
 from treadle.tokenizer import Tokenizer
 
 CACHE_SIZE = 256
-_NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
-          "grammar": "grammar"}
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
@@ -48,6 +45,7 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
+        self.compiles = 0  # grammars compiled (cache misses): a test counts them
 
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar of ``spec``; an invalid schema, regex or grammar is an
@@ -66,19 +64,10 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        kind = spec.kind
+        self.compiles += 1
+        if spec.kind == "json_object":  # OpenAI's json_object: an object, compact like the schemas
+            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         try:
-            if kind == "json":
-                json.loads(str(spec.json))  # a clear message for text that is not JSON at all
-                return self._compiler.compile_json_schema(str(spec.json), any_whitespace=False)
-            if kind == "json_object":  # OpenAI's json_object: an object, compact like the schemas
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if kind == "regex":
-                return self._compiler.compile_regex(str(spec.regex))
-            if kind == "choice":
-                return self._compiler.compile_grammar(choice_grammar(list(spec.choice or [])))
-            return self._compiler.compile_grammar(str(spec.grammar))
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", PARAM) from None
+            return self._compiler.compile_grammar(build(xgr, spec.kind, spec_text(spec)))
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError subclasses
-            raise InvalidRequestError(f"invalid {_NAMES[kind]} for structured output: {_reason(e)}", PARAM) from None
+            raise InvalidRequestError(error(spec.kind, e), PARAM) from None

@@ -1,14 +1,19 @@
-"""CompileProbe: a structured-output spec is compiled first in a small child process, under a
-time budget, so that one pathological schema cannot hold the server (issue 34).
+"""CompileProbe: a structured-output spec that may compile slowly is compiled first in a small
+child process, under a time budget, so that one pathological schema cannot hold the server
+(issue 34); every other spec is compiled once, by the engine, where it is used.
 
 xgrammar compiles in C++ and cannot be interrupted in a thread; its compile time grows
-steeply with a schema's optional properties (3.7 s at 1,000, 35 s at 2,000). The child
-(probe_child.py, started on first use, kept for the next spec) compiles
-the spec and answers ok or the error; past ``max_seconds`` it is killed (a new one starts on the
-next spec) and the spec is refused naming ``--max-grammar-compile-s``. Its grammar is not sent
-back: a compiled grammar serializes to tens of MB and takes longer to serialize than to compile,
-so the caller compiles it again, knowing it finishes within the budget. Specs that passed are
-remembered (LRU), so a repeated schema costs nothing here.
+steeply with a schema's optional properties (3.7 s at 1,000, 35 s at 2,000). So ``check``
+first builds the spec's grammar (xgrammar's Grammar, no token masks: milliseconds even at
+2,000 properties), which also finds a bad spec. A grammar of at most ``direct_chars`` characters
+compiles in about 0.1 s at most (measured families in docs/serving.md): it is not compiled here,
+the engine compiles it once. A larger one goes to the child (probe_child.py, started on first
+use, kept for the next spec), which compiles it and answers ok or the error; past
+``max_seconds`` it is killed (a new one starts on the next spec) and the spec is refused naming
+``--max-grammar-compile-s``. Its grammar is not sent back (it serializes to hundreds of MB, and
+takes 20x longer to serialize than to compile), so for these specs the engine compiles it again,
+knowing it finishes within the budget. Specs that passed are remembered (LRU), so a repeated
+schema costs nothing here.
 
 The wire is in probe_child.py. The budget counts from the spec's sending: the child's own
 start-up (importing xgrammar, reading the vocabulary) is not charged to a request.
@@ -28,12 +33,14 @@ from pathlib import Path
 
 from treadle.config import InvalidRequestError
 from treadle.sampling_params import STRUCTURED_PARAM, StructuredOutputsParams
+from treadle.structured.probe_child import build, error
 from treadle.structured.probe_child import read as _read
 from treadle.structured.probe_child import write as _write
 
 _REMEMBERED = 1024
 _CHILD = str(Path(__file__).with_name("probe_child.py"))
 START_TIMEOUT_S = 120.0  # the child's start-up (a loaded machine)
+DIRECT_CHARS = 16_000  # a grammar this small compiles in <= ~0.1 s (SmolLM2: 115 optional properties)
 
 
 def spec_text(spec: StructuredOutputsParams) -> str:
@@ -48,9 +55,11 @@ _NONE = object()  # no answer
 
 
 class CompileProbe:
-    def __init__(self, tokenizer_info_json: str, max_seconds: float, max_bytes: int | None = None) -> None:
+    def __init__(self, tokenizer_info_json: str, max_seconds: float, max_bytes: int | None = None,
+                 direct_chars: int = DIRECT_CHARS) -> None:
         self.max_seconds = max_seconds
         self.max_bytes = max_bytes
+        self.direct_chars = direct_chars
         self.compiles = 0  # specs compiled in a child (a test counts them)
         # the vocabulary goes by file: MBs down a pipe would block until the child has started
         self._info_file = tempfile.NamedTemporaryFile("w", prefix="treadle-vocab-", suffix=".json")
@@ -64,9 +73,10 @@ class CompileProbe:
         atexit.register(self.close)
 
     def check(self, spec: StructuredOutputsParams, left: threading.Event | None = None) -> None:
-        """Return when ``spec`` compiles within the budget; otherwise an InvalidRequestError
-        naming the limit it broke, or xgrammar's complaint about the spec. ``left``: set when
-        the client has gone (its compile is then killed)."""
+        """Return when ``spec`` is small (the engine compiles it, once) or compiles within the
+        budget in the child; otherwise an InvalidRequestError naming the limit it broke, or
+        xgrammar's complaint about the spec. ``left``: set when the client has gone (its
+        compile is then killed)."""
         size = len(spec_text(spec).encode())
         if self.max_bytes is not None and size > self.max_bytes:
             raise InvalidRequestError(f"the structured-output spec has {size} bytes, more than the server's limit "
@@ -76,13 +86,28 @@ class CompileProbe:
             if key in self._passed:
                 self._passed.move_to_end(key)
                 return
-            error = "the client left" if left is not None and left.is_set() else self._compile(spec, left)
-            if error is None:
+        if self._small(spec):
+            return
+        with self._lock:
+            refusal = "the client left" if left is not None and left.is_set() else self._compile(spec, left)
+            if refusal is None:
                 self._passed[key] = None
                 while len(self._passed) > _REMEMBERED:
                     self._passed.popitem(last=False)
-        if error is not None:
-            raise InvalidRequestError(error, STRUCTURED_PARAM)
+        if refusal is not None:
+            raise InvalidRequestError(refusal, STRUCTURED_PARAM)
+
+    def _small(self, spec: StructuredOutputsParams) -> bool:
+        """Whether the spec's grammar is small enough to skip the child; a bad spec is an
+        InvalidRequestError worded as the engine's compiler words it."""
+        import xgrammar as xgr
+
+        kind = spec.kind
+        try:
+            grammar = build(xgr, kind, spec_text(spec))
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError subclasses
+            raise InvalidRequestError(error(kind, e), STRUCTURED_PARAM) from None
+        return len(str(grammar)) <= self.direct_chars
 
     def _compile(self, spec: StructuredOutputsParams, left: threading.Event | None) -> str | None:
         """In the child, under the lock: None (compiled) or the error message."""
