@@ -1,0 +1,51 @@
+"""Gemma 3 270M (Q4_K_M GGUF) with hybrid KV: a 1,500-token prompt whose passage is repeated
+after more than a window (512) of other text gives the same greedy tokens as the engine with
+one table for all layers, while its 15 sliding layers hold about a window of KV each; a second
+prompt sharing 1,400 tokens takes them from the prefix cache (the sliding groups' window
+blocks, given back during the first request, are still indexed) and still agrees.
+
+Two engines, each loading the file and prefilling 1,500 tokens: about a minute on 2 cores."""
+from __future__ import annotations
+
+import pytest
+from test_gemma3_kv_window import _generate_stepwise
+
+from treadle import LLM, SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+
+BLOCK, WINDOW, NEW_TOKENS = 16, 512, 8
+
+
+def _prompts(llm: LLM) -> tuple[list[int], list[int]]:
+    tok = llm.engine.tokenizer
+    assert tok is not None
+    story = tok.encode(" The old lighthouse keeper counted the ships that passed each night, and wrote"
+                       " their names in a book that nobody else ever read.", add_special_tokens=False)
+    filler = tok.encode(" ".join(f"Item {i}: a crate of {i * 7 % 13} apples." for i in range(90)),
+                        add_special_tokens=False)
+    long = tok.encode("Repeat the story.") + story * 3 + filler  # the passage, then > 512 other tokens
+    while len(long) < 1500:
+        long += story
+    long = long[:1500]
+    return long, long[:1400] + tok.encode(" Now tell it backwards, please.", add_special_tokens=False)
+
+
+def test_hybrid_kv_matches_one_table_on_a_long_prompt() -> None:
+    results = {}
+    for hybrid in (True, False):
+        llm = LLM("gemma-3-270m", max_model_len=2048, max_num_batched_tokens=512,
+                  disable_hybrid_kv_cache_manager=not hybrid)
+        long, shared = _prompts(llm)
+        tokens, trace = _generate_stepwise(llm, long)
+        out = llm.generate([{"prompt_token_ids": shared}],
+                           SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+        results[hybrid] = (tokens, list(out.outputs[0].token_ids), out.metrics.num_cached_tokens, trace[-1])
+        llm.shutdown()
+    assert results[True][:2] == results[False][:2]
+    assert results[True][2] >= 1392 and results[False][2] >= 1392
+    computed, held, _ = results[True][3]
+    full, *sliding = held
+    assert full == -(-computed // BLOCK) and len(sliding) == 5  # 1 full group, 5 sliding groups of 3 layers
+    assert all(n == full - (computed - WINDOW + 1) // BLOCK <= WINDOW // BLOCK + 1 for n in sliding)
+    assert results[False][3][1] == [full]  # one table of 18 layers: every block
