@@ -112,9 +112,10 @@ def main() -> None:
     run = harness.start(args)
     read, copy = bandwidth(run)
     print(f"read bandwidth {read:.1f} GB/s, copy {copy:.1f} GB/s (read + write)")
-    rows: list[list[object]] = []
     with tempfile.TemporaryDirectory() as tmp:
         ref = harness.build_ref(args.ref, Path(tmp)) if args.ref else None
+        table = run.table(["case", "build", "KV MB", "min ms", "med ms", "x30 ms", "GB/s", "floor ms", "% floor",
+                           "x this tree (medians)"], title="one layer's decode attention, per call")
         for batch in args.batch:
             for context in args.context:
                 for fmt in FORMATS:
@@ -122,11 +123,9 @@ def main() -> None:
                     floor = nbytes / (read * 1e9)
                     for name in t.names:
                         best, med = t.best(name), t.median(name)
-                        rows.append([f"b{batch} ctx{context} {fmt}", name, nbytes / 1e6, best * 1e3, med * 1e3,
-                                     best * LAYERS * 1e3, nbytes / best / 1e9, floor * 1e3, f"{100 * floor / best:.0f}%",
-                                     f"{t.ratio(name, 'this tree'):.2f}"])
-    run.table(["case", "build", "KV MB", "min ms", "med ms", "x30 ms", "GB/s", "floor ms", "% floor",
-               "x this tree (medians)"], rows, title="one layer's decode attention, per call")
+                        table.add([f"b{batch} ctx{context} {fmt}", name, nbytes / 1e6, best * 1e3, med * 1e3,
+                                   best * LAYERS * 1e3, nbytes / best / 1e9, floor * 1e3, f"{100 * floor / best:.0f}%",
+                                   f"{t.ratio(name, 'this tree'):.2f}"])
     run.finish()
 
 

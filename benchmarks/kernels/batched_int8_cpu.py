@@ -58,7 +58,7 @@ def main() -> None:
             libs = {f"treadle@{args.ref}": harness.build_ref(args.ref, Path(tmp)), **libs}
         names = [*libs, *engines]
         step = {name: dict.fromkeys(args.batches, 0.0) for name in names}
-        rows = []
+        table = run.table(["shape", "path", *(f"M={m}" for m in args.batches)], title="median ms per call")
         for shape, qtype, n, k, per_step in SHAPES:
             w = harness.random_blocks(qtype, n, k, seed=1)
             packed = pack_copies(list(libs.values()), qtype, [w], n, k)
@@ -73,12 +73,12 @@ def main() -> None:
                 for name in names:
                     times[name][m] = t.median(name) * 1e3
                     step[name][m] += times[name][m] * per_step
-            rows += [[f"{shape} {n}x{k}", name, *(times[name][m] for m in args.batches)] for name in names]
+            for name in names:
+                table.add([f"{shape} {n}x{k}", name, *(times[name][m] for m in args.batches)])
         first = args.batches[0]
-        rows += [["decode-step matmuls", name,
-                  *(f"{step[name][m]:.2f} ({step[name][m] / step[name][first]:.2f}x)" for m in args.batches)]
-                 for name in names]
-        run.table(["shape", "path", *(f"M={m}" for m in args.batches)], rows, title="median ms per call")
+        for name in names:
+            table.add(["decode-step matmuls", name,
+                       *(f"{step[name][m]:.2f} ({step[name][m] / step[name][first]:.2f}x)" for m in args.batches)])
     run.finish()
 
 

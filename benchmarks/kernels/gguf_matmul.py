@@ -25,8 +25,8 @@ def caller(lib: ctypes.CDLL, bits: int, qtype: str, w: torch.Tensor, n: int, k: 
 def pack_copies(libs: list[ctypes.CDLL], qtype: str, ws: list[torch.Tensor], n: int,
                 k: int) -> dict[ctypes.CDLL, list[torch.Tensor]]:
     """Per library, the weight copies packed by its own tq_q8_pack (the layout may differ); a
-    library whose bytes equal another's reads that one's copies (see qmatmul_batch_cpu.py's docstring). Empty for
-    types that are not packed."""
+    library whose bytes equal another's reads that one's copies (see qmatmul_batch_cpu.py's
+    docstring). Empty for types that are not packed."""
     packed: dict[ctypes.CDLL, list[torch.Tensor]] = {}
     if qtype not in native.PACKED.values():
         return packed

@@ -5,7 +5,8 @@ op in isolation, never the whole engine (that is ``treadle bench``).
     ap.add_argument("--batches", ...)                      # the script's own options
     run = harness.start(ap.parse_args())                   # threads set, the machine line printed
     t = run.time([Case("new", fn), Case("old", old_fn)])   # interleaved: new, old, new, old, ...
-    run.table(["case", "ms", "x old"], [[n, t.median(n) * 1e3, t.ratio(n, "old")] for n in t.names])
+    table = run.table(["case", "ms", "x old"], title="median ms per call")  # the head now ...
+    table.add(["new", t.median("new") * 1e3, t.ratio("new", "old")])   # ... each row as it comes
     run.finish()                                           # --json PATH: the machine and every table
 
 ``Run.time`` calls every case once per warm-up round, then takes ``--repeats`` rounds of one
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -132,33 +133,52 @@ def parser(doc: str | None, *, repeats: int = 15, warmup: int = 1, threads: int 
 
 
 @dataclass
+class Table:
+    """A markdown table being printed row by row (floats to ``digits`` places)."""
+
+    columns: list[str]
+    title: str | None
+    digits: int
+    rows: list[list[object]] = field(default_factory=list)
+
+    def add(self, row: Sequence[object]) -> None:
+        print("| " + " | ".join(f"{v:.{self.digits}f}" if isinstance(v, float) else str(v) for v in row) + " |",
+              flush=True)
+        self.rows.append(list(row))
+
+
+@dataclass
 class Run:
     """One benchmark run: its options, clock and machine, and the tables printed so far."""
 
     args: argparse.Namespace
     clock: Clock
     machine: dict[str, Any]
-    tables: list[dict[str, Any]] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
 
     def time(self, cases: Sequence[Case], repeats: int | None = None, warmup: int | None = None) -> Timings:
         return interleave(cases, self.args.repeats if repeats is None else repeats,
                           self.args.warmup if warmup is None else warmup, self.clock.now)
 
-    def table(self, columns: Sequence[str], rows: Sequence[Sequence[object]], title: str | None = None,
-              digits: int = 3) -> None:
-        """Print a markdown table (floats to ``digits`` places) and keep its raw values for --json."""
+    def table(self, columns: Sequence[str], rows: Sequence[Sequence[object]] = (), title: str | None = None,
+              digits: int = 3) -> Table:
+        """Print a markdown table's head and ``rows``; ``Table.add`` prints more rows as they come.
+        Its raw values go into --json."""
+        table = Table(list(columns), title, digits)
+        self.tables.append(table)
         if title:
             print(f"\n{title}")
         print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
         for row in rows:
-            print("| " + " | ".join(f"{v:.{digits}f}" if isinstance(v, float) else str(v) for v in row) + " |")
-        self.tables.append({"title": title, "columns": list(columns), "rows": [list(r) for r in rows]})
+            table.add(row)
+        return table
 
     def finish(self) -> None:
         if self.args.json is not None:
             options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()}
             self.args.json.write_text(json.dumps({"command": sys.argv, "options": options, "machine": self.machine,
-                                                  "clock": self.clock.name, "tables": self.tables}, indent=1))
+                                                  "clock": self.clock.name,
+                                                  "tables": [asdict(t) for t in self.tables]}, indent=1))
             print(f"wrote {self.args.json}")
 
 

@@ -33,7 +33,8 @@ def main() -> None:
     run = harness.start(args)
     spec = AttentionSpec(H, HKV, D, D ** -0.5)
     backend = CPUBackend()
-    rows = []
+    table = run.table(["context", "new", "rows ms", "sdpa ms", "rows / sdpa"],
+                      title="ms per layer call, median (rows = C kernel, sdpa = before)")
     for context, q_len in [(0, 512), (0, 128), (384, 128), (1024, 512)]:
         seq = context + q_len
         blocks = list(range(1, -(-seq // BS) + 1))
@@ -45,9 +46,7 @@ def main() -> None:
             backend.forward(q, k, v, cache[0], cache[1], meta, spec)
 
         t = run.time([Case(name, layer, before=use_plan(meta, plan)) for name, plan in plans.items()])
-        rows.append([context, q_len, t.median("rows") * 1e3, t.median("sdpa") * 1e3, f"{t.ratio('rows', 'sdpa'):.2f}"])
-    run.table(["context", "new", "rows ms", "sdpa ms", "rows / sdpa"], rows,
-              title="ms per layer call, median (rows = C kernel, sdpa = before)")
+        table.add([context, q_len, t.median("rows") * 1e3, t.median("sdpa") * 1e3, f"{t.ratio('rows', 'sdpa'):.2f}"])
     run.finish()
 
 

@@ -46,7 +46,7 @@ def main() -> None:
             libs = {f"{args.ref} a16": (ref, 16, False), f"{args.ref} a8": (ref, 8, False),
                     **({f"{args.ref} a8 packed": (ref, 8, True)} if hasattr(ref, "tq_q8_pack") else {}), **libs}
         step = {name: dict.fromkeys(batches, 0.0) for name in libs}
-        rows = []
+        table = run.table(["shape", "build", *(f"M={m}" for m in batches)], title="median ms per call")
         for shape, qtype, n, k, per_step in SHAPES:
             copies = per_step if args.cold else 1
             ws = [harness.random_blocks(qtype, n, k, seed=1 + c) for c in range(copies)]
@@ -64,11 +64,11 @@ def main() -> None:
                 for name in libs:
                     times[name][m] = t.median(name) * 1e3
                     step[name][m] += times[name][m] * per_step
-            rows += [[f"{shape} {qtype} {n}x{k}", name, *(times[name][m] for m in batches)] for name in libs]
-        rows += [["decode-step matmuls", name,
-                  *(f"{step[name][m]:.2f} ({step[name][m] / step[name][batches[0]]:.2f}x)" for m in batches)]
-                 for name in libs]
-        run.table(["shape", "build", *(f"M={m}" for m in batches)], rows, title="median ms per call")
+            for name in libs:
+                table.add([f"{shape} {qtype} {n}x{k}", name, *(times[name][m] for m in batches)])
+        for name in libs:
+            table.add(["decode-step matmuls", name,
+                       *(f"{step[name][m]:.2f} ({step[name][m] / step[name][batches[0]]:.2f}x)" for m in batches)])
     run.finish()
 
 

@@ -42,7 +42,8 @@ def per_row(run: Run, batch: int, vocab: int) -> None:
 
 def end_to_end(run: Run, batches: list[int], tokens: int) -> None:
     llm = LLM("smollm2-135m-instruct")
-    rows = []
+    table = run.table(["batch", "params", "tok/s"], digits=1,
+                      title=f"decode, SmolLM2-135M-Instruct, 32-token prompts, {tokens} new tokens (second of two runs)")
     for b in batches:
         prompts = [{"prompt_token_ids": [100 + (i * 7 + j) % 1000 for j in range(32)]} for i in range(b)]
         cases = []
@@ -51,9 +52,8 @@ def end_to_end(run: Run, batches: list[int], tokens: int) -> None:
             params = dataclasses.replace(params, max_tokens=tokens, ignore_eos=True)
             cases.append(Case(name, partial(llm.generate, prompts, params, use_tqdm=False)))
         t = run.time(cases, repeats=1, warmup=1)  # the second of two runs, the two kinds in turn
-        rows += [[b, name, b * tokens / t.median(name)] for name in t.names]
-    run.table(["batch", "params", "tok/s"], rows, digits=1,
-              title=f"decode, SmolLM2-135M-Instruct, 32-token prompts, {tokens} new tokens (second of two runs)")
+        for name in t.names:
+            table.add([b, name, b * tokens / t.median(name)])
 
 
 def main() -> None:
