@@ -4,7 +4,7 @@ schema is a 400 before anything is queued, and the step loop finds the grammar c
 the model runner compiles on the rare miss (a worker process has its own cache).
 
 Why xgrammar: measured against llguidance on this CPU with SmolLM2's 49k vocabulary
-(benchmarks/grammar_engines_cpu.py, docs/benchmarks-archive.md), its per-token mask time is as
+(benchmarks/kernels/grammar_engines_cpu.py, docs/benchmarks-archive.md), its per-token mask time is as
 low and has no multi-second first-token outliers; it also takes EBNF grammars directly.
 """
 from __future__ import annotations
