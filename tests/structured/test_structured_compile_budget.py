@@ -112,7 +112,7 @@ def test_slow_schema_is_refused_and_a_fair_one_compiles_while_another_stream_flo
     limits = ServerLimits(max_grammar_compile_s=10.0)
     with serve(resolve_model("stories260k"), control=StepControl(step_delay=0.05), limits=limits) as (srv, _):
         url = srv.url
-        warm = httpx.post(url + CMPL, json=structured(3), timeout=180)  # starts the compile child
+        warm = httpx.post(url + CMPL, json=structured(200), timeout=180)  # large enough for the probe: starts its child
         assert warm.status_code == 200, warm.text
         times: list[float] = []
         errors: list[BaseException] = []
@@ -150,12 +150,12 @@ def test_a_client_that_leaves_or_sigterm_stops_a_compile_at_once() -> None:
                             "--shutdown-timeout", "30")
     try:
         wait_until(lambda: proc.poll() is not None or _health(url) == 200, 120, "server start")
-        warm = httpx.post(url + CMPL, json=structured(3), timeout=180)
+        warm = httpx.post(url + CMPL, json=structured(200), timeout=180)  # starts the probe's child
         assert warm.status_code == 200, warm.text
         with pytest.raises(httpx.ReadTimeout):  # 3,000 properties: minutes to compile; the client leaves
             httpx.post(url + CMPL, json=structured(3000), timeout=httpx.Timeout(60, read=1.5))
         t0 = time.monotonic()
-        after = httpx.post(url + CMPL, json=structured(4), timeout=120)  # not queued behind the abandoned compile
+        after = httpx.post(url + CMPL, json=structured(201), timeout=120)  # not queued behind the abandoned compile
         assert after.status_code == 200, after.text
         assert time.monotonic() - t0 < 45.0  # a fresh compile child's start-up at most (seconds on a loaded CPU)
         answers: list[int] = []
