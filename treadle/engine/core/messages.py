@@ -10,6 +10,7 @@ Outputs travel as deltas (``WireOutput``): the client already knows the prompt i
 sent and keeps the token ids and logprobs it has received, so a step costs the new
 tokens, not the whole history. ``StepReport`` is sent every loop iteration (each
 step, or every idle wait), so it doubles as the heartbeat and carries the gauges.
+The ``ToCore`` commands are also what AsyncLLM puts, unencoded, on its in-process queue.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
 # -- API process -> engine core ---------------------------------------------------------
 class AddRequest(_Msg):
     request_id: str
-    prompt: Any  # the engine's PromptType, tokenized by the client: {"prompt", "prompt_token_ids"} or ids
+    prompt: Any  # the engine's PromptType; EngineCoreClient sends it tokenized: {"prompt", "prompt_token_ids"} or ids
     params: SamplingParams
     priority: int
     max_waiting: int | None
