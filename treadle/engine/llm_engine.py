@@ -135,7 +135,8 @@ class LLMEngine:
         tokenizer thread, so the step loop finds it compiled); an invalid one is an
         InvalidRequestError naming the problem."""
         self.tokenizer_for("structured output", "structured_outputs")
-        self._source.grammars.compile(spec)
+        if not self.executor.prepare_grammar(spec):  # workers in other processes compile it ahead
+            self._source.grammars.compile(spec)
 
     def tokenizer_for(self, what: str, param: str = "prompt") -> Tokenizer:
         """The tokenizer; without one (skip_tokenizer_init) ``what`` is refused, naming the way out."""

@@ -21,7 +21,9 @@ Contract::
   then on the executor is dead: ``execute`` and ``check_health`` raise the same error.
   Any other exception from a step (a bug in the model code) is raised as it is and the
   executor stays usable: the engine decides what the step's requests get.
-- ``health()`` may be called from any thread; everything else from the engine's thread only.
+- ``health()`` and ``prepare_grammar(spec)`` (worker processes compile a structured-output
+  grammar ahead of the step that adds its request) may be called from any thread; everything
+  else from the engine's thread only.
 
     engine process                                    worker processes (mp)
     --------------                                    ---------------------
@@ -40,6 +42,7 @@ from treadle.config import EngineConfig, EngineDeadError
 from treadle.core.kv_connector_data import KVConnectorOutput
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.kv_transfer.aggregate import KVOutputAggregator
+from treadle.sampling_params import StructuredOutputsParams
 
 
 class KVCapacity(NamedTuple):
@@ -78,6 +81,13 @@ class Executor(ABC):
         if isinstance(out, Exception):
             raise out
         return out
+
+    def prepare_grammar(self, spec: StructuredOutputsParams) -> bool:
+        """Have every worker process compile ``spec``'s grammar now, off its step loop, so the
+        step that carries the request does not; return when they all have (True), raise an
+        InvalidRequestError naming a bad spec. Safe from any thread. False (the default): the
+        model runs in this process and the caller compiles into the shared cache."""
+        return False
 
     @abstractmethod
     def kv_capacity(self) -> KVCapacity:

@@ -14,9 +14,11 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,11 +26,12 @@ import torch.multiprocessing as torch_mp
 import zmq
 
 from treadle import envs
-from treadle.config import EngineConfig, EngineDeadError, TreadleError
+from treadle.config import EngineConfig, EngineDeadError, InvalidRequestError, TreadleError
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.executor.base import KVCapacity, WorkerGroupExecutor
-from treadle.executor.messages import ERR, STEP, STOP, Codec
+from treadle.executor.messages import ERR, GRAMMAR, STEP, STOP, Codec
 from treadle.executor.worker_proc import WorkerSpec, worker_main
+from treadle.sampling_params import STRUCTURED_PARAM, StructuredOutputsParams
 
 logger = logging.getLogger("treadle")
 
@@ -51,15 +54,18 @@ class MultiprocExecutor(WorkerGroupExecutor):
         result_port = self._results.bind_to_random_port(_LOOPBACK)
         self._inputs = [self._zmq.socket(zmq.PUSH) for _ in range(self.world_size)]
         input_ports = [s.bind_to_random_port(_LOOPBACK) for s in self._inputs]
+        self._grammars = GrammarAnnouncer(self._zmq, self.world_size, self._codec)
         self._procs: list[Any] = []
-        self._finalizer = weakref.finalize(self, _teardown, self._procs, self._inputs, self._results, self._zmq)
+        self._finalizer = weakref.finalize(self, _teardown, self._procs, [*self._inputs, *self._grammars.inputs],
+                                           [self._results, self._grammars.acks], self._zmq)
         ctx = torch_mp.get_context("spawn")
         dist_addr = f"tcp://127.0.0.1:{_free_port()}"
         start_timeout = envs.worker_start_timeout_s()
         try:
             for rank in range(self.world_size):
                 spec = WorkerSpec(config, rank, f"{_LOOPBACK}:{input_ports[rank]}", f"{_LOOPBACK}:{result_port}",
-                                  dist_addr, torch.get_num_threads(), os.getpid(), start_timeout)
+                                  dist_addr, torch.get_num_threads(), os.getpid(), start_timeout,
+                                  *self._grammars.addresses(rank))
                 proc = ctx.Process(target=worker_main, args=(spec,), name=f"treadle-worker-{rank}", daemon=True)
                 proc.start()
                 self._procs.append(proc)
@@ -104,6 +110,12 @@ class MultiprocExecutor(WorkerGroupExecutor):
             raise
         others = [self._codec.decode_kv_output(replies[r]) for r in range(self.world_size - 1)]
         return self.merge_kv_reports(self._codec.decode_output(replies[self.world_size - 1]), others)
+
+    def prepare_grammar(self, spec: StructuredOutputsParams) -> bool:
+        """Every worker compiles ``spec`` in its grammar thread while steps go on (so the step
+        that adds the request finds it compiled); returns when all have. Any thread."""
+        self._grammars.prepare(spec, self.health)
+        return True
 
     def health(self) -> str | None:
         if self._dead is not None:
@@ -175,6 +187,49 @@ class MultiprocExecutor(WorkerGroupExecutor):
         raise EngineDeadError(reason)
 
 
+class GrammarAnnouncer:
+    """The engine's end of the workers' grammar sockets: one spec at a time (a lock) is sent
+    to every rank, and its answers are awaited on a socket of its own, so any thread may
+    prepare a grammar while the engine's thread drives steps on the step sockets."""
+
+    def __init__(self, ctx: zmq.Context, world_size: int, codec: Codec) -> None:
+        self.codec = codec
+        self.inputs = [ctx.socket(zmq.PUSH) for _ in range(world_size)]
+        self.ports = [s.bind_to_random_port(_LOOPBACK) for s in self.inputs]
+        self.acks = ctx.socket(zmq.PULL)
+        self.ack_port = self.acks.bind_to_random_port(_LOOPBACK)
+        self.lock = threading.Lock()
+        self.seq = 0
+
+    def addresses(self, rank: int) -> tuple[str, str]:
+        return f"{_LOOPBACK}:{self.ports[rank]}", f"{_LOOPBACK}:{self.ack_port}"
+
+    def prepare(self, spec: StructuredOutputsParams, health: Callable[[], str | None]) -> None:
+        """Send ``spec`` to every rank and wait for all their answers (an InvalidRequestError
+        for a bad spec; EngineDeadError when a worker is lost meanwhile)."""
+        with self.lock:
+            self.seq += 1
+            payload = self.codec.encode((self.seq, spec))
+            try:
+                for sock in self.inputs:
+                    sock.send_multipart([GRAMMAR, payload])
+                waiting, errors = set(range(len(self.inputs))), []
+                while waiting:
+                    if not self.acks.poll(_POLL_MS):
+                        if (problem := health()) is not None:
+                            raise EngineDeadError(problem)
+                        continue
+                    rank, answer = self.acks.recv_multipart()
+                    seq, error = self.codec.decode_grammar_ack(answer)
+                    if seq == self.seq:  # an older answer belongs to a wait that was interrupted
+                        waiting.discard(int(rank))
+                        errors += [error] if error is not None else []
+            except zmq.ZMQError as e:  # the executor was shut down meanwhile
+                raise EngineDeadError(health() or f"the executor stopped: {e}") from None
+        if errors:
+            raise InvalidRequestError(errors[0], STRUCTURED_PARAM)
+
+
 def _dead_procs(procs: list[Any]) -> list[Any]:
     """Processes that have exited; reads only their sentinels, so it is safe from any thread."""
     sentinels = {p.sentinel: p for p in procs}
@@ -208,7 +263,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _teardown(procs: list[Any], inputs: list[zmq.Socket], results: zmq.Socket, ctx: zmq.Context) -> None:
+def _teardown(procs: list[Any], inputs: list[zmq.Socket], results: list[zmq.Socket], ctx: zmq.Context) -> None:
     """Stop every worker (politely, then by force) and close the sockets. Idempotent."""
     for sock in inputs:
         if not sock.closed:
@@ -222,6 +277,6 @@ def _teardown(procs: list[Any], inputs: list[zmq.Socket], results: zmq.Socket, c
         if proc.is_alive():
             proc.kill()
             proc.join(1.0)
-    for sock in [*inputs, results]:
+    for sock in [*inputs, *results]:
         sock.close(linger=0)
     ctx.term()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from treadle.config import EngineConfig
+from treadle.config import EngineConfig, InvalidRequestError
 from treadle.core.kv_groups import kv_groups
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.distributed import ParallelContext, shard_config, stage_layers
@@ -18,6 +18,7 @@ from treadle.kv_transfer.heads import RankPlacement
 from treadle.layers.attention.kv_quant import cache_dtype
 from treadle.layers.attention.selector import select_backend
 from treadle.loaders import ModelSource, load_model, open_model_source, parse_dtype
+from treadle.sampling_params import STRUCTURED_PARAM, StructuredOutputsParams
 from treadle.structured.matchers import GrammarMatchers
 from treadle.worker.cuda_graph import maybe_graph_runner
 from treadle.worker.model_runner import ModelRunner, allocate_kv_cache
@@ -62,6 +63,13 @@ class Worker:
 
     def kv_capacity(self) -> KVCapacity:
         return self._capacity
+
+    def prepare_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile ``spec``'s grammar ahead of the step that adds its request (any thread)."""
+        if self.runner.grammars is None:
+            raise InvalidRequestError("structured output needs a tokenizer, and this engine was started with "
+                                      "skip_tokenizer_init", STRUCTURED_PARAM)
+        self.runner.grammars.prepare(spec)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if self.kv_connector is None:

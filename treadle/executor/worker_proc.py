@@ -5,12 +5,15 @@
     loop: [step, sched] -> Worker.execute -> [rank, out, output] (last rank) /
                                              [rank, ok, its KV transfer report or b""] / err
           [stop]        -> leave
+          grammar socket: [grammar, (seq, spec)] -> compiled in a thread (xgrammar drops the GIL)
+                          while steps go on -> grammar-ack socket [rank, (seq, error or None)]
           nothing for a second and the parent process is gone -> leave (never an orphan)
 """
 from __future__ import annotations
 
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -37,6 +40,8 @@ class WorkerSpec:
     num_threads: int  # torch intra-op threads, carried over from the engine process
     parent_pid: int
     start_timeout_s: float
+    grammar_addr: str  # zmq: structured-output specs to compile ahead (engine PUSH, worker PULL)
+    grammar_ack_addr: str  # zmq: their answers (engine PULL, worker PUSH from its compile thread)
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -87,22 +92,82 @@ def start_rank(config: EngineConfig, rank: int, dist_init_addr: str, timeout_s: 
 def _serve(worker: Worker, spec: WorkerSpec, inputs: zmq.Socket, results: zmq.Socket, codec: Codec) -> None:
     rank = str(spec.rank).encode()
     last = spec.rank == spec.config.parallel.world_size - 1
-    while True:
-        if not inputs.poll(_PARENT_CHECK_MS):
-            if os.getppid() != spec.parent_pid:
-                return  # the engine process died without stopping us
-            continue
-        kind, payload = inputs.recv_multipart()
+    grammars = GrammarPreparer(worker, spec, inputs.context, codec)
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    poller.register(grammars.inbox, zmq.POLLIN)
+    try:
+        while True:
+            ready = dict(poller.poll(_PARENT_CHECK_MS))
+            if not ready:
+                if os.getppid() != spec.parent_pid:
+                    return  # the engine process died without stopping us
+                continue
+            if grammars.inbox in ready and not grammars.receive():
+                return
+            if inputs not in ready:
+                continue
+            kind, payload = inputs.recv_multipart()
+            if kind == STOP:
+                return
+            _step(worker, rank, last, kind, payload, results, codec)
+    finally:
+        grammars.close()
+
+
+def _step(worker: Worker, rank: bytes, last: bool, kind: bytes, payload: bytes, results: zmq.Socket,
+          codec: Codec) -> None:
+    assert kind == STEP, kind
+    try:
+        out = worker.execute(codec.decode_step(payload))
+    except Exception as e:  # noqa: BLE001 - reported; the engine decides
+        results.send_multipart([rank, ERR, codec.encode(_error(e))])
+        return
+    results.send_multipart([rank, OUT, codec.encode(out)] if last else
+                           [rank, OK, codec.encode_kv_output(out.kv_connector_output)])
+
+
+class GrammarPreparer:
+    """Compiles the specs the engine announces, one at a time in a thread beside the step
+    loop; each answer goes back on a socket only that thread uses."""
+
+    def __init__(self, worker: Worker, spec: WorkerSpec, ctx: zmq.Context, codec: Codec) -> None:
+        self.worker, self.codec, self.rank = worker, codec, str(spec.rank).encode()
+        self.ctx, self.ack_addr = ctx, spec.grammar_ack_addr
+        self.inbox = ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.connect(spec.grammar_addr)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="treadle-grammar")
+        self.acks: zmq.Socket | None = None  # made and used by the pool's thread only
+
+    def receive(self) -> bool:
+        """Take one frame; False when it says stop."""
+        kind, payload = self.inbox.recv_multipart()
         if kind == STOP:
-            return
-        assert kind == STEP, kind
+            return False
+        self.pool.submit(self._compile, payload)
+        return True
+
+    def _compile(self, payload: bytes) -> None:
+        seq, spec = self.codec.decode_grammar(payload)
         try:
-            out = worker.execute(codec.decode_step(payload))
-        except Exception as e:  # noqa: BLE001 - reported; the engine decides
-            results.send_multipart([rank, ERR, codec.encode(_error(e))])
-            continue
-        results.send_multipart([rank, OUT, codec.encode(out)] if last else
-                               [rank, OK, codec.encode_kv_output(out.kv_connector_output)])
+            self.worker.prepare_grammar(spec)
+            error = None
+        except Exception as e:  # noqa: BLE001 - the engine refuses the request with it
+            error = str(e) if isinstance(e, TreadleError) else f"{type(e).__name__}: {e}"
+        if self.acks is None:
+            self.acks = self.ctx.socket(zmq.PUSH)
+            self.acks.setsockopt(zmq.LINGER, 0)
+            self.acks.connect(self.ack_addr)
+        self.acks.send_multipart([self.rank, self.codec.encode((seq, error))])
+
+    def close(self) -> None:
+        """Drop the specs not started, wait for the one compiling (the context cannot end
+        while its socket is open; the executor kills a worker that takes too long)."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.acks is not None:
+            self.acks.close()
+        self.inbox.close()
 
 
 def _error(e: BaseException) -> WorkerError:

@@ -41,12 +41,19 @@ class GrammarMatchers:
     def active(self) -> bool:
         return bool(self._matchers)
 
+    def prepare(self, spec: StructuredOutputsParams) -> None:
+        """Compile ``spec`` into the shared cache now (thread-safe), so that its ``add`` inside a
+        step finds it compiled; a bad spec is an InvalidRequestError."""
+        if self._compiler is None:
+            self._compiler = self._compiler_factory()
+        self._compiler.compile(spec)
+
     def add(self, request_id: str, spec: StructuredOutputsParams, stop_token_ids: Sequence[int]) -> None:
         import xgrammar as xgr
 
         if self._compiler is None:
             self._compiler = self._compiler_factory()
-        compiled = self._compiler.compile(spec)
+        compiled = self._compiler.compile(spec)  # a cache hit when prepared
         self._matchers[request_id] = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids))
 
     def constrains(self, request_id: str) -> bool:
