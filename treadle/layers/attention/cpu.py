@@ -314,16 +314,8 @@ class CPUBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> _StepPlan:
         return build_plan(meta)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
         plan = meta.plan if isinstance(meta.plan, _StepPlan) else build_plan(meta)
         dec = plan.decode
         if dec is not None and dec.all_tokens and dec.kernel_args is not None:  # all-decode step: the C kernel

@@ -26,16 +26,8 @@ def causal_mask(query_len: int, seq_len: int, sliding_window: int | None) -> tor
 class ReferenceBackend(AttentionBackend):
     name = "reference"
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         group = spec.num_heads // spec.num_kv_heads

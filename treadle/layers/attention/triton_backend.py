@@ -87,16 +87,8 @@ class TritonBackend(AttentionBackend):
     def _tiles(self, dtype: torch.dtype) -> TritonTiles:
         return self.tiles or TritonTiles.default_for(dtype)
 
-    def forward(
-        self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
         if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
             raise TreadleError("triton backend: k/v caches must share strides with unit stride on head_dim")
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -110,14 +102,8 @@ class TritonBackend(AttentionBackend):
             self._prefill(q, k, v, k_cache, v_cache, out, meta, spec)
         return out
 
-    def write_kv(
-        self,
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,  # [num_tokens]; < 0 = skip
-    ) -> None:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
         if k.shape[0] == 0:
             return
         if is_quantized(k_cache):  # packed rows (values + scale), copied as bytes
@@ -132,17 +118,8 @@ class TritonBackend(AttentionBackend):
             BLOCK_H=_pow2(num_kv_heads), BLOCK_D=_pow2(head_dim),
         )
 
-    def _prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        out: torch.Tensor,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-    ) -> None:
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, spec: AttentionSpec) -> None:
         tiles = self._tiles(q.dtype)
         block_m = tiles.prefill_block_m
         num_seqs = meta.seq_lens_tensor.shape[0]
@@ -162,15 +139,8 @@ class TritonBackend(AttentionBackend):
             IEEE=q.dtype == torch.float32, KV_QUANT=kv_quant,
         )
 
-    def _decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        out: torch.Tensor,
-        meta: AttentionMetadata,
-        spec: AttentionSpec,
-    ) -> None:
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                meta: AttentionMetadata, spec: AttentionSpec) -> None:
         tiles = self._tiles(q.dtype)
         splits = tiles.num_kv_splits
         num_seqs = meta.seq_lens_tensor.shape[0]
