@@ -65,9 +65,12 @@ class LLMEngine:
                     fmt_bytes(capacity.num_blocks * config.cache.bytes_per_block), config.cache.kv_cache_dtype,
                     config.attention_backend,
                     config.parallel.distributed_executor_backend)
+        groups = kv_groups(self.model_config, config.cache.hybrid_kv)
+        if groups.hybrid:
+            logger.info("hybrid KV: %d block tables per request, a block holds %d layers; windows %s",
+                        len(groups.groups), groups.group_size, list(groups.windows))
         self.kv_manager = KVCacheManager(capacity.num_blocks, capacity.block_size,
-                                         config.cache.enable_prefix_caching,
-                                         kv_groups(self.model_config, config.cache.hybrid_kv).windows)
+                                         config.cache.enable_prefix_caching, groups.windows)
         spec = config.speculative
         self.spec = None if spec is None else FallbackController(spec.fallback)
         sched_kw: dict[str, Any] = dict(max_batches=self.executor.max_concurrent_batches,
