@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -157,19 +158,20 @@ def test_perplexity_windows_score_every_token_once() -> None:
         assert all(end - begin <= w for begin, end, _ in windows(n, w, s))
 
 
-def test_eval_perplexity_on_stories260k(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["eval", "perplexity", "stories260k", "--json", "--window", "128", "--stride", "64"]) == 0
+def test_eval_perplexity_on_stories260k(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    text = tmp_path / "eval.txt"  # the bundled text's first 3,000 characters: ~1,700 tokens
+    text.write_text((resources.files("treadle") / "assets/text/eval.txt").read_text()[:3000])
+    args = ["eval", "perplexity", "stories260k", "--json", "--window", "128", "--stride", "64", "--text", str(text)]
+    assert main(args) == 0
     same = json.loads(capsys.readouterr().out)
     assert same["top1_agreement"] == 1.0 and same["mean_abs_dlogit"] == 0.0
-    assert 1.0 < same["perplexity"] < 512 and same["tokens_scored"] > 2000
-    assert main(["eval", "perplexity", "stories260k", "--json", "--window", "128", "--stride", "64",
-                 "--quantization", "int4-g32"]) == 0
+    assert 1.0 < same["perplexity"] < 512 and same["tokens_scored"] > 1000
+    assert main([*args, "--quantization", "int4-g32"]) == 0
     int4 = json.loads(capsys.readouterr().out)
     assert int4["tokens_scored"] == same["tokens_scored"]
     assert 0.5 < int4["top1_agreement"] < 1.0 and int4["mean_abs_dlogit"] > 0
     assert int4["perplexity"] != same["perplexity"] and int4["weight_mb"] < same["weight_mb"]
-    assert main(["eval", "perplexity", "stories260k", "--json", "--window", "128", "--stride", "64",
-                 "--kv-cache-dtype", "int8"]) == 0
+    assert main([*args, "--kv-cache-dtype", "int8"]) == 0
     kv8 = json.loads(capsys.readouterr().out)  # float weights, int8 cache, against the float cache
     assert kv8["tokens_scored"] == same["tokens_scored"] and kv8["weight_mb"] == same["weight_mb"]
     assert 0.9 < kv8["top1_agreement"] < 1.0 and 0 < kv8["mean_abs_dlogit"] < int4["mean_abs_dlogit"]
