@@ -20,3 +20,21 @@ def assert_no_leaks(llm: LLM) -> None:
     kv = llm.engine.kv_manager
     assert kv.num_free_blocks == kv.pool.num_blocks
     assert not llm.engine.scheduler.requests and not llm.engine.has_unfinished_requests()
+
+
+def generate_stepwise(llm: LLM, prompt: list[int], params: SamplingParams
+                      ) -> tuple[list[int], list[tuple[int, list[int], int]]]:
+    """Step one request through the engine: its tokens, and after each step (computed tokens,
+    KV blocks it holds per layer group, pool blocks in use -- what the KV gauges show)."""
+    engine = llm.engine
+    rid = engine.add_request(None, {"prompt_token_ids": prompt}, params)
+    trace: list[tuple[int, list[int], int]] = []
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = list(out.outputs[0].token_ids)
+        req = engine.scheduler.requests.get(rid)
+        if req is not None:
+            kv = engine.kv_manager
+            trace.append((req.num_computed_tokens, kv.blocks_held(rid), kv.pool.num_blocks - kv.num_free_blocks))
+    return tokens, trace

@@ -8,7 +8,7 @@ Two engines, each loading the file and prefilling 1,500 tokens: about a minute o
 from __future__ import annotations
 
 import pytest
-from test_gemma3_kv_window import _generate_stepwise
+from engine_run import generate_stepwise
 
 from treadle import LLM, SamplingParams
 
@@ -37,9 +37,9 @@ def test_hybrid_kv_matches_one_table_on_a_long_prompt() -> None:
         llm = LLM("gemma-3-270m", max_model_len=2048, max_num_batched_tokens=512,
                   disable_hybrid_kv_cache_manager=not hybrid)
         long, shared = _prompts(llm)
-        tokens, trace = _generate_stepwise(llm, long)
-        out = llm.generate([{"prompt_token_ids": shared}],
-                           SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        tokens, trace = generate_stepwise(llm, long, params)
+        out = llm.generate([{"prompt_token_ids": shared}], params, use_tqdm=False)[0]
         results[hybrid] = (tokens, list(out.outputs[0].token_ids), out.metrics.num_cached_tokens, trace[-1])
         llm.shutdown()
     assert results[True][:2] == results[False][:2]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_run import assert_no_leaks
+from engine_run import assert_no_leaks, generate_stepwise
 from test_gemma3_model import WINDOW, make_tiny_gemma3
 
 from treadle import LLM, SamplingParams
@@ -31,22 +31,6 @@ def _prompt() -> list[int]:
     return opening + middle + opening  # the copy's source lies 80 tokens back, 5 windows
 
 
-def _generate_stepwise(llm: LLM, prompt: list[int]) -> tuple[list[int], list[tuple[int, list[int], int]]]:
-    """Greedy tokens, and after each step (computed tokens, blocks held per group, pool blocks in use)."""
-    engine = llm.engine
-    rid = engine.add_request("r", {"prompt_token_ids": prompt},
-                             SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
-    trace, tokens = [], []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens = list(out.outputs[0].token_ids)
-        req = engine.scheduler.requests.get(rid)
-        if req is not None:
-            kv = engine.kv_manager
-            trace.append((req.num_computed_tokens, kv.blocks_held(rid), kv.pool.num_blocks - kv.num_free_blocks))
-    return tokens, trace
-
-
 def test_windowed_groups_hold_a_window_and_match_transformers(gemma_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -59,7 +43,8 @@ def test_windowed_groups_hold_a_window_and_match_transformers(gemma_dir: Path) -
     for hybrid in (True, False):
         llm = LLM(str(gemma_dir), num_kv_blocks=128, block_size=BLOCK, max_num_batched_tokens=24,
                   disable_hybrid_kv_cache_manager=not hybrid)
-        runs[hybrid] = _generate_stepwise(llm, prompt)
+        runs[hybrid] = generate_stepwise(llm, prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                                     ignore_eos=True))
         assert runs[hybrid][0] == expected, f"hybrid={hybrid}"
         assert_no_leaks(llm)
     for computed, held, in_use in runs[True][1]:  # 4 groups of 1 layer: a block is one layer's KV
