@@ -50,6 +50,7 @@ def hf_tok():
     return AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
 
 
+@pytest.mark.slow  # transformers reads the GGUF in Python: ~30 s of setup
 def test_dequantized_weights_are_identical_to_transformers(ours: LoadedModel, hf: torch.nn.Module) -> None:
     """Every name maps; the first and last layers, embeddings and final norm (each
     tensor type and both q/k head counts) are bit-identical after dequantization."""
@@ -64,6 +65,7 @@ def test_dequantized_weights_are_identical_to_transformers(ours: LoadedModel, hf
         assert torch.equal(dequantize_ref(ref), expected[ref.hf_name]), ref.hf_name
 
 
+@pytest.mark.slow  # transformers reads the GGUF in Python: ~30 s of setup
 def test_logits_match_transformers(ours: LoadedModel, hf: torch.nn.Module) -> None:
     prompts = [ours.tokenizer.encode(p) for p in PROMPTS]
     session = PagedSession(ours, len(prompts), max(map(len, prompts)), block_size=4)
@@ -73,6 +75,7 @@ def test_logits_match_transformers(ours: LoadedModel, hf: torch.nn.Module) -> No
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-3)
 
 
+@pytest.mark.slow  # transformers reads the GGUF in Python: ~30 s of setup
 def test_greedy_matches_transformers(ours: LoadedModel, hf: torch.nn.Module) -> None:
     texts = [*PROMPTS, ours.tokenizer.apply_chat_template(CHAT)]
     prompts = [ours.tokenizer.encode(t) for t in texts]
@@ -85,6 +88,7 @@ def test_greedy_matches_transformers(ours: LoadedModel, hf: torch.nn.Module) -> 
     assert "Paris" in ours.tokenizer.decode(got[-1])
 
 
+@pytest.mark.slow  # transformers reads the GGUF in Python: ~30 s of setup
 def test_tokenizer_matches_transformers(ours: LoadedModel, hf_tok) -> None:
     tok = ours.tokenizer
     for text in TEXTS:
@@ -106,6 +110,7 @@ def test_digits_are_split_one_by_one(ours: LoadedModel) -> None:
     assert tok.decode(ids) == "In 2024, 1234567 items."
 
 
+@pytest.mark.slow  # transformers reads the GGUF in Python: ~30 s of setup
 def test_chat_template_matches_transformers(ours: LoadedModel, hf_tok) -> None:
     plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     for messages in (CHAT, plain):
