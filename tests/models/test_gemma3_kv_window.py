@@ -58,3 +58,19 @@ def test_windowed_groups_hold_a_window_and_match_transformers(gemma_dir: Path) -
     assert computed == len(prompt) + NEW_TOKENS - 2 and full == 16 and sliding == [3] * 3
     # layer-blocks held at the end: 1 x 16 + 3 x 3 = 25, against 4 x 16 = 64 with one table
     assert runs[False][1][-1][2] * 4 == 64 and full + sum(sliding) == 25
+
+
+def test_draft_model_speculation_with_hybrid_kv(gemma_dir: Path) -> None:
+    """A draft model keeps its own KV in every layer through the target's first (full) table
+    while the target's sliding groups give blocks back: greedy tokens stay the one-table run's."""
+    prompt = _prompt()
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    draft = {"method": "draft_model", "model": str(gemma_dir), "num_speculative_tokens": 3, "fallback": False}
+    got = {}
+    for hybrid in (True, False):
+        llm = LLM(str(gemma_dir), num_kv_blocks=128, block_size=BLOCK, max_num_batched_tokens=24,
+                  disable_hybrid_kv_cache_manager=not hybrid, speculative_config=draft)
+        got[hybrid] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.engine.spec is not None and llm.engine.spec.stats.num_accepted_tokens > 0
+        assert_no_leaks(llm)
+    assert got[True] == got[False]
