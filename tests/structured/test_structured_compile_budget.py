@@ -67,8 +67,8 @@ def test_probe_refuses_slow_and_large_specs_and_compiles_each_spec_once() -> Non
 
 def test_a_small_spec_is_compiled_once_by_the_engine_and_only_a_large_one_in_the_probe() -> None:
     """The server's path for a spec: CompileProbe.check, then the engine's GrammarCompiler.
-    A small spec (most: a grammar of <= DIRECT_CHARS characters, ~0.1 s at most) skips the
-    probe's child, so it is compiled once; before, every spec was compiled twice."""
+    A small spec (a grammar of few characters and counted repetitions: under a second) skips
+    the probe's child, so it is compiled once; before, every spec was compiled twice."""
     engine = LLM("stories260k").engine
     cfg = engine.model_config
     compiler = GrammarCompiler(engine.tokenizer, cfg.vocab_size, cfg.stop_token_ids)
@@ -90,6 +90,8 @@ def test_a_small_spec_is_compiled_once_by_the_engine_and_only_a_large_one_in_the
         probe.check(large)
         probe.check(large)  # remembered
         assert probe.compiles == 1
+        probe.check(StructuredOutputsParams(regex='[^"]{0,64}'))  # 48 grammar characters, 1.3 s (SmolLM2):
+        assert probe.compiles == 2  # counted repetitions compile like copies, so it goes to the child
     finally:
         probe.close()
 

@@ -76,7 +76,7 @@ def grammar_probe(state: ServerState) -> CompileProbe:
             cfg = state.llm.model_config
             info = tokenizer_info(state.tokenizer("structured_outputs"), cfg.vocab_size, cfg.stop_token_ids)
             state.grammar_probe = CompileProbe(info.serialize_json(), state.limits.max_grammar_compile_s,
-                                               state.limits.max_grammar_bytes)
+                                               state.limits.max_grammar_bytes, info.vocab_size)
         return state.grammar_probe
 
 

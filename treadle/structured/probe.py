@@ -5,12 +5,12 @@ child process, under a time budget, so that one pathological schema cannot hold 
 xgrammar compiles in C++ and cannot be interrupted in a thread; its compile time grows
 steeply with a schema's optional properties (3.7 s at 1,000, 35 s at 2,000). So ``check``
 first builds the spec's grammar (xgrammar's Grammar, no token masks: milliseconds even at
-2,000 properties), which also finds a bad spec. A grammar of at most ``direct_chars`` characters
-compiles in about 0.1 s at most (measured families in docs/serving.md): it is not compiled here,
-the engine compiles it once. A larger one goes to the child (probe_child.py, started on first
-use, kept for the next spec), which compiles it and answers ok or the error; past
-``max_seconds`` it is killed (a new one starts on the next spec) and the spec is refused naming
-``--max-grammar-compile-s``. Its grammar is not sent back (it serializes to hundreds of MB, and
+2,000 properties), which also finds a bad spec. A small grammar (few characters and counted
+repetitions, ``{m,n}``, scaled by the vocabulary: see DIRECT_CHARS) compiles in under a second
+(measured families in docs/serving.md): it is not compiled here, the engine compiles it once.
+A larger one goes to the child (probe_child.py, started on first use, kept for the next spec),
+which compiles it and answers ok or the error; past ``max_seconds`` it is killed (a new one
+starts on the next spec) and the spec is refused naming ``--max-grammar-compile-s``. Its grammar is not sent back (it serializes to hundreds of MB, and
 takes 20x longer to serialize than to compile), so for these specs the engine compiles it again,
 knowing it finishes within the budget. Specs that passed are remembered (LRU), so a repeated
 schema costs nothing here.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import re
 import select
 import subprocess
 import sys
@@ -40,7 +41,14 @@ from treadle.structured.probe_child import write as _write
 _REMEMBERED = 1024
 _CHILD = str(Path(__file__).with_name("probe_child.py"))
 START_TIMEOUT_S = 120.0  # the child's start-up (a loaded machine)
-DIRECT_CHARS = 16_000  # a grammar this small compiles in <= ~0.1 s (SmolLM2: 115 optional properties)
+# A grammar compiles directly in the engine (no child) when, scaled by its vocabulary's size over
+# SmolLM2's, it has at most DIRECT_CHARS characters (115 optional properties: 0.06-0.1 s) and its
+# repetition counts multiply to at most DIRECT_REPEATS (regex [^"]{0,16}: 0.23 s; 0.83 s with
+# Gemma 3's 262k vocabulary, where the scaled limit is 3).
+DIRECT_CHARS = 16_000
+DIRECT_REPEATS = 16
+REFERENCE_VOCAB = 49_152
+_REPEAT = re.compile(r"\{(\d+)(?:,\s*(\d*))?\}")  # {n}, {m,n}, {m,} in xgrammar's EBNF
 
 
 def spec_text(spec: StructuredOutputsParams) -> str:
@@ -51,15 +59,31 @@ def spec_text(spec: StructuredOutputsParams) -> str:
     return "" if kind == "json_object" else str(getattr(spec, kind))
 
 
+def repeats(ebnf: str) -> int:
+    """The product of a grammar's repetition counts (the upper bound, else the lower), capped
+    just above DIRECT_REPEATS. A counted repetition compiles like that many copies, so a tiny spec
+    can take minutes: regex [^"]{0,256} 3.9 s, a JSON schema of 59 bytes whose pattern is
+    ^([a-z]{1,30}\\s?){1,100}$ 316 s. Nesting multiplies; independent counts are multiplied too,
+    which only sends more specs to the probe."""
+    product = 1
+    for low, high in _REPEAT.findall(ebnf):
+        product *= max(1, int(high or low))
+        if product > DIRECT_REPEATS:
+            break
+    return product
+
+
 _NONE = object()  # no answer
 
 
 class CompileProbe:
     def __init__(self, tokenizer_info_json: str, max_seconds: float, max_bytes: int | None = None,
-                 direct_chars: int = DIRECT_CHARS) -> None:
+                 vocab_size: int = REFERENCE_VOCAB, direct_chars: int = DIRECT_CHARS) -> None:
         self.max_seconds = max_seconds
         self.max_bytes = max_bytes
-        self.direct_chars = direct_chars
+        scale = max(1.0, vocab_size / REFERENCE_VOCAB)  # a compile's cost grows with the vocabulary
+        self.direct_chars = int(direct_chars / scale)
+        self.direct_repeats = int(DIRECT_REPEATS / scale)
         self.compiles = 0  # specs compiled in a child (a test counts them)
         # the vocabulary goes by file: MBs down a pipe would block until the child has started
         self._info_file = tempfile.NamedTemporaryFile("w", prefix="treadle-vocab-", suffix=".json")
@@ -107,7 +131,8 @@ class CompileProbe:
             grammar = build(xgr, kind, spec_text(spec))
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError subclasses
             raise InvalidRequestError(error(kind, e), STRUCTURED_PARAM) from None
-        return len(str(grammar)) <= self.direct_chars
+        ebnf = str(grammar)
+        return len(ebnf) <= self.direct_chars and repeats(ebnf) <= self.direct_repeats
 
     def _compile(self, spec: StructuredOutputsParams, left: threading.Event | None) -> str | None:
         """In the child, under the lock: None (compiled) or the error message."""
