@@ -2,14 +2,16 @@
 (issue 34; figures in docs/serving.md, "Structured-output compiles").
 
     PYTHONPATH=$PWD python benchmarks/grammar_compile_cpu.py [MODEL] [--properties 100,115,300,1000]
-        [--serialize] [--dynamic] [--llguidance]
+        [--serialize] [--dynamic] [--llguidance] [--repeats] [--pattern]
 
 For JSON schemas of N optional string properties (the family whose compile grows steeply):
 the grammar build alone and its size in characters (what CompileProbe's pre-check measures),
 the eager compile (what the engine does), and optionally: serializing the compiled grammar
 (shipping it from a compile process), xgrammar's dynamic compilation (masks built at first
 use: the cost of the masks of a 200-token random walk through the grammar), and llguidance
-(if importable) on the same walk. One thread; a shared machine gives rough figures.
+(if importable) on the same walk. ``--repeats``: tiny regexes with counted repetitions
+([^"]{0,16/64/256}); ``--pattern``: a 59-byte schema with a nested counted pattern (minutes).
+One thread; a shared machine gives rough figures.
 """
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ def main() -> None:
     ap.add_argument("--serialize", action="store_true")
     ap.add_argument("--dynamic", action="store_true")
     ap.add_argument("--llguidance", action="store_true")
+    ap.add_argument("--repeats", action="store_true")
+    ap.add_argument("--pattern", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     source = open_model_source(args.model)
@@ -67,7 +71,15 @@ def main() -> None:
     info = tokenizer_info(source.tokenizer, source.config.vocab_size, stops)
     closers = {i for i, t in enumerate(info.decoded_vocab) if b"}" in t}
     print(f"{args.model}: vocab {info.vocab_size}, xgrammar, 1 thread")
-    for n in (int(x) for x in args.properties.split(",")):
+    small = [xgr.Grammar.from_regex(f'[^"]{{0,{n}}}') for n in (16, 64, 256)] if args.repeats else []
+    if args.pattern:
+        small.append(xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": "^([a-z]{1,30}\\s?){1,100}$"}),
+                                                  any_whitespace=False))
+    for grammar in small:
+        compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        _, seconds = timed(lambda: compiler.compile_grammar(grammar))  # noqa: B023
+        print(f"{len(str(grammar))}-character grammar with counted repetitions: compile {seconds:.3f} s", flush=True)
+    for n in (int(x) for x in args.properties.split(",") if x):
         grammar, build_s = timed(lambda: xgr.Grammar.from_json_schema(schema(n), any_whitespace=False))  # noqa: B023
         eager = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         compiled, compile_s = timed(lambda: eager.compile_grammar(grammar))  # noqa: B023
