@@ -12,7 +12,7 @@ import pytest
 from server_harness import ENGINE_KW
 
 from treadle import LLM, SamplingParams, StructuredOutputsParams
-from treadle.config import InvalidRequestError
+from treadle.config import EngineDeadError, InvalidRequestError
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]  # starts a worker process; seconds of compile
 
@@ -59,3 +59,29 @@ def test_mp_workers_compile_a_grammar_ahead_and_no_step_stalls() -> None:
         assert max(steps) < 1.0, f"a step took {max(steps):.2f} s while the grammar ({took[0]:.1f} s) compiled"
     finally:
         engine.shutdown()
+
+
+def test_shutdown_while_the_workers_compile_ends_the_wait() -> None:
+    """A grammar still compiling in the workers does not hold the engine's shutdown: the wait
+    for their answers ends with EngineDeadError and the workers are stopped (killed after the
+    grace period when a compile of minutes holds them)."""
+    llm = LLM("stories260k", distributed_executor_backend="mp", **ENGINE_KW)
+    engine = llm.engine
+    errors: list[BaseException] = []
+
+    def announce() -> None:
+        try:
+            engine.compile_grammar(slow_spec(2000))  # tens of seconds
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    waiter = threading.Thread(target=announce, daemon=True)
+    waiter.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    engine.shutdown()
+    took = time.monotonic() - t0
+    waiter.join(10)
+    assert not waiter.is_alive(), "the wait for the workers' compile outlived the shutdown"
+    assert errors and isinstance(errors[0], EngineDeadError), errors
+    assert took < 15.0, f"shutdown took {took:.1f} s"

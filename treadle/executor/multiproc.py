@@ -56,8 +56,8 @@ class MultiprocExecutor(WorkerGroupExecutor):
         input_ports = [s.bind_to_random_port(_LOOPBACK) for s in self._inputs]
         self._grammars = GrammarAnnouncer(self._zmq, self.world_size, self._codec)
         self._procs: list[Any] = []
-        self._finalizer = weakref.finalize(self, _teardown, self._procs, [*self._inputs, *self._grammars.inputs],
-                                           [self._results, self._grammars.acks], self._zmq)
+        self._finalizer = weakref.finalize(self, _teardown, self._procs, self._inputs, self._results, self._grammars,
+                                           self._zmq)
         ctx = torch_mp.get_context("spawn")
         dist_addr = f"tcp://127.0.0.1:{_free_port()}"
         start_timeout = envs.worker_start_timeout_s()
@@ -190,7 +190,8 @@ class MultiprocExecutor(WorkerGroupExecutor):
 class GrammarAnnouncer:
     """The engine's end of the workers' grammar sockets: one spec at a time (a lock) is sent
     to every rank, and its answers are awaited on a socket of its own, so any thread may
-    prepare a grammar while the engine's thread drives steps on the step sockets."""
+    prepare a grammar while the engine's thread drives steps on the step sockets. ``close``
+    (at teardown) stops a wait within one poll before the sockets close."""
 
     def __init__(self, ctx: zmq.Context, world_size: int, codec: Codec) -> None:
         self.codec = codec
@@ -199,6 +200,7 @@ class GrammarAnnouncer:
         self.acks = ctx.socket(zmq.PULL)
         self.ack_port = self.acks.bind_to_random_port(_LOOPBACK)
         self.lock = threading.Lock()
+        self.stopped = threading.Event()
         self.seq = 0
 
     def addresses(self, rank: int) -> tuple[str, str]:
@@ -206,28 +208,45 @@ class GrammarAnnouncer:
 
     def prepare(self, spec: StructuredOutputsParams, health: Callable[[], str | None]) -> None:
         """Send ``spec`` to every rank and wait for all their answers (an InvalidRequestError
-        for a bad spec; EngineDeadError when a worker is lost meanwhile)."""
+        for a bad spec; EngineDeadError when a worker is lost or the executor stops meanwhile)."""
         with self.lock:
             self.seq += 1
             payload = self.codec.encode((self.seq, spec))
-            try:
-                for sock in self.inputs:
-                    sock.send_multipart([GRAMMAR, payload])
-                waiting, errors = set(range(len(self.inputs))), []
-                while waiting:
-                    if not self.acks.poll(_POLL_MS):
-                        if (problem := health()) is not None:
-                            raise EngineDeadError(problem)
-                        continue
-                    rank, answer = self.acks.recv_multipart()
-                    seq, error = self.codec.decode_grammar_ack(answer)
-                    if seq == self.seq:  # an older answer belongs to a wait that was interrupted
-                        waiting.discard(int(rank))
-                        errors += [error] if error is not None else []
-            except zmq.ZMQError as e:  # the executor was shut down meanwhile
-                raise EngineDeadError(health() or f"the executor stopped: {e}") from None
+            for sock in self.inputs:
+                while not self._ready(sock, zmq.POLLOUT, health):  # a lost worker takes nothing
+                    pass
+                sock.send_multipart([GRAMMAR, payload], flags=zmq.NOBLOCK)
+            waiting, errors = set(range(len(self.inputs))), []
+            while waiting:
+                if not self._ready(self.acks, zmq.POLLIN, health):
+                    continue
+                rank, answer = self.acks.recv_multipart()
+                seq, error = self.codec.decode_grammar_ack(answer)
+                if seq == self.seq:  # an older answer belongs to a wait that was interrupted
+                    waiting.discard(int(rank))
+                    errors += [error] if error is not None else []
         if errors:
             raise InvalidRequestError(errors[0], STRUCTURED_PARAM)
+
+    def _ready(self, sock: zmq.Socket, event: int, health: Callable[[], str | None]) -> bool:
+        """Whether ``sock`` is ready within one poll; raises once a worker is lost or stopped."""
+        if self.stopped.is_set():
+            raise EngineDeadError(health() or "the executor was shut down")
+        if sock.poll(_POLL_MS, event):
+            return True
+        if (problem := health()) is not None:
+            raise EngineDeadError(problem)
+        return False
+
+    def close(self) -> None:
+        self.stopped.set()
+        held = self.lock.acquire(timeout=5 * _POLL_MS / 1000)  # a wait ends within one poll
+        try:
+            for sock in [*self.inputs, self.acks]:
+                sock.close(linger=0)
+        finally:
+            if held:
+                self.lock.release()
 
 
 def _dead_procs(procs: list[Any]) -> list[Any]:
@@ -263,8 +282,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _teardown(procs: list[Any], inputs: list[zmq.Socket], results: list[zmq.Socket], ctx: zmq.Context) -> None:
+def _teardown(procs: list[Any], inputs: list[zmq.Socket], results: zmq.Socket, grammars: GrammarAnnouncer,
+              ctx: zmq.Context) -> None:
     """Stop every worker (politely, then by force) and close the sockets. Idempotent."""
+    grammars.close()
     for sock in inputs:
         if not sock.closed:
             try:
@@ -277,6 +298,6 @@ def _teardown(procs: list[Any], inputs: list[zmq.Socket], results: list[zmq.Sock
         if proc.is_alive():
             proc.kill()
             proc.join(1.0)
-    for sock in [*inputs, *results]:
+    for sock in [*inputs, results]:
         sock.close(linger=0)
     ctx.term()
