@@ -1,7 +1,8 @@
 """GrammarCompiler: StructuredOutputsParams -> an xgrammar CompiledGrammar for one vocabulary,
-cached by spec (LRU). Thread-safe: the server compiles in its tokenizer thread (so a bad
-schema is a 400 before anything is queued, and the step loop finds the grammar cached);
-the model runner compiles on the rare miss (a worker process has its own cache).
+cached by spec (LRU). Thread-safe: the engine compiles off its step loop (an in-process
+server's tokenizer thread, the engine process's compile thread, or a worker process's grammar
+thread when the spec is announced), so the step that adds the request finds it cached; the
+model runner compiles only on the rare miss. ``compiles`` counts the misses.
 
 Why xgrammar: measured against llguidance on this CPU with SmolLM2's 49k vocabulary
 (benchmarks/kernels/grammar_engines_cpu.py, docs/benchmarks-archive.md), its per-token mask time is as
