@@ -25,17 +25,29 @@ def prompts(n: int, length: int, seed: int) -> list[dict]:
     return [{"prompt_token_ids": [(7 * i + 13 * j + seed) % 500 + 3 for j in range(length)]} for i in range(n)]
 
 
-def interrupted_generate(llm: LLM, delay: float) -> bool:
-    """generate, interrupted by SIGINT after ``delay`` seconds; True if it was."""
-    timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+def interrupted_generate(llm: LLM, after_steps: int) -> bool:
+    """generate, interrupted by a SIGINT sent (from another thread, as a terminal's Ctrl-C
+    arrives) once the engine has run ``after_steps`` more steps: the signal lands at a
+    moment of that step the thread's wake-up decides. True if generate was interrupted."""
+    stats, done = llm.engine.stats, threading.Event()
+    target = stats.num_steps + after_steps
+
+    def press() -> None:
+        while not done.is_set():
+            if stats.num_steps >= target:
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.0005)
+
+    presser = threading.Thread(target=press, daemon=True)
+    presser.start()
     try:
-        llm.generate(prompts(6, 40, seed=int(delay * 1000)), LONG, use_tqdm=False)
+        llm.generate(prompts(6, 40, seed=after_steps), LONG, use_tqdm=False)
     except KeyboardInterrupt:
         return True
     finally:
-        timer.cancel()
-        timer.join(5)
+        done.set()
+        presser.join(5)
     return False
 
 
@@ -49,16 +61,24 @@ def check_interrupts(executor: str | None) -> None:
     kw = {} if executor is None else {"distributed_executor_backend": executor}
     llm = LLM("stories260k", num_kv_blocks=64, block_size=16, **kw)
     expected = llm.generate(prompts(4, 24, 1), BIG, use_tqdm=False)
-    start = time.perf_counter()
-    llm.generate(prompts(6, 40, seed=0), LONG, use_tqdm=False)
-    whole = time.perf_counter() - start  # an uninterrupted generate of the same size, warm
-    hits = sum(interrupted_generate(llm, whole * (0.05 + 0.09 * i)) for i in range(8))
-    assert hits >= 6  # timers at 5 % .. 68 % of a whole generate: (almost) every one lands inside
+    hits = sum(interrupted_generate(llm, 3 + 7 * i) for i in range(8))
+    assert hits == 8  # each generate runs ~300 steps; every press lands within its first 52
     assert_all_given_back(llm)
     outs = llm.generate(prompts(4, 24, 1), BIG, use_tqdm=False)  # 56 of the 64 blocks at once
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
     assert_all_given_back(llm)
     llm.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def default_sigint():
+    """Ctrl-C as in a plain Python process (an earlier test in the same pytest process may have
+    left another SIGINT handler installed); the one found is put back afterwards."""
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield found
+    finally:
+        signal.signal(signal.SIGINT, found)
 
 
 def test_interrupted_generate_gives_back_every_block() -> None:
