@@ -21,15 +21,13 @@ from typing import Any, Protocol
 
 import torch
 
-from treadle.bench import BenchError
+from treadle.bench import BACKENDS, BenchError
 from treadle.bench.metrics import KVWaste, RequestRecord, RunResult
 from treadle.bench.roofline import decode_weight_bytes
 from treadle.bench.workloads import BenchRequest
 
 Progress = Callable[[int], Any] | None  # called with the number of requests just finished
 
-BACKENDS = ("treadle", "treadle-nospec", "static", "hf", "llamacpp", "llamacpp-lookup", "llamacpp-hl",
-            "llamacpp-server")
 
 
 class Backend(Protocol):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from treadle.bench import BACKENDS
 from treadle.bench.workloads import WORKLOADS, BenchRequest, LengthRange, WorkloadSpec, make_workload, max_total_len
 from treadle.engine.args import EngineArgs
 from treadle.engine.cli_args import DEFAULT_MODEL, add_engine_args, engine_kwargs, positive_int
@@ -17,8 +18,6 @@ from treadle.engine.cli_args import DEFAULT_MODEL, add_engine_args, engine_kwarg
 if TYPE_CHECKING:
     from treadle.bench.offline import OfflineSetup
 
-BACKENDS = ("treadle", "treadle-nospec", "static", "hf", "llamacpp", "llamacpp-lookup", "llamacpp-hl",
-            "llamacpp-server")  # torch, transformers, httpx load only when a command runs
 
 
 def int_list(text: str) -> list[int]:
