@@ -1,5 +1,5 @@
-"""Issue 34: with the ``mp`` executor the worker processes compile a structured-output grammar
-when it is announced (LLMEngine.compile_grammar -> MultiprocExecutor.prepare_grammar), in a
+"""Issue 34: with the ``mp`` (or ``ray``) executor the worker processes compile a structured-output grammar
+when it is announced (LLMEngine.compile_grammar -> Executor.prepare_grammar), in a
 thread beside their step loop, so the step that adds the request finds it compiled. Before,
 the worker compiled it inside that step: every running request stalled for the whole compile."""
 from __future__ import annotations
@@ -24,8 +24,9 @@ def slow_spec(properties: int) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=json.dumps(schema))
 
 
-def test_mp_workers_compile_a_grammar_ahead_and_no_step_stalls() -> None:
-    llm = LLM("stories260k", distributed_executor_backend="mp", **ENGINE_KW)
+@pytest.mark.parametrize("executor", ["mp", "ray"])
+def test_workers_compile_a_grammar_ahead_and_no_step_stalls(executor: str) -> None:
+    llm = LLM("stories260k", distributed_executor_backend=executor, **ENGINE_KW)
     engine = llm.engine
     try:
         with pytest.raises(InvalidRequestError, match="invalid regex"):

@@ -30,6 +30,7 @@ from treadle.config import EngineConfig, EngineDeadError, TreadleError
 from treadle.core.kv_connector_data import KVConnectorOutput
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.executor.base import KVCapacity, WorkerGroupExecutor
+from treadle.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("treadle")
 
@@ -63,6 +64,11 @@ class RankActor:
         """The last rank's output; another rank's KV transfer report (P/D), if any."""
         out = self.worker.execute(sched)
         return out if self.last else out.kv_connector_output
+
+    def prepare_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile ``spec``'s grammar; called in the actor's "compile" concurrency group, so
+        it runs beside ``execute`` (steps go on) instead of queueing with the steps."""
+        self.worker.prepare_grammar(spec)
 
     def pid(self) -> int:
         return os.getpid()
@@ -105,7 +111,8 @@ class RayExecutor(WorkerGroupExecutor):
             if not ready:
                 raise TreadleError(f"the Ray cluster has no room for {world} workers of {bundle} "
                                    f"within {timeout:.0f} s (ray status shows what it has)")
-            actor_cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0))(RankActor)
+            actor_cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                                   concurrency_groups={"compile": 1})(RankActor)
             self._actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=rank)).remote(threads)
                 for rank in range(world)]
@@ -133,6 +140,14 @@ class RayExecutor(WorkerGroupExecutor):
         assert out is not None
         return self.merge_kv_reports(out, outs[: self.world_size - 1])
 
+    def prepare_grammar(self, spec: StructuredOutputsParams) -> bool:
+        """Every actor compiles ``spec`` beside its steps (its "compile" concurrency group);
+        returns when all have, raises a bad spec's InvalidRequestError. Any thread."""
+        self._check_alive()
+        refs = [a.prepare_grammar.options(concurrency_group="compile").remote(spec) for a in self._actors]
+        self._gather(refs, envs.execute_timeout_s(), "compile a grammar", as_raised=True)
+        return True
+
     def health(self) -> str | None:
         return self._dead
 
@@ -152,10 +167,12 @@ class RayExecutor(WorkerGroupExecutor):
             ray.shutdown()
             self._owns_ray = False
 
-    def _gather(self, refs: list[Any], timeout: float, doing: str, loading: bool = False) -> list[Any]:
+    def _gather(self, refs: list[Any], timeout: float, doing: str, loading: bool = False,
+                as_raised: bool = False) -> list[Any]:
         """Each call's result in order, or raise: a dead actor or a lost node at once
         (EngineDeadError), a failed call once every rank has answered (TreadleError while
-        loading, RuntimeError after), no answer within ``timeout`` (EngineDeadError)."""
+        loading, RuntimeError after; ``as_raised``: the TreadleError the call raised),
+        no answer within ``timeout`` (EngineDeadError)."""
         ray = self._ray
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results: dict[int, Any] = {}
@@ -177,6 +194,8 @@ class RayExecutor(WorkerGroupExecutor):
                 self._die(f"worker rank(s) {missing} did not {doing} within {timeout:.0f} s "
                           f"(TREADLE_EXECUTE_TIMEOUT_S / TREADLE_WORKER_START_TIMEOUT_S); the engine stops")
         for rank, err in sorted(errors.items()):
+            if as_raised and isinstance(err, TreadleError):
+                raise err
             if loading:
                 message = str(err) if isinstance(err, TreadleError) else f"{type(err).__name__}: {err}"
                 raise TreadleError(message if isinstance(err, TreadleError)
