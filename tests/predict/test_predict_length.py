@@ -85,7 +85,7 @@ def test_prompt_set_is_the_committed_one_and_holds_out_topics():
     assert {r.kind for r in rows} == {"short", "medium", "long"}
 
 
-@pytest.mark.parametrize("model", ["stories260k"])  # smollm2-135m-instruct: not trained yet (docs/scheduling.md)
+@pytest.mark.parametrize("model", ["stories260k", "smollm2-135m-instruct"])
 def test_shipped_predictor_and_its_heldout_tau(model):
     """The shipped predictor loads, and its recorded held-out lengths (the model's own greedy
     answers) give the tau its config states, recomputed here."""
