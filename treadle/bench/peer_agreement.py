@@ -1,6 +1,9 @@
 """Greedy agreement with llama.cpp on the same GGUF file (issue 32: Gemma 3 270M Q4_K_M).
 
-    python -m treadle.bench.peer_agreement --model gemma-3-270m --tokens 48
+    python -m treadle.bench.peer_agreement --model gemma-3-270m --tokens 48 --llama-arg=--no-repack
+
+(``--llama-arg`` goes to llama-server: ``--no-repack`` keeps ggml off its AMX matmul, which dies
+with SIGILL on the project's VM; ``--threads`` sets both engines' threads.)
 
 For each prompt (8 texts, and one ~1,500-token prompt whose earlier copy of a passage lies
 beyond a 512-token sliding window) both engines continue the same prompt token ids greedily
@@ -15,6 +18,8 @@ from __future__ import annotations
 import argparse
 import statistics
 from typing import NamedTuple
+
+import torch
 
 from treadle import LLM, SamplingParams
 from treadle.bench.llamacpp_server import GreedyRun, greedy_logprobs
@@ -72,12 +77,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="gemma-3-270m", help="a GGUF short name or path")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--no-long", dest="long", action="store_false", help="skip the ~1,500-token prompt")
+    p.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
+                   help="an argument for llama-server, repeatable (e.g. --llama-arg=--no-repack)")
+    p.add_argument("--threads", type=int, default=None, help="threads of both engines (default: all)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     llm = LLM(str(path), max_model_len=2048)
     tok = llm.get_tokenizer()
     prompts = [tok.encode(t) for t in TEXTS] + ([long_prompt(tok)] if args.long else [])
-    peers = greedy_logprobs(path, prompts, args.tokens, top_n=10, ignore_eos=True)
+    peers = greedy_logprobs(path, prompts, args.tokens, top_n=10, ignore_eos=True, threads=args.threads,
+                            extra_args=tuple(args.llama_arg))
     results = [compare(llm, prompt, peer, args.tokens) for prompt, peer in zip(prompts, peers)]
     print(f"{'prompt':>6} {'tokens':>6} {'parts at':>8} {'margin':>7} {'mean |dlogp|':>12}")
     for i, r in enumerate(results):
