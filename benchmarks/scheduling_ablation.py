@@ -1,7 +1,9 @@
 """Issue 33's ablation: the same Poisson arrivals of the ``lengths`` workload served under
 fcfs, predicted, an oracle order and a random order, each case repeated and the cases
 interleaved (rep 1: fcfs, predicted, oracle, random; rep 2: ...), so drift of a shared machine
-hits every case alike. Medians over the repeats, ratios against fcfs.
+hits every case alike. Medians over the repeats, ratios against the first case (fcfs).
+With ``--router``: two instances behind ``treadle router``, balanced by request count vs by
+predicted cost (``--balance``), the same arrivals.
 
 Each run starts its own ``treadle serve`` (restarted between runs: no warm prefix cache or
 queue carries over) and drives it with ``treadle bench serve``; oracle and random run the
@@ -33,27 +35,33 @@ CASES = {  # name: (server policy, client ordering)
     "oracle": ("priority", "oracle"),
     "random": ("priority", "random"),
 }
+ROUTER_CASES = {"count": "count", "cost": "cost"}  # --router: two instances behind `treadle router --balance B`
 ROWS = [("median e2e s", "e2el_ms", "median", 1e-3), ("mean e2e s", "e2el_ms", "mean", 1e-3),
         ("p99 e2e s", "e2el_ms", "p99", 1e-3), ("median TTFT s", "ttft_ms", "median", 1e-3),
         ("longest wait (max TTFT) s", "ttft_ms", "p100", 1e-3), ("output tok/s", "output_throughput", None, 1.0)]
 
 
-def serve(args: argparse.Namespace, policy: str) -> subprocess.Popen:
-    cmd = [*TREADLE, "serve", args.model, "--port", str(args.port), "--max-num-seqs", str(args.max_num_seqs),
+def serve(args: argparse.Namespace, policy: str, port: int | None = None) -> subprocess.Popen:
+    port = args.port if port is None else port
+    cmd = [*TREADLE, "serve", args.model, "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
            "--threads", str(args.threads), "--scheduling-policy", policy, *args.serve_arg]
+    return start(cmd, port)
+
+
+def start(cmd: list[str], port: int) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"treadle serve exited with {proc.returncode}: {' '.join(cmd)}")
+            raise SystemExit(f"{' '.join(cmd)} exited with {proc.returncode}")
         try:
-            if httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=2).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     stop(proc)
-    raise SystemExit("treadle serve did not become healthy within 180 s")
+    raise SystemExit(f"{' '.join(cmd)} did not become healthy within 180 s")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -66,16 +74,36 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def run_case(args: argparse.Namespace, name: str, out: Path) -> dict:
+    if args.router:
+        return run_router_case(args, name, out)
     policy, ordering = CASES[name]
     proc = serve(args, policy)
     try:
-        cmd = [*TREADLE, "bench", "serve", "--base-url", f"http://127.0.0.1:{args.port}", "--model", args.model,
-               "--workload", "lengths", "--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len),
-               "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--percentiles", "50,90,99,100",
-               "--ordering", ordering, "--save-result", str(out), *args.bench_arg]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=args.timeout)
+        return bench(args, ordering, out)
     finally:
         stop(proc)
+
+
+def run_router_case(args: argparse.Namespace, name: str, out: Path) -> dict:
+    """Two instances (ports port+1, port+2; the instances' policy: --router-policy) behind
+    ``treadle router --balance NAME`` on ``port``."""
+    procs = [serve(args, args.router_policy, args.port + i) for i in (1, 2)]
+    try:
+        urls = [f"http://127.0.0.1:{args.port + i}" for i in (1, 2)]
+        procs.append(start([*TREADLE, "router", "--backend", *urls, "--port", str(args.port),
+                            "--balance", ROUTER_CASES[name], "--no-prefix-affinity"], args.port))
+        return bench(args, "none", out)
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+
+
+def bench(args: argparse.Namespace, ordering: str, out: Path) -> dict:
+    cmd = [*TREADLE, "bench", "serve", "--base-url", f"http://127.0.0.1:{args.port}", "--model", args.model,
+           "--workload", "lengths", "--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len),
+           "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--percentiles", "50,90,99,100",
+           "--ordering", ordering, "--save-result", str(out), *args.bench_arg]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=args.timeout)
     return json.loads(out.read_text())["results"][0]["metrics"]
 
 
@@ -87,15 +115,16 @@ def value(metrics: dict, key: str, stat: str | None) -> float:
 
 
 def table(runs: dict[str, list[dict]]) -> str:
-    names = [n for n in CASES if runs.get(n)]
+    names = [n for n in runs if runs[n]]
+    base = names[0]
     lines = ["| measure (median of repeats) | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for label, key, stat, scale in ROWS:
         meds = {n: statistics.median(value(m, key, stat) for m in runs[n]) * scale for n in names}
         cells = []
         for n in names:
             cell = f"{meds[n]:.2f}"
-            if n != "fcfs" and "fcfs" in meds and meds[n] > 0:
-                ratio = meds["fcfs"] / meds[n] if key != "output_throughput" else meds[n] / meds["fcfs"]
+            if n != base and meds[n] > 0:
+                ratio = meds[base] / meds[n] if key != "output_throughput" else meds[n] / meds[base]
                 cell += f" ({ratio:.2f}×)"
             cells.append(cell)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -105,7 +134,10 @@ def table(runs: dict[str, list[dict]]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {','.join(CASES)}")
+    p.add_argument("--cases", default=None, help=f"comma list of {','.join(CASES)} (with --router: "
+                   f"{','.join(ROUTER_CASES)}); ratios are against the first")
+    p.add_argument("--router", action="store_true", help="two instances behind treadle router, balanced by count vs cost")
+    p.add_argument("--router-policy", default="predicted", help="the instances' --scheduling-policy with --router")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=60)
     p.add_argument("--output-len", type=int, default=256)
@@ -119,7 +151,7 @@ def main() -> None:
     p.add_argument("--bench-arg", action="append", default=[], help="one more `treadle bench serve` argument")
     p.add_argument("--save-result", default=None, metavar="FILE.json")
     args = p.parse_args()
-    cases = args.cases.split(",")
+    cases = (args.cases or ",".join(ROUTER_CASES if args.router else CASES)).split(",")
     runs: dict[str, list[dict]] = {n: [] for n in cases}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
