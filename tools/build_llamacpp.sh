@@ -9,7 +9,7 @@
 #   tools/build_llamacpp.sh            # builds once, then caches
 #   tools/build_llamacpp.sh            # second run: prints the cached path at once
 #
-# Cache: ${TREADLE_CACHE:-~/.cache/treadle}/llamacpp/<version>-<cpu hash>/
+# Cache: ${TREADLE_CACHE_DIR:-~/.cache/treadle}/llamacpp/<version>-<cpu hash>/
 #   bin/   the binaries               src/   the vendored llama.cpp tree (convert_hf_to_gguf.py)
 # The CPU hash covers the CPU's flags and the compiler, since GGML_NATIVE code runs only where
 # it was built. The last line printed is always the bin directory.
@@ -31,7 +31,7 @@ cpu_hash() {
         | sha256sum | cut -c1-12
 }
 
-ROOT="${TREADLE_CACHE:-$HOME/.cache/treadle}/llamacpp/${VERSION}-$(cpu_hash)"
+ROOT="${TREADLE_CACHE_DIR:-$HOME/.cache/treadle}/llamacpp/${VERSION}-$(cpu_hash)"
 BIN="$ROOT/bin"
 
 all_built() {

@@ -33,6 +33,10 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("TREADLE_PP_BATCH_QUEUE", "1", "0: under pipeline parallelism keep one step in flight, not one per "
                                           "stage (for comparisons)"),
     EnvVar("TREADLE_WORKER_START_TIMEOUT_S", "600", "mp executor: seconds workers may take to load the model"),
+    EnvVar("TREADLE_LLAMACPP_BIN", None, "benchmarks: the folder of the llama.cpp peer's binaries (default: "
+                                        "what tools/build_llamacpp.sh built for this CPU, in the cache)"),
+    EnvVar("TREADLE_LLAMACPP_ARGS", None, "benchmarks: more arguments for the llama-server peer, e.g. "
+                                         "--no-repack (keeps ggml off its AMX matmul where that faults)"),
     EnvVar("TRITON_INTERPRET", None, "1: Triton kernels run in the interpreter (the triton backend on a CPU, "
                                      "for tests)"),
 )

@@ -29,6 +29,7 @@ import contextlib
 import ctypes
 import hashlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -43,6 +44,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
+from treadle import envs
 from treadle.bench.metrics import RunResult
 from treadle.bench.workloads import BenchRequest
 
@@ -64,11 +66,11 @@ def _cpu_hash() -> str:
 
 def llamacpp_bin_dir() -> Path:
     """The directory holding llama-server and llama-quantize, or a RuntimeError naming the build."""
-    given = os.environ.get("TREADLE_LLAMACPP_BIN")
+    given = envs.get("TREADLE_LLAMACPP_BIN")
     if given:
         folder = Path(given)
     else:
-        cache = Path(os.environ.get("TREADLE_CACHE", Path.home() / ".cache" / "treadle"))
+        cache = Path(envs.cache_dir())
         version = os.environ.get("LLAMACPP_PY_VERSION", LLAMACPP_PY_VERSION)
         folder = cache / "llamacpp" / f"{version}-{_cpu_hash()}" / "bin"
     if not (folder / "llama-server").is_file():
@@ -230,7 +232,7 @@ def make_server_backend(model: str, n_ctx: int, threads: int | None = None) -> L
         import torch  # the threads Treadle's backends use (--threads)
 
         threads = torch.get_num_threads()
-    return LlamaServerBackend(path, n_ctx, threads)
+    return LlamaServerBackend(path, n_ctx, threads, tuple(shlex.split(envs.get("TREADLE_LLAMACPP_ARGS") or "")))
 
 
 @contextlib.contextmanager
