@@ -5,7 +5,7 @@ llama-quantize to Q4_K_M and Q4_0, so Treadle and llama.cpp read the very same f
     .venv/bin/python tools/make_1b_model.py        # minutes once; then prints the folder at once
 
 Needs the binaries and vendored sources of tools/build_llamacpp.sh (run first; this script calls it,
-which is instant once built). Files (not committed), under ${TREADLE_CACHE:-~/.cache/treadle}/models/
+which is instant once built). Files (not committed), under ${TREADLE_CACHE_DIR:-~/.cache/treadle}/models/
 tinyllama-shape-random-seed0/: hf/ (safetensors, float16), f16.gguf, Q4_K_M.gguf, Q4_0.gguf.
 The last line printed is that folder.
 
@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from treadle import envs
+
 SHAPE = dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
              intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5,
              rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
@@ -32,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def out_dir() -> Path:
-    cache = Path(os.environ.get("TREADLE_CACHE", Path.home() / ".cache" / "treadle"))
+    cache = Path(envs.cache_dir())
     return cache / "models" / f"tinyllama-shape-random-seed{SEED}"
 
 
