@@ -64,8 +64,8 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_GGUF_NAMES[module]}.{suffix}"
 
 
-def write_llama_metadata(w: GGUFWriter, config, tokenizer: str = "llama") -> None:  # noqa: ANN001 (a LlamaConfig)
-    """Llama hyperparameters from ``config``, and (tokenizer "llama") the stories260K vocabulary."""
+def write_shape(w: GGUFWriter, config, rope_theta: float) -> None:  # noqa: ANN001 (a transformers config)
+    """The decoder's hyperparameters every architecture writes alike."""
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
@@ -73,7 +73,12 @@ def write_llama_metadata(w: GGUFWriter, config, tokenizer: str = "llama") -> Non
     w.add_head_count(config.num_attention_heads)
     w.add_head_count_kv(config.num_key_value_heads)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope_theta)
+
+
+def write_llama_metadata(w: GGUFWriter, config, tokenizer: str = "llama") -> None:  # noqa: ANN001 (a LlamaConfig)
+    """Llama hyperparameters from ``config``, and (tokenizer "llama") the stories260K vocabulary."""
+    write_shape(w, config, 10000.0)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     if tokenizer == "llama":  # the stories260K vocabulary, SentencePiece style

@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
-from gguf_files import finish, to_interleaved
+from gguf_files import finish, to_interleaved, write_shape
 from paged_session import PagedSession, greedy
 from test_models_moe import PROMPTS, make_moe_model
 
@@ -35,15 +35,9 @@ def write_moe_gguf(hf: torch.nn.Module, variant: str, path: Path, qtype: GGMLQua
     """``qtype``: the decoder layers' matrices (stacked experts too) quantized to it, else float32."""
     cfg, arch = hf.config, _ARCH[variant]
     w = GGUFWriter(path, arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim) if getattr(cfg, "head_dim", None) else None
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    write_shape(w, cfg, float(cfg.rope_parameters["rope_theta"]))
+    if getattr(cfg, "head_dim", None):
+        w.add_key_length(cfg.head_dim)
     w.add_vocab_size(cfg.vocab_size)
     moe = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     w.add_expert_count(moe)
