@@ -303,3 +303,27 @@ def test_gguf_rope_scaling_is_read_as_llama_cpp_reads_it(md: dict, factor: float
 
     got = _rope_scaling(md, Path("m.gguf"))
     assert (got and got.factor) == factor and (got is None or got.kind == "linear")
+
+
+def _mapped_kib(path: Path) -> int:
+    """This process's resident KiB of the memory maps of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = len(fields) >= 6 and fields[-1] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+def test_gguf_pages_leave_the_resident_set_once_loaded(hf_model, tmp_path: Path) -> None:
+    """The weights are copied out of the file's memory map; after the stream ends the mapped
+    pages are dropped, so a loaded model holds its weights once, not twice (issue 32)."""
+    path = write_gguf(tmp_path / "m.gguf", hf_model, Q.Q8_0).resolve()
+    source = open_gguf(path)
+    stream = source.weights()
+    next(stream)
+    assert _mapped_kib(path) > 0  # the map is live and read (the check sees it)
+    rest = list(stream)
+    assert rest and _mapped_kib(path) == 0

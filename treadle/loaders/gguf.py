@@ -12,6 +12,7 @@ applies equally to quantized rows.
 """
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -98,6 +99,18 @@ class _PlainBufferReader(GGUFReader):
     def _build_fields(self, offs: int, count: int) -> int:
         self.data = self.data.view(np.ndarray)  # type: ignore[assignment]
         return super()._build_fields(offs, count)
+
+
+def release_pages(reader: GGUFReader) -> None:
+    """Drop the memory map's pages from this process's resident set once every tensor has been
+    copied out (they stay in the page cache; a later read faults them back in), so a loaded
+    model's resident weights are its copies alone, not the copies plus the mapped file."""
+    base = reader.data
+    while base is not None and not isinstance(base, np.memmap):
+        base = base.base
+    mm = getattr(base, "_mmap", None)
+    if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mm.madvise(mmap.MADV_DONTNEED)
 
 
 def open_gguf_reader(path: Path) -> GGUFReader:
@@ -262,10 +275,12 @@ def open_gguf(path: str | Path, skip_tokenizer_init: bool = False) -> ModelSourc
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for ref in refs:
             yield ref.hf_name, dequantize_ref(ref)
+        release_pages(reader)
 
     def raw_weights(keep_raw: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
         for ref in refs:
             yield ref.hf_name, raw_blocks(ref) if keep_raw(ref.hf_name) else dequantize_ref(ref)
+        release_pages(reader)
 
     tensor_types = {ref.hf_name: (ref.tensor.tensor_type.name, ref.shape) for ref in refs}
     return ModelSource(
