@@ -241,7 +241,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     # waiting order and victim choice (core/cost_policy.py); these defaults are EngineArgs' too
     scheduling_policy: str = "priority"  # fcfs | priority | predicted
-    scheduling_aging_s: float = 60.0  # predicted: never passed over by a request arriving this much later
+    scheduling_aging_s: float = 120.0  # predicted: never passed over by a request arriving this much later
+    scheduling_max_passed_over: int = 20  # predicted: nor by more than this many later arrivals
     length_predictor: str | None = None  # its directory (treadle/predict); None: requests carry no prediction
 
 

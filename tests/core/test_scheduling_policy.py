@@ -29,9 +29,11 @@ def req(rid: str, n_prompt: int = 8, predicted: int | None = 10, arrival: float 
     return r
 
 
-def scheduler(policy: str = "predicted", num_blocks: int = 1024, max_seqs: int = 1, budget: int = 64) -> Scheduler:
+def scheduler(policy: str = "predicted", num_blocks: int = 1024, max_seqs: int = 1, budget: int = 64,
+              max_passed_over: int = 16) -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=4096,
-                          enable_chunked_prefill=True, scheduling_policy=policy, scheduling_aging_s=AGING)
+                          enable_chunked_prefill=True, scheduling_policy=policy, scheduling_aging_s=AGING,
+                          scheduling_max_passed_over=max_passed_over)
     return Scheduler(cfg, KVCacheManager(num_blocks, 4))
 
 
@@ -152,9 +154,62 @@ def test_kv_pressure_preempts_the_longest_predicted_and_all_finish():
     assert s.kv.num_free_blocks == 12
 
 
+def run_to_end(s: Scheduler, stop_at: dict[str, int]) -> list[str]:
+    """Step the scheduler until every request finished -> ids in the order they were first scheduled."""
+    started: list[str] = []
+    for _ in range(5000):
+        if not s.has_unfinished():
+            return started
+        out = s.schedule()
+        started += [sr.request_id for sr in out.scheduled if sr.request_id not in started]
+        fake_step(s, out, stop_at)
+    raise AssertionError("did not finish")
+
+
+def test_count_bound_no_request_passed_over_more_than_max_passed_over():
+    """One slot, a long job and 12 short ones arriving just after it (all within the aging
+    window, so the time bound alone would let every one of them go first): exactly CAP of them
+    pass it, then it runs; the rest wait for it."""
+    cap = 5
+    s = scheduler(max_passed_over=cap)
+    true_len = {"long": 30}
+    s.add_request(req("first", predicted=2, max_tokens=30))  # takes the slot, so the others queue
+    s.add_request(req("long", predicted=30, max_tokens=30, arrival=0.1, first_token=900))
+    true_len["first"] = 2
+    for i in range(12):
+        rid = f"s{i}"
+        s.add_request(req(rid, predicted=2, max_tokens=30, arrival=0.2 + 0.01 * i, first_token=1000 + 50 * i))
+        true_len[rid] = 2
+    order = run_to_end(s, true_len)
+    assert order[0] == "first"
+    assert order.index("long") == 1 + cap  # passed over by exactly cap later arrivals ...
+    assert order[1:1 + cap] == [f"s{i}" for i in range(cap)]  # ... the shortest-first ones
+    assert s.requests == {} and s.kv.num_free_blocks == 1024
+
+
+def test_count_bound_counts_only_the_same_or_less_urgent_priority():
+    policy = SchedulingPolicy("predicted", AGING, max_passed_over=2)
+    overdue = req("overdue", predicted=500, priority=1)
+    overdue.num_passed_over = 2
+    fresh_urgent = req("urgent", predicted=500, priority=0, arrival=5.0)
+    fresh_same = req("same", predicted=1, priority=1, arrival=5.0)
+    keys = sorted([overdue, fresh_urgent, fresh_same], key=policy.queue_key)
+    assert [r.request_id for r in keys] == ["urgent", "overdue", "same"]  # explicit priority still wins
+
+    s = scheduler(max_passed_over=2)
+    s.add_request(req("first", predicted=1, max_tokens=8))
+    s.add_request(req("low", predicted=50, priority=3, arrival=0.1, max_tokens=50, first_token=300))
+    for i in range(4):  # more urgent arrivals overtaking "low" are not passes
+        s.add_request(req(f"u{i}", predicted=1, priority=0, arrival=0.2 + i, max_tokens=8, first_token=400 + 20 * i))
+    order = run_to_end(s, {"first": 1, "low": 5, **{f"u{i}": 1 for i in range(4)}})
+    assert order == ["first", "u0", "u1", "u2", "u3", "low"]
+
+
 def test_unknown_policy_is_one_clear_error():
     with pytest.raises(TreadleError, match="scheduling_policy 'sjf'"):
         scheduler("sjf")
     with pytest.raises(TreadleError, match="aging"):
         SchedulingPolicy("predicted", 0.0)
+    with pytest.raises(TreadleError, match="max_passed_over"):
+        SchedulingPolicy("predicted", AGING, -1)
     assert COST_HALF > 0

@@ -12,7 +12,8 @@ Policies (``scheduling_policy``):
 - ``fcfs``: arrival order; explicit priorities are ignored (vLLM's ``fcfs``).
 - ``priority``: explicit priority (lower first), then arrival — Treadle's rule before there
   was a choice, and the default.
-- ``predicted``: explicit priority first, then a *virtual start time*
+- ``predicted``: explicit priority first, then requests passed over ``max_passed_over`` times
+  (oldest first), then a *virtual start time*
 
       virtual = arrival + aging_s * cost / (cost + COST_HALF)
 
@@ -31,12 +32,25 @@ more after it; only requests that arrived within that window can overtake it.
        |-------------------|-------------------|------------------->  time
        [ may overtake R: arrived here ...      ][ never overtakes R  ]
 
+Two bounds (both tested), because the time bound alone trades the tail for the median: a long
+job that waits behind every short one arriving within ``aging_s`` ends up last of its busy period
+(measured: p99 1.45x worse than fcfs at ``aging_s`` 60 s, docs/scheduling.md).
+
+- *Time*: ``cost / (cost + COST_HALF) < 1``, so ``virtual < arrival + aging_s`` (above).
+- *Count*: a request is *passed over* when one that arrived after it, of the same or a less
+  urgent explicit priority, is admitted while it waits (``PassOverCount``). Once passed over
+  ``max_passed_over`` times it goes first among its priority (oldest first), so no request is
+  overtaken by more than ``max_passed_over`` later arrivals of its priority, however short
+  their predicted jobs. Each pass costs it at most one admission's worth of waiting.
+
 The key is fixed while a request waits (the waiting queue is a heap), so it stays O(log n) per
 push; predictions are re-ranked where the request is seen again: preemption re-queues it with
 its remaining cost, and victim choice reads the running requests' current remaining cost.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,16 +100,29 @@ class SchedulingPolicy:
 
     name: str
     aging_s: float
+    max_passed_over: int = 20
 
     @staticmethod
     def from_config(config: SchedulerConfig) -> SchedulingPolicy:
-        return SchedulingPolicy(config.scheduling_policy, config.scheduling_aging_s)
+        return SchedulingPolicy(config.scheduling_policy, config.scheduling_aging_s,
+                                config.scheduling_max_passed_over)
 
     def __post_init__(self) -> None:
         if self.name not in SCHEDULING_POLICIES:
             raise TreadleError(f"scheduling_policy {self.name!r} is not one of {', '.join(SCHEDULING_POLICIES)}")
         if not self.aging_s > 0:
             raise TreadleError(f"scheduling_aging_s must be positive, not {self.aging_s!r}")
+        if self.max_passed_over < 0:
+            raise TreadleError(f"scheduling_max_passed_over must be >= 0, not {self.max_passed_over!r}")
+
+    @property
+    def counts_passes(self) -> bool:
+        """Whether the scheduler must keep a ``PassOverCount`` (predicted only)."""
+        return self.name == "predicted"
+
+    def overdue(self, req: Request) -> bool:
+        """Passed over the most times allowed: it goes first among its priority."""
+        return self.name == "predicted" and req.num_passed_over >= self.max_passed_over
 
     def queue_key(self, req: Request) -> tuple[Any, ...]:
         """Waiting order, smallest first (ties: first pushed first)."""
@@ -103,10 +130,54 @@ class SchedulingPolicy:
             return (req.arrival_time,)
         if self.name == "priority":
             return (req.priority, req.arrival_time)
-        return (req.priority, virtual_start(req, self.aging_s), req.arrival_time)
+        if self.overdue(req):
+            return (req.priority, 0, req.arrival_time, req.arrival_time)
+        return (req.priority, 1, virtual_start(req, self.aging_s), req.arrival_time)
 
     def choose_victim(self, running: list[Request]) -> Request:
         """The request to preempt: the one the queue order serves last (latest arrival for
         fcfs; lowest priority then latest arrival for priority; lowest priority then the
         latest virtual start, with the remaining cost as it is now, for predicted)."""
         return max(running, key=self.queue_key)
+
+
+class PassOverCount:
+    """The waiting requests in arrival order, to count how often each is passed over.
+
+    ``admitted(r)`` adds one to every waiting request that arrived before ``r`` with the same or
+    a more urgent priority (lower value) and returns those that just reached ``cap``: the
+    scheduler re-queues them so their key (``SchedulingPolicy.overdue``) puts them first. It
+    touches only requests older than the admitted one (the ones passed over, usually few);
+    adding and removing is a bisect in an arrival-sorted list."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._order: list[tuple[float, int]] = []  # (arrival, seq), sorted
+        self._reqs: list[Request] = []  # parallel to _order
+        self._key: dict[int, tuple[float, int]] = {}  # id(req) -> its (arrival, seq)
+        self._seq = itertools.count()
+
+    def add(self, req: Request) -> None:
+        key = (req.arrival_time, next(self._seq))
+        i = bisect.bisect(self._order, key)
+        self._order.insert(i, key)
+        self._reqs.insert(i, req)
+        self._key[id(req)] = key
+
+    def discard(self, req: Request) -> None:
+        key = self._key.pop(id(req), None)
+        if key is not None:
+            i = bisect.bisect_left(self._order, key)
+            del self._order[i], self._reqs[i]
+
+    def admitted(self, req: Request) -> list[Request]:
+        """``req`` left the queue to run: count the passes it made; -> requests now overdue."""
+        self.discard(req)
+        reached = []
+        for i in range(bisect.bisect_left(self._order, (req.arrival_time, -1))):
+            older = self._reqs[i]
+            if older.priority <= req.priority and older.num_passed_over < self.cap:
+                older.num_passed_over += 1
+                if older.num_passed_over == self.cap:
+                    reached.append(older)
+        return reached

@@ -43,6 +43,7 @@ class Request:
     num_new_tokens: int = 0  # tokens appended by the last step (1, or more with speculation)
     kv_transfer_params: dict[str, Any] | None = None  # P/D producer: where a consumer pulls this KV
     predicted_output_tokens: int | None = None  # the length predictor's guess at admission (cost_policy.py)
+    num_passed_over: int = 0  # predicted: later arrivals admitted while this one waited (cost_policy.py)
 
     @property
     def num_drafts_allowed(self) -> int:

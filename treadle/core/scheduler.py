@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from treadle.config import InvalidRequestError, SchedulerConfig
-from treadle.core.cost_policy import SchedulingPolicy
+from treadle.core.cost_policy import PassOverCount, SchedulingPolicy
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.kv_connector_data import KVConnectorMetadata
 from treadle.core.request import Request, RequestStatus
@@ -56,6 +56,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.policy = SchedulingPolicy.from_config(config)  # waiting order, victim choice
         self._waiting: WaitingQueue[Request] = WaitingQueue(self.policy.queue_key)
+        self._passes = PassOverCount(self.policy.max_passed_over) if self.policy.counts_passes else None
         self._seen_by_runner: set[str] = set()
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
@@ -89,6 +90,23 @@ class Scheduler:
 
     def _push_waiting(self, req: Request) -> None:
         self._waiting.push(req)
+        if self._passes is not None:
+            self._passes.add(req)
+
+    def _pop_waiting(self) -> Request:
+        req = self._waiting.pop()
+        if self._passes is not None:
+            self._passes.discard(req)
+        return req
+
+    def _admitted(self, req: Request) -> None:
+        """``req`` left the queue to run: count whom it passed over; re-queue those now overdue
+        (their key puts them first, ``SchedulingPolicy.overdue``)."""
+        if self._passes is None:
+            return
+        for older in self._passes.admitted(req):
+            self._waiting.remove(older)
+            self._waiting.push(older)
 
     @property
     def num_waiting(self) -> int:
@@ -195,7 +213,7 @@ class Scheduler:
                and len(scheduled) < max_reqs):
             req = self._waiting.peek()
             if self._must_wait_for_sibling(req):
-                deferred.append(self._waiting.pop())
+                deferred.append(self._pop_waiting())
                 continue
             remote = self._start_remote_load(req)
             if remote is not None:
@@ -214,6 +232,7 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n + self._lookahead(req, num_cached + n), cached):
                 break
             self._waiting.pop()
+            self._admitted(req)
             if req.num_preemptions == 0:
                 req.num_cached_prompt_tokens = num_cached
             req.num_computed_tokens = num_cached
@@ -314,6 +333,8 @@ class Scheduler:
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self._waiting.remove(req)  # O(1): lazy deletion
+            if self._passes is not None:
+                self._passes.discard(req)
         req.status = status
         req.spec_token_ids = []
         if self.spec is not None:

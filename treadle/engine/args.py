@@ -83,6 +83,9 @@ class EngineArgs:
     scheduling_aging_s: float = _arg(SchedulerConfig.scheduling_aging_s,
                                      "predicted: no request is passed over by one that arrived this many "
                                      "seconds after it")
+    scheduling_max_passed_over: int = _arg(SchedulerConfig.scheduling_max_passed_over,
+                                           "predicted: no request is passed over by more than this many "
+                                           "later arrivals of its priority (then it goes first)")
     length_predictor: str = _arg(
         "auto", "predicted: the output-length predictor, a directory written by treadle train-length-predictor "
                 "(auto: the one shipped for the model, if any; none: no prediction)", type=str)

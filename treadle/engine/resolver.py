@@ -206,6 +206,7 @@ def _scheduler_config(args: EngineArgs, model_limit: int) -> SchedulerConfig:
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
                            max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
                            scheduling_policy=args.scheduling_policy, scheduling_aging_s=float(args.scheduling_aging_s),
+                           scheduling_max_passed_over=int(args.scheduling_max_passed_over),
                            length_predictor=_length_predictor(args))
 
 

@@ -113,7 +113,7 @@ class KVTransferScheduler(Scheduler):
             return None
         if not self.kv.allocate_slots(req, req.num_prompt_tokens):
             return False
-        self._waiting.pop()
+        self._pop_waiting()
         self._loading[req.request_id] = (req, num_remote)
         blocks = self.kv.block_ids(req.request_id)[: self.kv.blocks_needed(num_remote)]
         self._meta.loads.append(LoadSpec(req.request_id, remote.request_id, remote.host, remote.port,
@@ -136,7 +136,7 @@ class KVTransferScheduler(Scheduler):
         streaming (the model waits for each layer), or with its load already over."""
         rid = req.request_id
         state = self._started.pop(rid)
-        self._waiting.pop()
+        self._pop_waiting()
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         req.num_computed_tokens = 0 if state == FAILED else req.num_prompt_tokens - 1
