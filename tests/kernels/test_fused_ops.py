@@ -1,8 +1,8 @@
-"""Fused RMSNorm+residual, SwiGLU and in-place RoPE against their plain versions.
+"""Fused RMSNorm+residual, SwiGLU, GeGLU and in-place RoPE against their plain versions.
 
 bfloat16 goes through in-place torch calls with the plain arithmetic (bit for bit);
 float32 on the CPU goes through the C kernels (treadle/kernels/csrc/ops.c): RoPE is
-bit for bit, RMSNorm sums its squares in another order and SwiGLU approximates exp,
+bit for bit, RMSNorm sums its squares in another order and SwiGLU / GeGLU approximate exp,
 so those agree to float32 rounding."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from treadle.config import RopeScaling
 from treadle.kernels import native
-from treadle.layers.activation import silu_and_mul, silu_and_mul_plain
+from treadle.layers.activation import gelu_tanh_and_mul, silu_and_mul, silu_and_mul_plain
 from treadle.layers.norm import RMSNorm, rms_norm_fused, rms_norm_plain
 from treadle.layers.rotary import RotaryEmbedding, joint_view
 
@@ -61,6 +61,14 @@ def test_silu_and_mul_equals_plain(dtype: torch.dtype) -> None:
     gate_up = rand(7, 2 * 80, dtype=dtype, seed=7)
     gate_up = gate_up * 4  # past the exp approximation's easy range
     assert same(silu_and_mul(gate_up), silu_and_mul_plain(gate_up))
+
+
+@pytest.mark.parametrize("width", [80, 83])  # 83: the scalar tail after the 8-wide SIMD body
+def test_gelu_tanh_and_mul_equals_torch(width: int) -> None:
+    gate_up = rand(7, 2 * width, seed=8) * 4  # large |gate| too, where tanh saturates
+    gate, up = gate_up[:, :width], gate_up[:, width:]
+    expect = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    assert torch.allclose(gelu_tanh_and_mul(gate_up), expect, rtol=1e-6, atol=1e-6)
 
 
 def split_qkv(qkv: torch.Tensor, heads: int, kv_heads: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Python faces of ``csrc/ops.c``: RMSNorm with the residual add, in-place RoPE and SwiGLU,
+"""Python faces of ``csrc/ops.c``: RMSNorm with the residual add, in-place RoPE, SwiGLU and GeGLU,
 one C call each. ``usable`` says whether a tensor can go to them (float32 on the CPU, rows
 with unit stride, kernels built); the layers fall back to plain torch otherwise."""
 from __future__ import annotations
@@ -48,4 +48,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 d] -> [T, d]
     d = g2.shape[1] // 2
     out = torch.empty(g2.shape[0], d, dtype=torch.float32)
     native.kernel("tq_silu_mul")(g2.data_ptr(), out.data_ptr(), g2.shape[0], d, g2.stride(0))
+    return out.view(*gate_up.shape[:-1], d)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 d] -> [T, d], GeGLU (tanh GELU)
+    g2 = gate_up.view(-1, gate_up.shape[-1]) if gate_up.dim() != 2 else gate_up
+    d = g2.shape[1] // 2
+    out = torch.empty(g2.shape[0], d, dtype=torch.float32)
+    native.kernel("tq_gelu_tanh_mul")(g2.data_ptr(), out.data_ptr(), g2.shape[0], d, g2.stride(0))
     return out.view(*gate_up.shape[:-1], d)

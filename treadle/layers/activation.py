@@ -24,6 +24,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """GeGLU (Gemma): gelu(gate, tanh approximation) * up; [..., 2 * d] -> [..., d]."""
+    """GeGLU (Gemma): gelu(gate, tanh approximation) * up; [..., 2 * d] -> [..., d]. Float32 on
+    the CPU: one C call (the one the fused Gemma layer makes; exp approximated as for SwiGLU)."""
+    if ops.usable(gate_up):
+        return ops.gelu_tanh_mul(gate_up)
     d = gate_up.shape[-1] // 2
     return F.gelu(gate_up[..., :d], approximate="tanh").mul_(gate_up[..., d:])

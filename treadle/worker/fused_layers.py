@@ -9,15 +9,23 @@ kernel (``BFloat16CPUMethod``: a float checkpoint in ``--dtype bfloat16``), only
 When every layer of a one-stage, one-rank model is fused, the model also gets a
 ``FusedDecoderStack``: all layers as one C call per all-decode step. Nothing here runs per
 step: the fused layers and the stack check each step themselves.
+
+Gemma 3 (its own block: q/k head norms, output norms, GeGLU) gets ``FusedGemmaStack`` when
+every layer qualifies as above and its extra norms are float32 and fused: the whole stack as
+one C call (``csrc/gemma_layer.c``), its layers' modules kept for every other step.
 """
 from __future__ import annotations
 
 import torch
 
 from treadle.kernels import native
+from treadle.kernels.gemma_layer import GemmaLayerWeights
 from treadle.kernels.layer import DecoderLayerWeights, block_layouts
 from treadle.layers.fused_decoder import FusedDecoderLayer, FusedDecoderStack, Workspace
+from treadle.layers.fused_gemma import FusedGemmaStack
 from treadle.layers.linear import Linear
+from treadle.layers.norm import RMSNorm
+from treadle.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer, Gemma3ForCausalLM
 from treadle.models.layout import STANDARD_LINEARS
 from treadle.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from treadle.quantization.methods.bfloat16_cpu import BFloat16CPUMethod
@@ -65,9 +73,35 @@ def layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | None:
     )
 
 
+def gemma_weights(layer: Gemma3DecoderLayer) -> GemmaLayerWeights | None:
+    """The C layer's view of one Gemma 3 decoder layer, or None when it cannot take it."""
+    base, attn = layer_weights(layer), layer.self_attn
+    assert isinstance(attn, Gemma3Attention)
+    norms: list[RMSNorm] = [attn.q_norm, attn.k_norm, layer.pre_feedforward_layernorm,
+                            layer.post_feedforward_layernorm]
+    if base is None or not all(n.fused and n.weight.dtype == torch.float32 and n.eps == base.eps for n in norms):
+        return None
+    return GemmaLayerWeights(base, *(n.weight.data for n in norms))
+
+
+def _fuse_gemma(model: Gemma3ForCausalLM) -> int:
+    """The whole stack as one FusedGemmaStack when every layer qualifies (one stage, one rank)."""
+    layers = [x for x in model.layers if isinstance(x, Gemma3DecoderLayer)]
+    if not (model.parallel.tp_size == 1 and len(model.stage) == len(layers) == len(model.layers)):
+        return 0
+    weights = [gemma_weights(x) for x in layers]
+    if any(w is None for w in weights):
+        return 0
+    model.decoder = FusedGemmaStack([w for w in weights if w is not None], model.decoder)
+    return len(layers)
+
+
 def fuse_decoder_layers(model: LlamaForCausalLM) -> int:
     """Swap ``model.layers[i]`` for a FusedDecoderLayer wherever it qualifies; returns how
-    many were swapped (0 for architectures without the standard block or without kernels)."""
+    many were swapped (0 for architectures without the standard block or without kernels).
+    Gemma 3: its whole stack or nothing (the count of its layers, or 0)."""
+    if native.available() and isinstance(model, Gemma3ForCausalLM):
+        return 0 if isinstance(model.decoder, FusedGemmaStack) else _fuse_gemma(model)
     if not (native.available() and model.layout.has_standard_block):
         return 0
     workspace = Workspace()

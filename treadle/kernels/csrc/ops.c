@@ -3,6 +3,8 @@
  *   tq_rms_norm   residual += x (in place, when given); out = residual * rsqrt(mean(residual^2) + eps) * weight
  *   tq_rope       rotate-half RoPE in place on rows of heads, cos/sin looked up by position
  *   tq_silu_mul   out = silu(gate) * up over [gate | up] rows
+ *   tq_gelu_tanh_mul  out = gelu_tanh(gate) * up (GeGLU, Gemma), as gate * sigmoid(2 u) with
+ *                 u = sqrt(2/pi) (gate + 0.044715 gate^3): 0.5 (1 + tanh u) = sigmoid(2 u) exactly
  *
  * Same arithmetic as the plain torch versions in treadle/layers (float32 throughout), up to
  * summation order in the mean and the exp approximation below (relative error < 2e-7).
@@ -98,5 +100,26 @@ void tq_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t d, int6
         }
 #endif
         for (; i < d; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* gate_up [rows, 2 d] (rows `in_stride` floats apart) -> out [rows, d]: GeGLU with tanh GELU */
+void tq_gelu_tanh_mul(const float *gate_up, float *out, int64_t rows, int64_t d, int64_t in_stride) {
+    const float k2 = 1.5957691216057308f, c = 0.044715f; /* 2 sqrt(2/pi) */
+#pragma omp parallel for schedule(static) if (rows >= PAR_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * in_stride, *u = g + d;
+        float *o = out + r * d;
+        int64_t i = 0;
+#ifdef TQ_AVX2
+        const __m256 one = _mm256_set1_ps(1.0f), kv = _mm256_set1_ps(-k2), cv = _mm256_set1_ps(c);
+        for (; i + 8 <= d; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 inner = _mm256_add_ps(gv, _mm256_mul_ps(cv, _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv)));
+            const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_mul_ps(kv, inner))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < d; i++) o[i] = g[i] / (1.0f + expf(-k2 * (g[i] + c * (g[i] * g[i] * g[i])))) * u[i];
     }
 }

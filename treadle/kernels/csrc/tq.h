@@ -96,6 +96,7 @@ void tq_rms_norm(const float *x, float *residual, const float *weight, float *ou
 void tq_rope(float *x, const float *cos_sin, const int64_t *positions, int64_t tokens, int64_t heads,
              int64_t head_dim, int64_t row_stride);
 void tq_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t d, int64_t in_stride);
+void tq_gelu_tanh_mul(const float *gate_up, float *out, int64_t rows, int64_t d, int64_t in_stride);
 /* paged_attention.c; kv_format: what the cache holds */
 enum { TQ_KV_FLOAT32 = 0, TQ_KV_INT8 = 1, TQ_KV_FP8 = 2, TQ_KV_BF16 = 3 };
 void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_stride, int64_t k_stride,
@@ -121,5 +122,15 @@ typedef struct { /* one Llama decoder layer: its weights and shapes (tq_layout s
 void tq_llama_layers_decode(const tq_decoder_layer *layers, int64_t n, float *x, float *residual, int first,
                             const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
                             const int32_t *seq_lens, int64_t B, int64_t max_blocks, int64_t H, float *scratch);
+/* gemma_layer.c */
+typedef struct { /* one Gemma 3 decoder layer: a Llama layer's fields (post_norm: the attention output's
+                    norm) and Gemma's other norms, each multiplier (1 + w) as the model holds it */
+    const tq_decoder_layer *base;
+    const float *q_norm, *k_norm; /* [head_dim], over each query / key head before RoPE */
+    const float *pre_ff_norm, *post_ff_norm; /* [H]: the MLP's input (with the residual add) and output */
+} tq_gemma_layer;
+void tq_gemma_layers_decode(const tq_gemma_layer *layers, int64_t n, float *x, float *residual, int first,
+                            const int64_t *positions, const int64_t *const *slots, const int32_t *const *block_tables,
+                            const int64_t *max_blocks, const int32_t *seq_lens, int64_t B, int64_t H, float *scratch);
 
 #endif
