@@ -1,9 +1,11 @@
 /* The batched 8-bit activation path on AVX-512 VNNI (the avx512-vnni and avx512-bf16 builds):
- * packed Q4_0 / Q4_1 rows (q8act.c tq_q8_pack) and Q8_0 rows times M >= BATCH_MIN_* activation
- * rows, each weight block unpacked once per call into an L1 panel and reused by every activation
- * row. tq_q8_rows (q8act.c) hands the whole groups here first; the other builds, and smaller
- * batches (q8act.c's packed_direct reads the 4-bit blocks straight into registers), keep
- * q8act.c's paths.
+ * packed Q4_0 / Q4_1 rows (q8act.c tq_q8_pack) at every batch and Q8_0 rows times M >=
+ * BATCH_MIN_Q8_0 activation rows. Up to DIRECT_MAX_Q4 rows, a packed strip's nibbles go from the
+ * packed bytes straight into zmm registers, each block unpacked once per tile of TQ_NX rows and
+ * fed to all of them (strip_direct, the next strip prefetched); more rows, and Q8_0, unpack each
+ * weight block once per call into an L1 panel reused by every activation row. tq_q8_rows
+ * (q8act.c) hands the whole groups here first; the other builds, and Q8_0 below BATCH_MIN_Q8_0
+ * rows (q8act.c's q8_0_direct), keep q8act.c's paths.
  *
  * A "strip" is two groups of 8 weight rows (16 rows, one int32 lane each of a zmm register):
  *
@@ -34,10 +36,11 @@
 
 #define SGR 16 /* weight rows per strip */
 #define TQ_NX 8 /* activation rows per tile */
-/* the fewest activation rows taken here: below, q8act.c's packed_direct (Q4, up to 4 rows) and
- * q8_0_direct (up to 3) read the weights straight into registers */
-#define BATCH_MIN_Q4 5
+/* the fewest Q8_0 activation rows taken here: below, q8act.c's q8_0_direct reads the rows straight
+ * into registers. Packed Q4 takes every batch: up to DIRECT_MAX_Q4 rows without a panel
+ * (strip_direct), more through the panel. */
 #define BATCH_MIN_Q8_0 4
+#define DIRECT_MAX_Q4 16
 
 #ifdef TQ_ZMM
 typedef struct { /* one block of a strip, unpacked */
@@ -150,6 +153,87 @@ static inline __attribute__((always_inline)) void strip_tile(const int q8_0, con
     }
 }
 
+/* Packed Q4 groups at w and w1 (NULL: a lone group, its lanes zero), NX activation rows, no panel:
+ * each block's nibbles go from the packed bytes straight into registers and feed every row (the
+ * same integers and float operations as strip_tile, so the same bits). The next strip's bytes
+ * (at next, 16 rows on) are prefetched meanwhile. */
+static inline __attribute__((always_inline)) void strip_direct(const int t, const uint8_t *w, const uint8_t *w1,
+                                                               const uint8_t *next, int64_t nb, tq_q8acts x, int64_t K,
+                                                               const int NX, const float *bias, float *out,
+                                                               int64_t ostride, __mmask16 store) {
+    const int ub = unit_bytes(t), sb = pscale_bytes(t);
+    const __m512i mask = _mm512_set1_epi8(15);
+    __m512 acc[TQ_NX];
+#pragma GCC unroll 8
+    for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * 8 * ub, *p1 = w1 ? w1 + b * 8 * ub : NULL;
+        if (next)
+            for (int off = 0; off < 8 * ub; off += 64) {
+                __builtin_prefetch(next + b * 8 * ub + off);
+                __builtin_prefetch(next + nb * 8 * ub + b * 8 * ub + off);
+            }
+        __m512i acc_i[TQ_NX];
+#pragma GCC unroll 8
+        for (int i = 0; i < NX; i++) acc_i[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; s++) {
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
+            const __m256i hi = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + sb + 32 * s)) : _mm256_setzero_si256();
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            const __m512i ql = _mm512_and_si512(v, mask), qh = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+#pragma GCC unroll 8
+            for (int i = 0; i < NX; i++) {
+                int32_t xl, xh;
+                memcpy(&xl, x.q + i * K + b * QK + 4 * s, 4);
+                memcpy(&xh, x.q + i * K + b * QK + 16 + 4 * s, 4);
+                acc_i[i] = _mm512_dpbusd_epi32(acc_i[i], ql, _mm512_set1_epi32(xl));
+                acc_i[i] = _mm512_dpbusd_epi32(acc_i[i], qh, _mm512_set1_epi32(xh));
+                __asm__("" : "+v"(acc_i[i]));
+            }
+        }
+        const __m512 dw = halves16(p, p1);
+        const __m512 mw = base_type(t) == TQ_Q4_1 ? halves16(p + 16, p1 ? p1 + 16 : NULL)
+                                                  : _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
+#pragma GCC unroll 8
+        for (int i = 0; i < NX; i++) {
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_i[i]), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i * nb + b])),
+                                     acc[i]);
+            acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[i * nb + b]), acc[i]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < NX; i++) {
+        __m512 o = acc[i];
+        if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(store, bias));
+        _mm512_mask_storeu_ps(out + i * ostride, store, o);
+    }
+}
+
+#define SDIRECT(NX) strip_direct(t, w, w1, m0 ? NULL : next, nb, xm, K, NX, bias, out, ldy, store)
+
+/* Every activation row times the strip of packed groups at w, w1, in direct tiles of TQ_NX rows;
+ * t a constant after inlining. */
+static inline __attribute__((always_inline)) void direct_rows(const int t, const uint8_t *w, const uint8_t *w1,
+                                                              const uint8_t *next, tq_q8acts x, float *y, int64_t ldy, const float *bias,
+                                                              int64_t M, int64_t K, __mmask16 store) {
+    const int64_t nb = K / QK;
+    for (int64_t m0 = 0; m0 < M; m0 += TQ_NX) {
+        const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb};
+        float *out = y + m0 * ldy;
+        switch (M - m0 < TQ_NX ? (int)(M - m0) : TQ_NX) {
+            case 1: SDIRECT(1); break;
+            case 2: SDIRECT(2); break;
+            case 3: SDIRECT(3); break;
+            case 4: SDIRECT(4); break;
+            case 5: SDIRECT(5); break;
+            case 6: SDIRECT(6); break;
+            case 7: SDIRECT(7); break;
+            default: SDIRECT(TQ_NX); break;
+        }
+    }
+}
+
 #define STILE(NX) strip_tile(q8_0, panel, nb, xm, xs, K, NX, bn, out, ldy, store)
 
 /* Every activation row times the strip's panel, in tiles of TQ_NX rows. */
@@ -193,18 +277,29 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
     const int64_t amx = tq_q8_amx_rows(t, w, x, y, ldy, bias, M, N, K); /* q8amx.c, the amx build */
     if (amx) return amx;
     const int q8_0 = t == TQ_Q8_0;
-    if (!(packed_type(t) || q8_0) || M < (q8_0 ? BATCH_MIN_Q8_0 : BATCH_MIN_Q4)) return 0;
+    if (!(packed_type(t) || q8_0) || (q8_0 && M < BATCH_MIN_Q8_0)) return 0;
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
+    const int direct = !q8_0 && M <= DIRECT_MAX_Q4;
     int32_t *xsum = q8_0 ? block_sums(x, M, K) : NULL;
 #pragma omp parallel
     {
-        sblock *panel = (sblock *)aligned_alloc(64, (size_t)nb * sizeof(sblock));
-        if (panel == NULL) abort();
+        sblock *panel = direct ? NULL : (sblock *)aligned_alloc(64, (size_t)nb * sizeof(sblock));
+        if (panel == NULL && !direct) abort();
 #pragma omp for schedule(static)
         for (int64_t st = 0; st < strips; st++) {
             const int64_t g = 2 * st;
             const int lone = g + 1 >= groups;
             const uint8_t *wg = w + g * 8 * rbytes;
+            const __mmask16 store = lone ? (__mmask16)0x00ff : (__mmask16)0xffff;
+            const float *bs = bias ? bias + g * 8 : NULL;
+            if (direct) {
+                const uint8_t *nextw = st + 1 < strips && g + 3 < groups ? wg + SGR * rbytes : NULL;
+                if (t == TQ_PACKED + TQ_Q4_1)
+                    direct_rows(TQ_PACKED + TQ_Q4_1, wg, lone ? NULL : wg + 8 * rbytes, nextw, x, y + g * 8, ldy, bs, M, K, store);
+                else
+                    direct_rows(TQ_PACKED + TQ_Q4_0, wg, lone ? NULL : wg + 8 * rbytes, nextw, x, y + g * 8, ldy, bs, M, K, store);
+                continue;
+            }
             if (q8_0)
                 unpack_q8_0(wg, rbytes, lone ? 8 : SGR, nb, panel);
             else
