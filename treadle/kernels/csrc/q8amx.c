@@ -4,7 +4,8 @@
  * kernel refusing AMX to this process, a type it does not take).
  *
  *   A (tile 1): 16 weight rows x 32 bytes, block b of a strip (two groups of 8), k in order;
- *               the unsigned q of Q4 (tdpbusd), the signed bytes of Q8_0 (tdpbssd)
+ *               the unsigned q of Q4 (tdpbusd, unpacked once per strip), the signed bytes of
+ *               Q8_0 (tdpbssd, loaded straight from the rows with their stride)
  *   B (tile 2): 8 rows x 64 bytes, 16 activation rows in VNNI order: B[r][4i + c] = x[i][4r + c]
  *   C (tile 0): 16 x 16 int32, C[j][i] = the exact integer block dot of weight row j, activation i
  *
@@ -30,7 +31,9 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
+#ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 64 /* below, q8batch.c's vpdpbusd tiles were faster on the machine this was written on */
+#endif
 
 typedef struct __attribute__((packed)) {
     uint8_t palette, start_row, reserved[14];
@@ -92,6 +95,8 @@ static amx_acts prepare_acts(tq_q8acts x, int64_t M, int64_t K) {
 typedef struct { /* one strip's weights in A order: [nb] */
     uint8_t *q; /* 512 bytes per block */
     float *d, *m; /* 16 per block */
+    const uint8_t *w; /* Q8_0: A read from the rows themselves (NULL: from q) */
+    int64_t stride; /* their row bytes */
 } amx_panel;
 
 /* Packed Q4 groups at w and w1 (NULL: a lone group, rows 8..15 zero), every block. */
@@ -113,11 +118,11 @@ static void panel_packed(int t, const uint8_t *w, const uint8_t *w1, int64_t nb,
                 continue;
             }
             const uint8_t *blk = g + b * 8 * ub;
-            for (int j = 0; j < 8; j++) {
-                p.d[16 * b + 8 * h + j] = half_to_float(blk + 2 * j);
-                p.m[16 * b + 8 * h + j] = base_type(t) == TQ_Q4_1 ? half_to_float(blk + 16 + 2 * j)
-                                                                   : -8.0f * p.d[16 * b + 8 * h + j];
-            }
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            _mm256_storeu_ps(p.d + 16 * b + 8 * h, dv);
+            _mm256_storeu_ps(p.m + 16 * b + 8 * h, base_type(t) == TQ_Q4_1
+                                                       ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+                                                       : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f)));
             const __m512i n01 = _mm512_loadu_si512(blk + sb), n23 = _mm512_loadu_si512(blk + sb + 64);
             for (int r = 0; r < 2; r++) { /* rows 0-3, then 4-7: 16 nibble bytes each */
                 const __m512i v = _mm512_permutex2var_epi32(n01, r ? rows47 : rows03, n23);
@@ -129,9 +134,23 @@ static void panel_packed(int t, const uint8_t *w, const uint8_t *w1, int64_t nb,
     }
 }
 
-/* Q8_0 rows (16, or 8 for a lone group; rbytes apart), every block. */
-static void panel_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb, amx_panel p) {
+/* Q8_0 rows (16, or 8 for a lone group; rbytes apart), every block. A whole strip's A tiles are
+ * loaded straight from its rows (p.w: row j's block b at p.w + j * rbytes + 34 b), so only its
+ * scales are gathered here, one vector per block; a lone group is copied, rows 8..15 zero. */
+static void panel_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb, amx_panel *pp) {
     const int ub = unit_bytes(TQ_Q8_0);
+    amx_panel p = *pp;
+    if (nrows == 16 && rbytes <= INT32_MAX / 16) {
+        const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32((int)rbytes));
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512i h = _mm512_i32gather_epi32(rows, (const void *)(w + b * ub), 1);
+            _mm512_store_ps(p.d + 16 * b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
+        }
+        pp->w = w + 2, pp->stride = rbytes;
+        return;
+    }
+    pp->w = NULL;
     for (int64_t b = 0; b < nb; b++) {
         for (int j = 0; j < 16; j++) {
             uint8_t *out = p.q + b * 512 + 32 * j;
@@ -149,7 +168,10 @@ static void panel_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb, 
 
 #define ISSUE(C, A, B, blk)                                                    \
     do {                                                                       \
-        _tile_loadd(A, p.q + (blk) * 512, 32);                                 \
+        if (p.w)                                                               \
+            _tile_loadd(A, p.w + (blk) * 34, p.stride);                        \
+        else                                                                   \
+            _tile_loadd(A, p.q + (blk) * 512, 32);                             \
         _tile_loadd(B, a.b + (t * nb + (blk)) * 512, 64);                      \
         _tile_zero(C);                                                         \
         if (q8_0)                                                              \
@@ -217,7 +239,7 @@ int64_t tq_q8_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t l
 #pragma omp parallel
     {
         amx_panel p = {(uint8_t *)aligned_alloc(64, (size_t)(nb * 512)),
-                       (float *)aligned_alloc(64, (size_t)(nb * 32) * sizeof(float)), NULL};
+                       (float *)aligned_alloc(64, (size_t)(nb * 32) * sizeof(float)), NULL, NULL, 0};
         int32_t *cbuf = (int32_t *)aligned_alloc(64, 2 * 1024 * sizeof(int32_t));
         if (p.q == NULL || p.d == NULL || cbuf == NULL) abort();
         p.m = p.d + nb * 16;
@@ -228,7 +250,7 @@ int64_t tq_q8_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t l
             const int lone = g + 1 >= groups;
             const uint8_t *wg = w + g * 8 * rbytes;
             if (q8_0)
-                panel_q8_0(wg, rbytes, lone ? 8 : 16, nb, p);
+                panel_q8_0(wg, rbytes, lone ? 8 : 16, nb, &p);
             else
                 panel_packed(t, wg, lone ? NULL : wg + 8 * rbytes, nb, p);
             for (int64_t tt = 0; tt * 16 < M; tt++)
