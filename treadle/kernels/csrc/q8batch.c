@@ -81,15 +81,26 @@ static void unpack_packed(int t, const uint8_t *w, const uint8_t *w1, int64_t nb
 /* Q8_0 rows (nrows 16, or 8 for a lone group: rows 8..15 zero; rbytes apart), every block: bytes
  * + 128. Rows j and j + 8 share a register (halves), and an 8 x 8 dword transpose in each half
  * (the AVX2 one, its 128-bit lane moves as 2-source permutes) puts step s in vector s. */
-static void unpack_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb, sblock *panel) {
+static void unpack_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb, sblock *panel, const uint8_t *next) {
     const int ub = unit_bytes(TQ_Q8_0);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const __m512i lanes_lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), lanes_hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)rbytes));
+    const int64_t chunk = (SGR * rbytes / nb + 63) / 64 * 64; /* the next strip's bytes, a share per block */
     for (int64_t b = 0; b < nb; b++) {
         sblock *g = panel + b;
-        uint16_t h[SGR] = {0};
-        for (int j = 0; j < nrows; j++) memcpy(h + j, w + j * rbytes + b * ub, 2);
-        _mm512_store_ps(g->d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)));
+        if (next)
+            for (int64_t off = b * chunk; off < (b + 1) * chunk && off < SGR * rbytes; off += 64)
+                __builtin_prefetch(next + off);
+        if (nrows == SGR && rbytes <= INT32_MAX / SGR) { /* the 16 rows' d, one gather (4 bytes each: d and the first q byte) */
+            const __m512i h = _mm512_i32gather_epi32(rows, (const void *)(w + b * ub), 1);
+            _mm512_store_ps(g->d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
+        } else {
+            uint16_t h[SGR] = {0};
+            for (int j = 0; j < nrows; j++) memcpy(h + j, w + j * rbytes + b * ub, 2);
+            _mm512_store_ps(g->d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)));
+        }
         _mm512_store_ps(g->m, _mm512_setzero_ps());
         __m512i r[8], u[8];
         for (int j = 0; j < 8; j++) {
@@ -301,7 +312,7 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
                 continue;
             }
             if (q8_0)
-                unpack_q8_0(wg, rbytes, lone ? 8 : SGR, nb, panel);
+                unpack_q8_0(wg, rbytes, lone ? 8 : SGR, nb, panel, g + 3 < groups ? wg + SGR * rbytes : NULL);
             else
                 unpack_packed(t, wg, lone ? NULL : wg + 8 * rbytes, nb, panel);
             strip_rows(q8_0, panel, x, xsum, y + g * 8, ldy, bias ? bias + g * 8 : NULL, M, K,
