@@ -265,9 +265,48 @@ TQ_INLINE void widen(__m256i q, int is_signed, __m256i w[2]) {
     w[1] = is_signed ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
 }
 
+TQ_INLINE int k_signed(int t) { return t == TQ_Q3_K || t == TQ_Q6_K; } /* block_ints signed (else 0 .. 31) */
+
+/* block_ints of a K-quant block as 32 bytes (int8 where k_signed, else uint8), byte l = element l */
+TQ_INLINE __m256i kblock_bytes(int t, const uint8_t *u, int b) {
+    const int h = b / 4, r = b % 4;
+    switch (t) {
+        case TQ_Q2_K:
+            return bits_at(u + 16 + 32 * h, 2 * r, 3);
+        case TQ_Q3_K: {
+            const __m256i hi = _mm256_and_si256(bit_of_bytes(u, b), _mm256_set1_epi8(4));
+            return _mm256_sub_epi8(_mm256_or_si256(bits_at(u + 32 + 32 * h, 2 * r, 3), hi), _mm256_set1_epi8(4));
+        }
+        case TQ_Q4_K: case TQ_Q5_K: {
+            __m256i q = bits_at(u + (t == TQ_Q4_K ? 16 : 48) + 32 * (b / 2), 4 * (b % 2), 15);
+            if (t == TQ_Q5_K) q = _mm256_or_si256(q, _mm256_and_si256(bit_of_bytes(u + 16, b), _mm256_set1_epi8(16)));
+            return q;
+        }
+        default: { /* Q6_K */
+            const __m256i lo = bits_at(u + 64 * h + 32 * (r % 2), 4 * (r / 2), 15);
+            const __m256i hi = _mm256_slli_epi16(bits_at(u + 128 + 32 * h, 2 * r, 3), 4);
+            return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+        }
+    }
+}
+
+/* Q4_K / Q5_K: unit_scales' d[0..8) and m[0..8) (the same values) in two vectors, k4_scales_mins
+ * done in lanes: dword j of v is k4_scales_mins' v[j]. */
+TQ_INLINE void k4_scale_vectors(const uint8_t *u, __m256 *d, __m256 *m) {
+    uint32_t a[3];
+    memcpy(a, u + 4, 12);
+    const __m128i raw = _mm_setr_epi32((int)a[0], (int)a[1], (int)a[2], 0);
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(raw, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4)),
+                                     _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(raw, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                                     _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    const __m128i v = _mm_or_si128(lo, hi);
+    *d = _mm256_mul_ps(_mm256_set1_ps(half_to_float(u)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
+    *m = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(u + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
+}
+
 /* block_ints, widened to 16 bits: w[0] = elements 0..15, w[1] = 16..31. */
 TQ_INLINE void block_weights(int t, const uint8_t *u, int b, __m256i w[2]) {
-    const int h = b / 4, r = b % 4;
     switch (t) {
         case TQ_Q8_0:
             w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u + 2)));
@@ -300,28 +339,19 @@ TQ_INLINE void block_weights(int t, const uint8_t *u, int b, __m256i w[2]) {
                 widen(_mm256_or_si256(q, _mm256_and_si256(set, sixteen)), 0, w);
             return;
         }
-        case TQ_Q2_K:
-            widen(bits_at(u + 16 + 32 * h, 2 * r, 3), 0, w);
+        default: /* the K-quants */
+            widen(kblock_bytes(t, u, b), k_signed(t), w);
             return;
-        case TQ_Q3_K: {
-            const __m256i hi = _mm256_and_si256(bit_of_bytes(u, b), _mm256_set1_epi8(4));
-            widen(_mm256_sub_epi8(_mm256_or_si256(bits_at(u + 32 + 32 * h, 2 * r, 3), hi), _mm256_set1_epi8(4)), 1, w);
-            return;
-        }
-        case TQ_Q4_K: case TQ_Q5_K: {
-            __m256i q = bits_at(u + (t == TQ_Q4_K ? 16 : 48) + 32 * (b / 2), 4 * (b % 2), 15);
-            if (t == TQ_Q5_K) q = _mm256_or_si256(q, _mm256_and_si256(bit_of_bytes(u + 16, b), _mm256_set1_epi8(16)));
-            widen(q, 0, w);
-            return;
-        }
-        default: { /* Q6_K */
-            const __m256i lo = bits_at(u + 64 * h + 32 * (r % 2), 4 * (r / 2), 15);
-            const __m256i hi = _mm256_slli_epi16(bits_at(u + 128 + 32 * h, 2 * r, 3), 4);
-            widen(_mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32)), 1, w);
-            return;
-        }
     }
 }
+
+#if defined(__AVX512BW__)
+/* block_ints of a K-quant block in one vector: 32 16-bit integers (element l in word l) */
+TQ_INLINE __m512i kblock_words(int t, const uint8_t *u, int b) {
+    const __m256i q = kblock_bytes(t, u, b);
+    return k_signed(t) ? _mm512_cvtepi8_epi16(q) : _mm512_cvtepu8_epi16(q);
+}
+#endif
 #endif
 
 #endif
