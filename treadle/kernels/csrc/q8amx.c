@@ -64,6 +64,7 @@ static void configure_tiles(void) {
     for (int c = 0; c < 4; c++) cfg.rows[c] = 16, cfg.colsb[c] = 64; /* C: 4 blocks in flight */
     for (int a = 4; a < 6; a++) cfg.rows[a] = 16, cfg.colsb[a] = 32; /* A */
     for (int b = 6; b < 8; b++) cfg.rows[b] = 8, cfg.colsb[b] = 64; /* B */
+    __asm__ volatile("" : : "r"(&cfg) : "memory"); /* GCC 12 dropped the stores above as dead once this was inlined */
     _tile_loadconfig(&cfg);
 }
 
