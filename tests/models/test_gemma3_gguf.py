@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_files import fast_gguf_parsing
 from paged_session import PagedSession
 
 from treadle.layers.attention.cpu import CPUBackend
@@ -68,8 +69,9 @@ def test_dequantized_greedy_matches_transformers(float_lm: LoadedModel, prompts:
     from transformers import AutoModelForCausalLM
 
     path = resolve_model("gemma-3-270m")
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                              attn_implementation="eager").eval()
+    with fast_gguf_parsing():
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
     for prompt in prompts:
         got = greedy_last_rows(float_lm, prompt, NEW_TOKENS)
         with torch.no_grad():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_files import fast_gguf_parsing
 from paged_session import PagedSession, greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -42,12 +43,14 @@ def ours() -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def hf() -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32).eval()
+    with fast_gguf_parsing():
+        return AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
 def hf_tok():
-    return AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
+    with fast_gguf_parsing():
+        return AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
 
 
 @pytest.mark.slow  # transformers reads the GGUF in Python: ~30 s of setup

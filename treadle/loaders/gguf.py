@@ -91,7 +91,7 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-class _PlainBufferReader(GGUFReader):
+class PlainBufferReader(GGUFReader):
     """GGUFReader over a plain ndarray view of its memory map: the same bytes, but
     each of the ~10^5 small slices made while parsing a vocabulary skips np.memmap's
     per-slice bookkeeping (about 3x faster to open; the map stays alive as the view's base)."""
@@ -117,7 +117,7 @@ def open_gguf_reader(path: Path) -> GGUFReader:
     if not path.is_file():
         raise TreadleError(f"{path}: no such file")
     try:
-        return _PlainBufferReader(path, "r")
+        return PlainBufferReader(path, "r")
     except Exception as e:  # the reader fails with struct/numpy/Value errors on damaged files
         raise TreadleError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from None
 
