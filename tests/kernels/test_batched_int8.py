@@ -1,9 +1,10 @@
 """The batched 8-bit activation path (``csrc/q8batch.c``: AVX-512 VNNI, each weight block unpacked
 once per call and reused by every activation row). Its contract is q8act.c's: exact integer block
 sums and one fixed float order, so every variant equals the plain-C reference bit for bit at every
-batch (4 and below: the direct paths; 5 and up: the vpdpbusd tiles; 64 and up on the amx build:
-AMX tiles; ragged last tiles, a lone last group of 8 weight rows, N % 8 leftover rows), and a
-row's result does not depend on the rows beside it."""
+batch (packed Q4 up to 16 rows on the AVX-512 builds: strip_direct's tiles of 8 rows straight from
+the packed bytes, 2 and 7 its ragged tiles; Q8_0 up to 3 rows: q8act.c's direct path; above: the
+vpdpbusd panel; 64 and up on the amx build: AMX tiles; ragged last tiles, a lone last group of 8
+weight rows, N % 8 leftover rows), and a row's result does not depend on the rows beside it."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,7 @@ from treadle.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)")
 
-BATCHES = (1, 4, 5, 16, 17, 64, 71)
+BATCHES = (1, 2, 4, 5, 7, 16, 17, 64, 71)
 # (K, N): SmolLM2's hidden size (18 blocks); its MLP width (48 blocks); N = 5 groups (two strips
 # and a lone group), N = 24 + 3 (a lone group, then rows that go alone)
 SHAPES = ((576, 40), (1536, 24))
