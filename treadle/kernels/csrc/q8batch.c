@@ -81,18 +81,14 @@ static void unpack_packed(int t, const uint8_t *w, const uint8_t *w1, int64_t nb
 /* Q8_0 rows (nrows 16, or 8 for a lone group: rows 8..15 zero; rbytes apart), every block: bytes
  * + 128. Rows j and j + 8 share a register (halves), and an 8 x 8 dword transpose in each half
  * (the AVX2 one, its 128-bit lane moves as 2-source permutes) puts step s in vector s. */
-static void unpack_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb, sblock *panel, const uint8_t *next) {
+static void unpack_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb, sblock *panel) {
     const int ub = unit_bytes(TQ_Q8_0);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const __m512i lanes_lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), lanes_hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
     const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32((int)rbytes));
-    const int64_t chunk = (SGR * rbytes / nb + 63) / 64 * 64; /* the next strip's bytes, a share per block */
     for (int64_t b = 0; b < nb; b++) {
         sblock *g = panel + b;
-        if (next)
-            for (int64_t off = b * chunk; off < (b + 1) * chunk && off < SGR * rbytes; off += 64)
-                __builtin_prefetch(next + off);
         if (nrows == SGR && rbytes <= INT32_MAX / SGR) { /* the 16 rows' d, one gather (4 bytes each: d and the first q byte) */
             const __m512i h = _mm512_i32gather_epi32(rows, (const void *)(w + b * ub), 1);
             _mm512_store_ps(g->d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
@@ -122,16 +118,21 @@ static void unpack_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb,
     }
 }
 
-/* NX activation rows times one strip: out[i * ostride + j], j < 16 (8 when lone). */
+/* NX activation rows times one strip: out[i * ostride + j], j < 16 (8 when lone). The pf bytes (the
+ * next strip's rows, or none) are prefetched a share per block, so the memory reads run beside
+ * the arithmetic rather than in a burst while the panel is filled. */
 static inline __attribute__((always_inline)) void strip_tile(const int q8_0, const sblock *panel, int64_t nb,
                                                              tq_q8acts x, const int32_t *xsum, int64_t K, const int NX,
                                                              const float *bias, float *out, int64_t ostride,
-                                                             __mmask16 store) {
+                                                             __mmask16 store, const uint8_t *pf, int64_t pfbytes) {
     __m512 acc[TQ_NX];
+    const int64_t chunk = (pfbytes / nb + 127) / 64 * 64;
 #pragma GCC unroll 8
     for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const sblock *g = panel + b;
+        if (pf)
+            for (int64_t off = b * chunk; off < (b + 1) * chunk && off < pfbytes; off += 64) __builtin_prefetch(pf + off);
         const int8_t *xb = x.q + b * QK;
         __m512i p[TQ_NX];
 #pragma GCC unroll 8
@@ -245,11 +246,11 @@ static inline __attribute__((always_inline)) void direct_rows(const int t, const
     }
 }
 
-#define STILE(NX) strip_tile(q8_0, panel, nb, xm, xs, K, NX, bn, out, ldy, store)
+#define STILE(NX) strip_tile(q8_0, panel, nb, xm, xs, K, NX, bn, out, ldy, store, m0 ? NULL : pf, pfbytes)
 
 /* Every activation row times the strip's panel, in tiles of TQ_NX rows. */
 static void strip_rows(int q8_0, const sblock *panel, tq_q8acts x, const int32_t *xsum, float *y, int64_t ldy,
-                       const float *bn, int64_t M, int64_t K, __mmask16 store) {
+                       const float *bn, int64_t M, int64_t K, __mmask16 store, const uint8_t *pf, int64_t pfbytes) {
     const int64_t nb = K / QK;
     for (int64_t m0 = 0; m0 < M; m0 += TQ_NX) {
         const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb};
@@ -312,11 +313,11 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
                 continue;
             }
             if (q8_0)
-                unpack_q8_0(wg, rbytes, lone ? 8 : SGR, nb, panel, g + 3 < groups ? wg + SGR * rbytes : NULL);
+                unpack_q8_0(wg, rbytes, lone ? 8 : SGR, nb, panel);
             else
                 unpack_packed(t, wg, lone ? NULL : wg + 8 * rbytes, nb, panel);
-            strip_rows(q8_0, panel, x, xsum, y + g * 8, ldy, bias ? bias + g * 8 : NULL, M, K,
-                       lone ? (__mmask16)0x00ff : (__mmask16)0xffff);
+            strip_rows(q8_0, panel, x, xsum, y + g * 8, ldy, bs, M, K, store, g + 3 < groups ? wg + SGR * rbytes : NULL,
+                       SGR * rbytes);
         }
         free(panel);
     }
