@@ -65,11 +65,15 @@ def _engine_run(path: Path, fused: bool, monkeypatch: pytest.MonkeyPatch, **kw: 
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], calls
 
 
-@pytest.mark.parametrize("hybrid", [True, False])
-def test_engine_fused_gemma_with_hybrid_kv(gemma_dir: Path, monkeypatch: pytest.MonkeyPatch, hybrid: bool) -> None:
-    """Sliding groups give blocks back (hybrid) or not: each layer reads its group's tables."""
-    kw = dict(quantization="int8", num_kv_blocks=128, block_size=8, max_num_batched_tokens=24,
-              disable_hybrid_kv_cache_manager=not hybrid)
+@pytest.mark.parametrize("hybrid,weights", [(True, {"quantization": "int8"}), (False, {"quantization": "int8"}),
+                                            (True, {"quantization": "int4", "kv_cache_dtype": "int8"}),
+                                            (True, {"dtype": "bfloat16"})])
+def test_engine_fused_gemma_with_hybrid_kv(gemma_dir: Path, monkeypatch: pytest.MonkeyPatch, hybrid: bool,
+                                           weights: dict) -> None:
+    """Sliding groups give blocks back (hybrid) or not: each layer reads its group's tables; GGUF
+    blocks or bfloat16 rows, a float32 or an int8 KV cache."""
+    kw = dict(num_kv_blocks=128, block_size=8, max_num_batched_tokens=24, disable_hybrid_kv_cache_manager=not hybrid,
+              **weights)
     got, calls = _engine_run(gemma_dir, True, monkeypatch, **kw)
     want, none = _engine_run(gemma_dir, False, monkeypatch, **kw)
     assert len(calls) >= 11 and 3 in calls and not none  # the batched decode steps ran the C stack
