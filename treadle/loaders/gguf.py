@@ -12,6 +12,7 @@ applies equally to quantized rows.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -111,6 +112,18 @@ def release_pages(reader: GGUFReader) -> None:
     mm = getattr(base, "_mmap", None)
     if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
         mm.madvise(mmap.MADV_DONTNEED)
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Hand the heap freed by the load's temporaries (copies out of the map, q/k row reorders)
+    back to the system (glibc's malloc_trim; elsewhere nothing): ~40 MB of a 1.1B model's load."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def open_gguf_reader(path: Path) -> GGUFReader:
