@@ -28,13 +28,7 @@ static void gemma_decode(const tq_gemma_layer *G, float *x, float *residual, int
     const int64_t qkv = q_size + 2 * kv_size, inter = L->inter;
     float *h = scratch, *qkv_out = h + B * H, *attn = qkv_out + B * qkv, *o = attn + B * q_size;
     float *gate_up = o + B * H, *act = gate_up + B * 2 * inter;
-    if (first) { /* residual <- x, normalized as it is */
-        memcpy(residual, x, (size_t)(B * H) * sizeof(float));
-        tq_rms_norm(residual, NULL, L->in_norm, h, B, H, H, L->eps);
-    } else {
-        tq_rms_norm(x, residual, L->in_norm, h, B, H, H, L->eps);
-    }
-    tq_matmul(&L->layouts[0], L->qkv_w, h, qkv_out, L->qkv_bias, B, qkv, H);
+    tq_layer_norm_qkv(L, x, residual, first, B, H, h, qkv_out);
     for (int64_t b = 0; b < B; b++) { /* per-head norms in place (each value depends on its own head only) */
         float *q = qkv_out + b * qkv;
         tq_rms_norm(q, NULL, G->q_norm, q, L->num_heads, D, D, L->eps);

@@ -18,6 +18,20 @@
 
 #include "tq.h"
 
+/* A decoder layer's start, shared with gemma_layer.c: x joins the residual stream (the model's
+ * first layer: the stream is set to x), h = RMSNorm(stream), qkv_out = h W_qkv (+ bias). */
+void tq_layer_norm_qkv(const tq_decoder_layer *L, const float *x, float *residual, int first, int64_t B, int64_t H,
+                       float *h, float *qkv_out) {
+    if (first) { /* residual <- x, normalized as it is */
+        memcpy(residual, x, (size_t)(B * H) * sizeof(float));
+        tq_rms_norm(residual, NULL, L->in_norm, h, B, H, H, L->eps);
+    } else {
+        tq_rms_norm(x, residual, L->in_norm, h, B, H, H, L->eps);
+    }
+    const int64_t qkv = (L->num_heads + 2 * L->num_kv_heads) * L->head_dim;
+    tq_matmul(&L->layouts[0], L->qkv_w, h, qkv_out, L->qkv_bias, B, qkv, H);
+}
+
 static void layer_decode(const tq_decoder_layer *L, float *x, float *residual, int first, const int64_t *positions,
                          const int64_t *slots, const int32_t *block_tables, const int32_t *seq_lens, int64_t B,
                          int64_t max_blocks, int64_t H, float *scratch) {
@@ -25,13 +39,7 @@ static void layer_decode(const tq_decoder_layer *L, float *x, float *residual, i
     const int64_t qkv = q_size + 2 * kv_size, inter = L->inter;
     float *h = scratch, *qkv_out = h + B * H, *attn = qkv_out + B * qkv, *o = attn + B * q_size;
     float *gate_up = o + B * H, *act = gate_up + B * 2 * inter;
-    if (first) { /* residual <- x, normalized as it is */
-        memcpy(residual, x, (size_t)(B * H) * sizeof(float));
-        tq_rms_norm(residual, NULL, L->in_norm, h, B, H, H, L->eps);
-    } else {
-        tq_rms_norm(x, residual, L->in_norm, h, B, H, H, L->eps);
-    }
-    tq_matmul(&L->layouts[0], L->qkv_w, h, qkv_out, L->qkv_bias, B, qkv, H);
+    tq_layer_norm_qkv(L, x, residual, first, B, H, h, qkv_out);
     tq_rope(qkv_out, L->cos_sin, positions, B, L->num_heads + L->num_kv_heads, L->head_dim, qkv); /* q and k heads */
     tq_paged_decode(qkv_out, qkv_out + q_size, qkv_out + q_size + kv_size, qkv, qkv, qkv, L->k_cache, L->v_cache,
                     slots, block_tables, seq_lens, B, max_blocks, L->block_size, L->num_heads, L->num_kv_heads,

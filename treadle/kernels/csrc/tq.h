@@ -119,6 +119,8 @@ typedef struct { /* one Llama decoder layer: its weights and shapes (tq_layout s
     float eps, scale;
     int32_t kv_format;
 } tq_decoder_layer;
+void tq_layer_norm_qkv(const tq_decoder_layer *L, const float *x, float *residual, int first, int64_t B, int64_t H,
+                       float *h, float *qkv_out);
 void tq_llama_layers_decode(const tq_decoder_layer *layers, int64_t n, float *x, float *residual, int first,
                             const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
                             const int32_t *seq_lens, int64_t B, int64_t max_blocks, int64_t H, float *scratch);
