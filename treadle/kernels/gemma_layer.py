@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from treadle.kernels import header, native
-from treadle.kernels.layer import DecoderLayerWeights, KVCache, LayerArgs, bind_cache, layer_args
+from treadle.kernels.layer import DecoderLayerWeights, KVCache, LayerArgs, bind_caches, layer_args
 
 
 class GemmaLayerArgs(ctypes.Structure):
@@ -69,11 +69,7 @@ class GemmaDecoderKernel:
         seq_lens: torch.Tensor,  # [B] int32, new token included
         scratch: torch.Tensor,  # >= scratch_floats(B, H) float32
     ) -> None:
-        if len(kv_caches) != len(self._caches) or any(
-                a[0] is not b[0] or a[1] is not b[1] for a, b in zip(kv_caches, self._caches)):
-            for args, cache in zip(self._base, kv_caches, strict=True):
-                bind_cache(args, cache)
-            self._caches = list(kv_caches)
+        self._caches = bind_caches(self._base, kv_caches, self._caches)
         assert len(index) == len(self._args)
         self._slots[:] = [i.slots.data_ptr() for i in index]
         self._tables[:] = [i.block_tables.data_ptr() for i in index]

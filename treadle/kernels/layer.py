@@ -10,7 +10,7 @@ tensors, the KV cache and a scratch buffer. Which layers qualify is decided by t
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -80,6 +80,16 @@ def bind_cache(args: LayerArgs, kv_cache: KVCache) -> None:
     args.block_size, args.kv_format = k_cache.shape[1], KV_FORMATS[k_cache.dtype][0]
 
 
+def bind_caches(args: Iterable[LayerArgs], kv_caches: Sequence[KVCache], bound: list[KVCache]) -> list[KVCache]:
+    """Bind each layer's KV cache unless these are the tensors bound last (``bound``); -> the
+    caches bound now."""
+    if len(kv_caches) == len(bound) and all(a[0] is b[0] and a[1] is b[1] for a, b in zip(kv_caches, bound)):
+        return bound
+    for a, cache in zip(args, kv_caches, strict=True):
+        bind_cache(a, cache)
+    return list(kv_caches)
+
+
 class DecoderLayerKernel:
     """The C layers bound to the weights of one or more consecutive layers (a model's whole
     stack: one call per step, no Python between layers). Holds the weights (``weights``)."""
@@ -103,11 +113,7 @@ class DecoderLayerKernel:
         seq_lens: torch.Tensor,  # [B] int32, new token included
         scratch: torch.Tensor,  # >= weights[0].scratch_floats(B, H) float32 (every layer's shapes alike)
     ) -> None:
-        if len(kv_caches) != len(self._caches) or any(
-                a[0] is not b[0] or a[1] is not b[1] for a, b in zip(kv_caches, self._caches)):
-            for args, cache in zip(self._args, kv_caches, strict=True):
-                bind_cache(args, cache)
-            self._caches = list(kv_caches)
+        self._caches = bind_caches(self._args, kv_caches, self._caches)
         self._fn(
             self._ptr, len(self._args), x.data_ptr(), residual.data_ptr(), int(first), positions.data_ptr(),
             slots.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], block_tables.shape[1],
