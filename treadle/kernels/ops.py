@@ -43,17 +43,17 @@ def rope_(
     native.kernel("tq_rope")(x.data_ptr(), cos_sin.data_ptr(), positions.data_ptr(), t, heads, d, x.stride(0))
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 d] -> [T, d]
+def _gated(kernel: str, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 d] -> [T, d]
     g2 = gate_up.view(-1, gate_up.shape[-1]) if gate_up.dim() != 2 else gate_up
     d = g2.shape[1] // 2
     out = torch.empty(g2.shape[0], d, dtype=torch.float32)
-    native.kernel("tq_silu_mul")(g2.data_ptr(), out.data_ptr(), g2.shape[0], d, g2.stride(0))
+    native.kernel(kernel)(g2.data_ptr(), out.data_ptr(), g2.shape[0], d, g2.stride(0))
     return out.view(*gate_up.shape[:-1], d)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 d] -> [T, d], SwiGLU
+    return _gated("tq_silu_mul", gate_up)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 d] -> [T, d], GeGLU (tanh GELU)
-    g2 = gate_up.view(-1, gate_up.shape[-1]) if gate_up.dim() != 2 else gate_up
-    d = g2.shape[1] // 2
-    out = torch.empty(g2.shape[0], d, dtype=torch.float32)
-    native.kernel("tq_gelu_tanh_mul")(g2.data_ptr(), out.data_ptr(), g2.shape[0], d, g2.stride(0))
-    return out.view(*gate_up.shape[:-1], d)
+    return _gated("tq_gelu_tanh_mul", gate_up)
