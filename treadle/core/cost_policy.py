@@ -152,30 +152,25 @@ class PassOverCount:
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
-        self._order: list[tuple[float, int]] = []  # (arrival, seq), sorted
-        self._reqs: list[Request] = []  # parallel to _order
+        self._order: list[tuple[float, int, Request]] = []  # (arrival, seq, request), sorted
         self._key: dict[int, tuple[float, int]] = {}  # id(req) -> its (arrival, seq)
         self._seq = itertools.count()
 
     def add(self, req: Request) -> None:
         key = (req.arrival_time, next(self._seq))
-        i = bisect.bisect(self._order, key)
-        self._order.insert(i, key)
-        self._reqs.insert(i, req)
+        bisect.insort(self._order, (*key, req))
         self._key[id(req)] = key
 
     def discard(self, req: Request) -> None:
         key = self._key.pop(id(req), None)
         if key is not None:
-            i = bisect.bisect_left(self._order, key)
-            del self._order[i], self._reqs[i]
+            del self._order[bisect.bisect_left(self._order, key)]
 
     def admitted(self, req: Request) -> list[Request]:
         """``req`` left the queue to run: count the passes it made; -> requests now overdue."""
         self.discard(req)
         reached = []
-        for i in range(bisect.bisect_left(self._order, (req.arrival_time, -1))):
-            older = self._reqs[i]
+        for _, _, older in self._order[: bisect.bisect_left(self._order, (req.arrival_time,))]:
             if older.priority <= req.priority and older.num_passed_over < self.cap:
                 older.num_passed_over += 1
                 if older.num_passed_over == self.cap:
