@@ -1,9 +1,9 @@
 """The 8-bit activation path of the GGUF matmul (``csrc/q8act.c``, a layout's ``act_bits`` 8):
 every runnable SIMD variant equals the plain-C reference bit for bit (exact integer sums, one
 fixed float order), equals the dequantized weights times the int8-rounded activations up to
-float32 summation, and a row's result does not depend on its batch. K-quant segments of the
-same weight keep 16-bit activations. Q4_0 / Q4_1 rows packed 8 at a time at load give the same
-bits as the file's layout."""
+float32 summation, and a row's result does not depend on its batch; for the legacy types and
+Q4_K, Q5_K, Q6_K. Q2_K / Q3_K segments of the same weight keep 16-bit activations. Q4_0 / Q4_1
+rows packed 8 at a time at load give the same bits as the file's layout."""
 from __future__ import annotations
 
 import pytest
@@ -18,8 +18,13 @@ from treadle.layers.linear import Linear
 from treadle.quantization.methods.gguf_native import GGUFBlockMethod, dequantize_blocks
 
 K = 576  # 18 blocks: the minimum terms' 8-lane sums have a padded tail (SmolLM2's hidden size)
+K_SUPER = 768  # the K-quants: 3 super-blocks of 256
 N = 45  # 5 groups of 8 (two tiled as a pair, one alone) and 5 rows that go alone
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def inputs(qtype: str) -> int:
+    return K_SUPER if qtype.endswith("_K") else K
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)")
 
 
@@ -34,11 +39,12 @@ def q8(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", TYPES)
 def test_variant_equals_reference_bitwise_and_the_oracle(variant: str, qtype: str) -> None:
     runnable(variant)
-    blocks = random_blocks(qtype, N, K, seed=21)
+    k = inputs(qtype)
+    blocks = random_blocks(qtype, N, k, seed=21)
     w, seg = blocks.data.reshape(-1), ((qtype, N),)
     bias = rand(N, seed=22)
     for rows in (1, 2, 3, 5, 16):  # 1-3: Q8_0 straight from the rows; 5, 16: the panel
-        x = rand(rows, K, seed=23 + rows)
+        x = rand(rows, k, seed=23 + rows)
         y = native.qmatmul(seg, w, x, bias, variant=variant, act_bits=8)
         assert torch.equal(y, native.qmatmul(seg, w, x, bias, plain=True, act_bits=8))
         oracle = F.linear(q8(x), dequantize_blocks(blocks), bias)
@@ -49,9 +55,10 @@ def test_variant_equals_reference_bitwise_and_the_oracle(variant: str, qtype: st
 @pytest.mark.parametrize("qtype", TYPES)
 def test_rows_are_bitwise_equal_whatever_the_batch(variant: str, qtype: str) -> None:
     runnable(variant)
-    blocks = random_blocks(qtype, N, K, seed=31)
+    k = inputs(qtype)
+    blocks = random_blocks(qtype, N, k, seed=31)
     w, seg = blocks.data.reshape(-1), ((qtype, N),)
-    x = rand(16, K, seed=32)
+    x = rand(16, k, seed=32)
     batch = native.qmatmul(seg, w, x, variant=variant, act_bits=8)
     for i in range(16):
         assert torch.equal(native.qmatmul(seg, w, x[i : i + 1], variant=variant, act_bits=8)[0], batch[i])
@@ -61,23 +68,31 @@ def test_rows_are_bitwise_equal_whatever_the_batch(variant: str, qtype: str) -> 
     assert torch.equal(native.qmatmul(seg, w, x[perm], variant=variant, act_bits=8), batch[perm])
 
 
-def test_mixed_layout_keeps_16_bit_activations_for_k_quants() -> None:
-    """A fused weight of Q4_1 rows then Q6_K rows: the Q4_1 rows equal the 8-bit path's, the
-    Q6_K rows the 16-bit path's."""
+@pytest.mark.parametrize("rows", [3, 16])
+def test_mixed_layout_takes_each_segments_path(rows: int) -> None:
+    """A fused weight of Q4_1, Q4_K, Q6_K and Q3_K rows (a Q4_K_M-style q/k/v mix): each of the
+    first three segments equals its own 8-bit matmul, the Q3_K rows the 16-bit path's."""
     k = 512
-    a, b = random_blocks("Q4_1", 6, k, seed=41), random_blocks("Q6_K", 5, k, seed=42)
-    w = torch.cat([a.data.reshape(-1), b.data.reshape(-1)])
-    x = rand(3, k, seed=43)
-    y = native.qmatmul((("Q4_1", 6), ("Q6_K", 5)), w, x, act_bits=8)
-    assert torch.equal(y[:, :6], native.qmatmul((("Q4_1", 6),), a.data.reshape(-1), x, act_bits=8))
-    assert torch.equal(y[:, 6:], native.qmatmul((("Q6_K", 5),), b.data.reshape(-1), x, act_bits=16))
+    segs = (("Q4_1", 6), ("Q4_K", 16), ("Q6_K", 13), ("Q3_K", 5))
+    parts = [random_blocks(t, n, k, seed=41 + i) for i, (t, n) in enumerate(segs)]
+    w = torch.cat([p.data.reshape(-1) for p in parts])
+    x = rand(rows, k, seed=43)
+    y = native.qmatmul(segs, w, x, act_bits=8)
+    n0 = 0
+    for (t, n), p in zip(segs, parts):
+        bits = 16 if t == "Q3_K" else 8
+        assert torch.equal(y[:, n0 : n0 + n], native.qmatmul(((t, n),), p.data.reshape(-1), x, act_bits=bits))
+        n0 += n
+    assert not torch.equal(y[:, 6:22], native.qmatmul((("Q4_K", 16),), parts[1].data.reshape(-1), x, act_bits=16))
 
 
-def test_the_two_paths_differ_only_by_the_activations_rounding() -> None:
-    blocks = random_blocks("Q4_1", N, K, seed=51)
-    x = rand(4, K, seed=52)
-    y8 = native.qmatmul((("Q4_1", N),), blocks.data.reshape(-1), x, act_bits=8)
-    y16 = native.qmatmul((("Q4_1", N),), blocks.data.reshape(-1), x, act_bits=16)
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])
+def test_the_two_paths_differ_only_by_the_activations_rounding(qtype: str) -> None:
+    k = inputs(qtype)
+    blocks = random_blocks(qtype, N, k, seed=51)
+    x = rand(4, k, seed=52)
+    y8 = native.qmatmul(((qtype, N),), blocks.data.reshape(-1), x, act_bits=8)
+    y16 = native.qmatmul(((qtype, N),), blocks.data.reshape(-1), x, act_bits=16)
     exact = F.linear(x, dequantize_blocks(blocks))
     assert not torch.equal(y8, y16)
     assert float((y8 - exact).abs().max()) > float((y16 - exact).abs().max())

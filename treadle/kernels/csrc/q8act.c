@@ -49,14 +49,17 @@
 #include "qblocks.h"
 
 int tq_q8_type(int t) {
-    return t == TQ_Q4_0 || t == TQ_Q4_1 || t == TQ_Q5_0 || t == TQ_Q5_1 || t == TQ_Q8_0 || packed_type(t);
+    return t == TQ_Q4_0 || t == TQ_Q4_1 || t == TQ_Q5_0 || t == TQ_Q5_1 || t == TQ_Q8_0 || t == TQ_Q4_K ||
+           t == TQ_Q5_K || t == TQ_Q6_K || packed_type(t);
 }
 
 tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
     const int64_t nb = K / QK;
     float *f = (float *)malloc((size_t)(2 * M * nb) * sizeof(float));
     int8_t *q = (int8_t *)malloc((size_t)(M * K));
-    const tq_q8acts a = {q, f, f + M * nb};
+    int32_t *h = (int32_t *)malloc((size_t)(2 * M * nb) * sizeof(int32_t));
+    if (f == NULL || q == NULL || h == NULL) abort();
+    const tq_q8acts a = {q, f, f + M * nb, h};
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t i = 0; i < M * nb; i++) {
         const int64_t row = i / nb, b = i % nb;
@@ -73,21 +76,24 @@ tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
         /* packs interleave the 128-bit halves: 0 1 | 2 3 -> dwords in order 0 2 4 6 1 3 5 7 */
         const __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
         _mm256_storeu_si256((__m256i *)(q + i * QK), _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        const int sum = hsum_epi32(vs);
+        const int sum = hsum_epi32(vs), half0 = hsum_epi32(_mm256_add_epi32(v[0], v[1]));
 #else
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
         const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        int sum = 0;
+        int sum = 0, half0 = 0;
         for (int j = 0; j < QK; j++) {
             int v = (int)nearbyintf(xb[j] * id);
             v = v > 127 ? 127 : v < -127 ? -127 : v;
             q[i * QK + j] = (int8_t)v;
             sum += v;
+            if (j < QK / 2) half0 += v;
         }
 #endif
         f[i] = d;
         f[M * nb + i] = d * (float)sum;
+        h[2 * i] = half0;
+        h[2 * i + 1] = sum - half0;
     }
     return a;
 }
@@ -95,6 +101,7 @@ tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
 void tq_q8_free(tq_q8acts a) {
     free((void *)a.q);
     free((void *)a.d);
+    free((void *)a.h);
 }
 
 #define GR 8 /* weight rows per group */
@@ -104,10 +111,15 @@ void tq_q8_free(tq_q8acts a) {
 
 typedef struct { /* one block of a group, unpacked */
     uint8_t q[8 * 32]; /* step s at 32 s: lane j's 4 bytes at 4 j */
-    float d[GR], m[GR];
+    float d[GR];
+    union {
+        float m[GR]; /* the minimum (0 for Q8_0) */
+        int32_t sc[GR]; /* Q6_K: the two halves' int8 scales, sc0 | sc1 << 16 (int16 each) */
+    };
 } gblock;
 
-static inline int five_bit(int t) { return t == TQ_Q5_0 || t == TQ_Q5_1; }
+static inline int five_bit(int t) { return t == TQ_Q5_0 || t == TQ_Q5_1 || t == TQ_Q5_K; }
+static inline int has_min(int t) { return t != TQ_Q8_0 && t != TQ_Q6_K; }
 static inline int q_bias(int t) { return t == TQ_Q4_0 ? 8 : t == TQ_Q5_0 ? 16 : 0; } /* stored q - bias */
 
 /* The block's 16 nibble bytes (byte i: q[i] low, q[i + 16] high), and its minimum. */
@@ -162,6 +174,33 @@ void tq_q8_unpack_row(int pt, const uint8_t *w, int64_t n, int64_t K, uint8_t *o
     }
 }
 
+/* Block sub (0..7) of K-quant unit u as the panel holds it: its 32 unsigned q (Q6_K: the stored
+ * q + 32, 0..63) and d with m (Q4_K / Q5_K: d sc_b and -dmin mn_b, products exact in float32) or
+ * d with the halves' scales (Q6_K: the unit's d, sc[2 sub] | sc[2 sub + 1] << 16). */
+static void kquant_block(int t, const uint8_t *u, int sub, uint8_t q[QK], float *d, gblock *g, int j) {
+    int v[QK];
+    block_ints(t, u, sub, v);
+    for (int k = 0; k < QK; k++) q[k] = (uint8_t)(v[k] + (t == TQ_Q6_K ? 32 : 0));
+    if (t == TQ_Q6_K) {
+        *d = half_to_float(u + 208);
+        const int8_t *sc = (const int8_t *)(u + 192 + 2 * sub);
+        g->sc[j] = (int32_t)((uint32_t)(uint16_t)(int16_t)sc[0] | (uint32_t)(uint16_t)(int16_t)sc[1] << 16);
+    } else {
+        unit_scales_t s;
+        unit_scales(t, u, &s);
+        *d = s.d[sub];
+        g->m[j] = s.m[sub];
+    }
+}
+
+/* Q6_K's exact block integer from the two halves' dots of unsigned q (q + 32) and x: the int8
+ * scales folded in int32, sc0 (dot0 - 32 xh0) + sc1 (dot1 - 32 xh1); |each half| <= 16 * 32 * 127
+ * and |sc| <= 128, so |isum| < 2^24: exact in int32 and as a float. */
+static inline int q6_fold(int32_t sc, int dot0, int dot1, const int32_t *xh) {
+    const int sc0 = (int16_t)(uint16_t)((uint32_t)sc & 0xffffu), sc1 = (int16_t)(uint16_t)((uint32_t)sc >> 16);
+    return sc0 * (dot0 - 32 * xh[0]) + sc1 * (dot1 - 32 * xh[1]);
+}
+
 #ifdef TQ_AVX2
 /* Exact sums of 4 byte products (u unsigned, s signed) per int32 lane. AVX2: maddubs gives int16
  * pair sums (never saturating here: the bounds above), added up in int16 (step16) and widened
@@ -208,10 +247,106 @@ static inline __attribute__((always_inline)) void transpose8(const __m256i r[GR]
 }
 #endif
 
+/* K-quant rows n0 .. n0 + 7 unpacked into panel[nb], a super-block (8 blocks) at a time. AVX2:
+ * each 32-byte run of the 8 rows (qs, qh, ql) is transposed once (transpose8: vector s = the
+ * rows' bytes 4s .. 4s+3, lane j = row j), which is a panel step for every block that run
+ * feeds; the scales likewise (8 floats or 8 scale pairs per row -> one vector per block). */
+static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gblock *panel) {
+    const int ub = unit_bytes(t);
+    const uint8_t *next = w + GR * rbytes;
+    for (int64_t su = 0; su < nb / 8; su++) {
+        gblock *g = panel + 8 * su;
+        for (int64_t off = su * GR * ub; off < (su + 1) * GR * ub; off += 64) __builtin_prefetch(next + off);
+#ifdef TQ_AVX2
+        const uint8_t *u[GR];
+        for (int j = 0; j < GR; j++) u[j] = w + j * rbytes + su * ub;
+        __m256i r[GR], tr[GR];
+        const __m256i mask = _mm256_set1_epi8(15);
+        if (t == TQ_Q6_K) {
+            uint16_t hd[GR];
+            for (int j = 0; j < GR; j++) {
+                memcpy(hd + j, u[j] + 208, 2);
+                r[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u[j] + 192))); /* dword b: sc 2b, 2b+1 */
+            }
+            transpose8(r, tr);
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hd));
+            for (int b = 0; b < 8; b++) {
+                _mm256_store_ps(g[b].d, dv);
+                _mm256_store_si256((__m256i *)g[b].sc, tr[b]);
+            }
+            __m256i qh[2][GR];
+            for (int h = 0; h < 2; h++) {
+                for (int j = 0; j < GR; j++) r[j] = _mm256_loadu_si256((const __m256i *)(u[j] + 128 + 32 * h));
+                transpose8(r, qh[h]);
+            }
+            const __m256i three = _mm256_set1_epi8(3);
+            for (int c = 0; c < 4; c++) { /* ql run c: low nibbles block 4h + c % 2, high block 4h + 2 + c % 2 */
+                const int h = c / 2, b0 = 4 * h + c % 2, r0 = c % 2;
+                for (int j = 0; j < GR; j++) r[j] = _mm256_loadu_si256((const __m256i *)(u[j] + 32 * c));
+                transpose8(r, tr);
+                for (int s = 0; s < 8; s++) {
+                    const __m256i hi0 = _mm256_and_si256(_mm256_srl_epi16(qh[h][s], _mm_cvtsi32_si128(2 * r0)), three);
+                    const __m256i hi1 = _mm256_and_si256(_mm256_srl_epi16(qh[h][s], _mm_cvtsi32_si128(2 * r0 + 4)), three);
+                    const __m256i lo = _mm256_and_si256(tr[s], mask), hn = _mm256_and_si256(_mm256_srli_epi16(tr[s], 4), mask);
+                    _mm256_store_si256((__m256i *)(g[b0].q + 32 * s), _mm256_or_si256(lo, _mm256_slli_epi16(hi0, 4)));
+                    _mm256_store_si256((__m256i *)(g[b0 + 2].q + 32 * s), _mm256_or_si256(hn, _mm256_slli_epi16(hi1, 4)));
+                }
+            }
+            continue;
+        }
+        for (int j = 0; j < GR; j++) { /* row j's d (lanes 0-7 of r) and m (of tr) by block */
+            __m256 d, m;
+            k4_scale_vectors(u[j], &d, &m);
+            r[j] = _mm256_castps_si256(d);
+            tr[j] = _mm256_castps_si256(m);
+        }
+        __m256i dt[GR], mt[GR];
+        transpose8(r, dt);
+        transpose8(tr, mt);
+        for (int b = 0; b < 8; b++) {
+            _mm256_store_si256((__m256i *)g[b].d, dt[b]);
+            _mm256_store_si256((__m256i *)g[b].m, mt[b]);
+        }
+        __m256i qh[GR];
+        if (t == TQ_Q5_K) {
+            for (int j = 0; j < GR; j++) r[j] = _mm256_loadu_si256((const __m256i *)(u[j] + 16));
+            transpose8(r, qh);
+        }
+        const int qoff = t == TQ_Q4_K ? 16 : 48;
+        for (int p = 0; p < 4; p++) { /* qs run p: low nibbles block 2p, high block 2p + 1 */
+            for (int j = 0; j < GR; j++) r[j] = _mm256_loadu_si256((const __m256i *)(u[j] + qoff + 32 * p));
+            transpose8(r, tr);
+            for (int s = 0; s < 8; s++) {
+                __m256i lo = _mm256_and_si256(tr[s], mask), hn = _mm256_and_si256(_mm256_srli_epi16(tr[s], 4), mask);
+                if (t == TQ_Q5_K) { /* bit b of qh[l] is bit 4 of block b's element l */
+                    const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * p))), b1 = _mm256_set1_epi8((char)(2 << (2 * p)));
+                    const __m256i sixteen = _mm256_set1_epi8(16);
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh[s], b0), b0), sixteen));
+                    hn = _mm256_or_si256(hn, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh[s], b1), b1), sixteen));
+                }
+                _mm256_store_si256((__m256i *)(g[2 * p].q + 32 * s), lo);
+                _mm256_store_si256((__m256i *)(g[2 * p + 1].q + 32 * s), hn);
+            }
+        }
+#else
+        for (int b = 0; b < 8; b++)
+            for (int j = 0; j < GR; j++) {
+                uint8_t q[QK];
+                kquant_block(t, w + j * rbytes + su * ub, b, q, &g[b].d[j], &g[b], j);
+                for (int k = 0; k < QK; k++) g[b].q[32 * (k / 4) + 4 * j + k % 4] = q[k];
+            }
+#endif
+    }
+}
+
 /* Rows n0 .. n0 + 7 of w unpacked into panel[nb]: q unsigned (the stored q plus q_bias) for the
  * 4/5-bit types, int8 for Q8_0. */
 static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gblock *panel) {
     const int ub = unit_bytes(t);
+    if (is_k_quant(t)) {
+        unpack_kgroup(t, w, rbytes, nb, panel);
+        return;
+    }
     const uint8_t *next = w + GR * rbytes; /* the next group's rows, fetched while this one is unpacked */
     for (int64_t b = 0; b < nb; b++) {
         gblock *g = panel + b;
@@ -336,28 +471,46 @@ static inline __attribute__((always_inline)) void group_tile(const int t, const 
                 for (int h = 0; h < NG; h++) {
                     if (t == TQ_Q8_0) /* |q| times x with q's sign (at most 2 * 128 * 127 per pair), widened per step */
                         p[h][i] = step32(p[h][i], aq[h], _mm256_sign_epi8(xv, q[h]));
+                    else if (t == TQ_Q6_K) /* 6-bit q: 2 * 63 * 127 per pair, widened per step */
+                        p[h][i] = step32(p[h][i], q[h], xv);
                     else
                         p[h][i] = step16(p[h][i], q[h], xv);
                     __asm__("" : "+x"(p[h][i])); /* keep the chain: reassociated into a tree, it spills */
                 }
             }
-            if (five_bit(t) && s == 3) { /* 5-bit q: 4 steps fill int16 (4 * 2 * 31 * 127 < 32767) */
+            if ((five_bit(t) || t == TQ_Q6_K) && s == 3) { /* 5-bit q: 4 steps fill int16 (4 * 2 * 31 * 127 < 32767);
+                                                             Q6_K: the first half's dot, kept apart */
 #pragma GCC unroll 2
                 for (int h = 0; h < NG; h++)
 #pragma GCC unroll 4
-                    for (int i = 0; i < NX; i++) w5[h][i] = widen16(p[h][i]), p[h][i] = _mm256_setzero_si256();
+                    for (int i = 0; i < NX; i++)
+                        w5[h][i] = t == TQ_Q6_K ? p[h][i] : widen16(p[h][i]), p[h][i] = _mm256_setzero_si256();
             }
         }
 #pragma GCC unroll 2
         for (int h = 0; h < NG; h++) {
             const gblock *g = panel + h * nb + b;
             const __m256 dw = _mm256_load_ps(g->d);
+            __m256i sc0 = _mm256_setzero_si256(), sc1 = sc0;
+            if (t == TQ_Q6_K) { /* the halves' int8 scales, sign-extended from their int16 halves */
+                const __m256i sc = _mm256_load_si256((const __m256i *)g->sc);
+                sc0 = _mm256_srai_epi32(_mm256_slli_epi32(sc, 16), 16);
+                sc1 = _mm256_srai_epi32(sc, 16);
+            }
 #pragma GCC unroll 4
             for (int i = 0; i < NX; i++) {
-                const __m256i wide = t == TQ_Q8_0 ? p[h][i] : widen16(p[h][i]);
-                const __m256 isum = _mm256_cvtepi32_ps(five_bit(t) ? _mm256_add_epi32(w5[h][i], wide) : wide);
+                __m256 isum;
+                if (t == TQ_Q6_K) { /* q6_fold in lanes */
+                    const int32_t *xh = x.h + 2 * (i * nb + b);
+                    const __m256i d0 = _mm256_sub_epi32(w5[h][i], _mm256_set1_epi32(32 * xh[0]));
+                    const __m256i d1 = _mm256_sub_epi32(p[h][i], _mm256_set1_epi32(32 * xh[1]));
+                    isum = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_mullo_epi32(d0, sc0), _mm256_mullo_epi32(d1, sc1)));
+                } else {
+                    const __m256i wide = t == TQ_Q8_0 ? p[h][i] : widen16(p[h][i]);
+                    isum = _mm256_cvtepi32_ps(five_bit(t) ? _mm256_add_epi32(w5[h][i], wide) : wide);
+                }
                 acc[h][i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + i * nb + b)), acc[h][i]);
-                if (t != TQ_Q8_0)
+                if (has_min(t))
                     acc[h][i] = _mm256_fmadd_ps(_mm256_load_ps(g->m), _mm256_broadcast_ss(x.s + i * nb + b), acc[h][i]);
             }
         }
@@ -377,13 +530,15 @@ static inline __attribute__((always_inline)) void group_tile(const int t, const 
             for (int64_t b = 0; b < nb; b++) {
                 const gblock *g = panel + (j / GR) * nb + b;
                 const int8_t *xq = x.q + i * K + b * QK;
-                int isum = 0;
+                int dot[2] = {0, 0};
                 for (int k = 0; k < QK; k++) {
                     const uint8_t q = g->q[32 * (k / 4) + 4 * (j % GR) + k % 4];
-                    isum += (t == TQ_Q8_0 ? (int)(int8_t)q : (int)q) * xq[k];
+                    dot[k / 16] += (t == TQ_Q8_0 ? (int)(int8_t)q : (int)q) * xq[k];
                 }
+                const int isum = t == TQ_Q6_K ? q6_fold(g->sc[j % GR], dot[0], dot[1], x.h + 2 * (i * nb + b))
+                                              : dot[0] + dot[1];
                 acc = fmaf((float)isum, g->d[j % GR] * x.d[i * nb + b], acc);
-                if (t != TQ_Q8_0) acc = fmaf(g->m[j % GR], x.s[i * nb + b], acc);
+                if (has_min(t)) acc = fmaf(g->m[j % GR], x.s[i * nb + b], acc);
             }
             out[i * ostride + j] = bias ? acc + bias[j] : acc;
         }
@@ -399,8 +554,20 @@ static void single_row(int t, const uint8_t *row, tq_q8acts x, float *y, int64_t
     for (int64_t i = 0; i < M; i++) {
         float acc = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *u = row + b * ub;
             const int8_t *xq = x.q + i * K + b * QK;
+            if (is_k_quant(t)) { /* the panel's values (kquant_block) and operations */
+                gblock g;
+                uint8_t q[QK];
+                float d;
+                int dot[2] = {0, 0};
+                kquant_block(t, row + b / 8 * ub, (int)(b % 8), q, &d, &g, 0);
+                for (int k = 0; k < QK; k++) dot[k / 16] += (int)q[k] * xq[k];
+                const int isum = t == TQ_Q6_K ? q6_fold(g.sc[0], dot[0], dot[1], x.h + 2 * (i * nb + b)) : dot[0] + dot[1];
+                acc = fmaf((float)isum, d * x.d[i * nb + b], acc);
+                if (has_min(t)) acc = fmaf(g.m[0], x.s[i * nb + b], acc);
+                continue;
+            }
+            const uint8_t *u = row + b * ub;
             int v[QK], isum = 0;
             block_ints(t, u, 0, v);
             for (int k = 0; k < QK; k++) isum += (v[k] + q_bias(t)) * xq[k];
@@ -537,7 +704,7 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
     for (int h = 0; h <= pair; h++) unpack_group(t, w + (g + h) * GR * rbytes, rbytes, nb, panel + h * nb);
     const int mr = pair ? MR2 : MRG;
     for (int64_t m0 = 0; m0 < M; m0 += mr) {
-        const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb};
+        const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb, x.h + 2 * m0 * nb};
         float *out = y + m0 * ldy + g * GR;
         const int nx = M - m0 < mr ? (int)(M - m0) : mr;
         if (pair) {
@@ -577,6 +744,9 @@ static void group_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t l
                 case TQ_Q5_1: group_work(TQ_Q5_1, w, x, y, ldy, bias, M, K, g, pair, panel); break;
                 case TQ_PACKED + TQ_Q4_0: group_work(TQ_PACKED + TQ_Q4_0, w, x, y, ldy, bias, M, K, g, pair, panel); break;
                 case TQ_PACKED + TQ_Q4_1: group_work(TQ_PACKED + TQ_Q4_1, w, x, y, ldy, bias, M, K, g, pair, panel); break;
+                case TQ_Q4_K: group_work(TQ_Q4_K, w, x, y, ldy, bias, M, K, g, pair, panel); break;
+                case TQ_Q5_K: group_work(TQ_Q5_K, w, x, y, ldy, bias, M, K, g, pair, panel); break;
+                case TQ_Q6_K: group_work(TQ_Q6_K, w, x, y, ldy, bias, M, K, g, pair, panel); break;
                 default: group_work(TQ_Q8_0, w, x, y, ldy, bias, M, K, g, pair, panel); break;
             }
         }

@@ -60,7 +60,8 @@ typedef struct {
     int32_t count;
     int32_t qtype[TQ_MAX_SEGMENTS]; /* GGML type numbers (qblocks.h), or TQ_W_BF16 */
     int64_t rows[TQ_MAX_SEGMENTS];
-    int32_t act_bits; /* 16, or 8: the types q8act.c reads (tq_q8_type) take 8-bit activations */
+    int32_t act_bits; /* 16, or 8: the types q8act.c reads (tq_q8_type: the legacy types, Q4_K, Q5_K,
+                         Q6_K) take 8-bit activations */
 } tq_layout;
 void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float *y, const float *bias, int64_t M,
                int64_t N, int64_t K);
@@ -75,6 +76,7 @@ void tq_bf16_rows(const uint16_t *w, const void *x, int x_bf16, void *y, int y_b
 typedef struct { /* activation rows as int8 blocks of 32 */
     const int8_t *q; /* [M, K] */
     const float *d, *s; /* [M, K/32] scales; [M, K/32] scale * sum(q) */
+    const int32_t *h; /* [M, 2 K/32]: sum(q) of each half block of 16 (Q6_K's q - 32 term) */
 } tq_q8acts;
 int tq_q8_type(int qtype);
 tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K);
