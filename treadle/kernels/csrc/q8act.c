@@ -43,6 +43,7 @@
  * straight into registers). Same integers, same float order, so the same bits as the file's rows.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -177,19 +178,20 @@ void tq_q8_unpack_row(int pt, const uint8_t *w, int64_t n, int64_t K, uint8_t *o
 /* Block sub (0..7) of K-quant unit u as the panel holds it: its 32 unsigned q (Q6_K: the stored
  * q + 32, 0..63) and d with m (Q4_K / Q5_K: d sc_b and -dmin mn_b, products exact in float32) or
  * d with the halves' scales (Q6_K: the unit's d, sc[2 sub] | sc[2 sub + 1] << 16). */
-static void kquant_block(int t, const uint8_t *u, int sub, uint8_t q[QK], float *d, gblock *g, int j) {
+static void kquant_block(int t, const uint8_t *u, int sub, uint8_t q[QK], float *d, float *m, int32_t *sc) {
     int v[QK];
     block_ints(t, u, sub, v);
     for (int k = 0; k < QK; k++) q[k] = (uint8_t)(v[k] + (t == TQ_Q6_K ? 32 : 0));
+    *m = 0.0f, *sc = 0;
     if (t == TQ_Q6_K) {
         *d = half_to_float(u + 208);
-        const int8_t *sc = (const int8_t *)(u + 192 + 2 * sub);
-        g->sc[j] = (int32_t)((uint32_t)(uint16_t)(int16_t)sc[0] | (uint32_t)(uint16_t)(int16_t)sc[1] << 16);
+        const int8_t *s8 = (const int8_t *)(u + 192 + 2 * sub);
+        *sc = (int32_t)((uint32_t)(uint16_t)(int16_t)s8[0] | (uint32_t)(uint16_t)(int16_t)s8[1] << 16);
     } else {
         unit_scales_t s;
         unit_scales(t, u, &s);
         *d = s.d[sub];
-        g->m[j] = s.m[sub];
+        *m = s.m[sub];
     }
 }
 
@@ -247,15 +249,22 @@ static inline __attribute__((always_inline)) void transpose8(const __m256i r[GR]
 }
 #endif
 
-/* K-quant rows n0 .. n0 + 7 unpacked into panel[nb], a super-block (8 blocks) at a time. AVX2:
- * each 32-byte run of the 8 rows (qs, qh, ql) is transposed once (transpose8: vector s = the
- * rows' bytes 4s .. 4s+3, lane j = row j), which is a panel step for every block that run
- * feeds; the scales likewise (8 floats or 8 scale pairs per row -> one vector per block). */
-static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gblock *panel) {
+/* K-quant rows n0 .. n0 + 7 unpacked a super-block (8 blocks) at a time, into blocks bstride
+ * bytes apart from out: block b's step s (lane j's 4 bytes at 4 j) at out + b bstride + s qstride,
+ * its d[8] at + doff, m[8] (Q6_K: sc[8], the halves' scales) at + moff -- a gblock panel here, or
+ * one half of q8batch.c's 16-lane strip blocks (tq_q8_unpack_kstrip). AVX2: each 32-byte run of
+ * the 8 rows (qs, qh, ql) is transposed once (transpose8: vector s = the rows' bytes 4s .. 4s+3,
+ * lane j = row j), which is a panel step for every block that run feeds; the scales likewise
+ * (8 floats or 8 scale pairs per row -> one vector per block). */
+#define KQ(b, s) (o + (b) * bstride + (s) * qstride)
+#define KD(b) (o + (b) * bstride + doff)
+#define KM(b) (o + (b) * bstride + moff)
+static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, uint8_t *out, int64_t bstride,
+                          int qstride, int doff, int moff) {
     const int ub = unit_bytes(t);
     const uint8_t *next = w + GR * rbytes;
     for (int64_t su = 0; su < nb / 8; su++) {
-        gblock *g = panel + 8 * su;
+        uint8_t *o = out + 8 * su * bstride;
         for (int64_t off = su * GR * ub; off < (su + 1) * GR * ub; off += 64) __builtin_prefetch(next + off);
 #ifdef TQ_AVX2
         const uint8_t *u[GR];
@@ -271,8 +280,8 @@ static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, g
             transpose8(r, tr);
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hd));
             for (int b = 0; b < 8; b++) {
-                _mm256_store_ps(g[b].d, dv);
-                _mm256_store_si256((__m256i *)g[b].sc, tr[b]);
+                _mm256_store_ps((float *)KD(b), dv);
+                _mm256_store_si256((__m256i *)KM(b), tr[b]);
             }
             __m256i qh[2][GR];
             for (int h = 0; h < 2; h++) {
@@ -288,8 +297,8 @@ static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, g
                     const __m256i hi0 = _mm256_and_si256(_mm256_srl_epi16(qh[h][s], _mm_cvtsi32_si128(2 * r0)), three);
                     const __m256i hi1 = _mm256_and_si256(_mm256_srl_epi16(qh[h][s], _mm_cvtsi32_si128(2 * r0 + 4)), three);
                     const __m256i lo = _mm256_and_si256(tr[s], mask), hn = _mm256_and_si256(_mm256_srli_epi16(tr[s], 4), mask);
-                    _mm256_store_si256((__m256i *)(g[b0].q + 32 * s), _mm256_or_si256(lo, _mm256_slli_epi16(hi0, 4)));
-                    _mm256_store_si256((__m256i *)(g[b0 + 2].q + 32 * s), _mm256_or_si256(hn, _mm256_slli_epi16(hi1, 4)));
+                    _mm256_store_si256((__m256i *)KQ(b0, s), _mm256_or_si256(lo, _mm256_slli_epi16(hi0, 4)));
+                    _mm256_store_si256((__m256i *)KQ(b0 + 2, s), _mm256_or_si256(hn, _mm256_slli_epi16(hi1, 4)));
                 }
             }
             continue;
@@ -304,8 +313,8 @@ static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, g
         transpose8(r, dt);
         transpose8(tr, mt);
         for (int b = 0; b < 8; b++) {
-            _mm256_store_si256((__m256i *)g[b].d, dt[b]);
-            _mm256_store_si256((__m256i *)g[b].m, mt[b]);
+            _mm256_store_si256((__m256i *)KD(b), dt[b]);
+            _mm256_store_si256((__m256i *)KM(b), mt[b]);
         }
         __m256i qh[GR];
         if (t == TQ_Q5_K) {
@@ -324,18 +333,47 @@ static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, g
                     lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh[s], b0), b0), sixteen));
                     hn = _mm256_or_si256(hn, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh[s], b1), b1), sixteen));
                 }
-                _mm256_store_si256((__m256i *)(g[2 * p].q + 32 * s), lo);
-                _mm256_store_si256((__m256i *)(g[2 * p + 1].q + 32 * s), hn);
+                _mm256_store_si256((__m256i *)KQ(2 * p, s), lo);
+                _mm256_store_si256((__m256i *)KQ(2 * p + 1, s), hn);
             }
         }
 #else
         for (int b = 0; b < 8; b++)
             for (int j = 0; j < GR; j++) {
                 uint8_t q[QK];
-                kquant_block(t, w + j * rbytes + su * ub, b, q, &g[b].d[j], &g[b], j);
-                for (int k = 0; k < QK; k++) g[b].q[32 * (k / 4) + 4 * j + k % 4] = q[k];
+                float d, m;
+                int32_t sc;
+                kquant_block(t, w + j * rbytes + su * ub, b, q, &d, &m, &sc);
+                for (int k = 0; k < QK; k++) KQ(b, k / 4)[4 * j + k % 4] = q[k];
+                memcpy(KD(b) + 4 * j, &d, 4);
+                if (t == TQ_Q6_K)
+                    memcpy(KM(b) + 4 * j, &sc, 4);
+                else
+                    memcpy(KM(b) + 4 * j, &m, 4);
             }
 #endif
+    }
+}
+#undef KQ
+#undef KD
+#undef KM
+
+/* q8batch.c's strips of K-quant rows: groups at w (and w + 8 rbytes unless lone, whose lanes are
+ * then zero) into 16-lane blocks bstride bytes apart (steps 64 bytes apart, lanes 0-7 the first
+ * group; d[16] at doff, m[16] / sc[16] at moff) -- the same values as the gblock panel. */
+void tq_q8_unpack_kstrip(int t, const uint8_t *w, int64_t rbytes, int lone, int64_t nb, uint8_t *out,
+                         int64_t bstride, int doff, int moff) {
+    for (int h = 0; h < 2; h++) {
+        if (h && lone) {
+            for (int64_t b = 0; b < nb; b++) {
+                uint8_t *o = out + b * bstride + 32;
+                for (int s = 0; s < 8; s++) memset(o + 64 * s, 0, 32);
+                memset(o + doff, 0, 32);
+                memset(o + moff, 0, 32);
+            }
+            break;
+        }
+        unpack_kgroup(t, w + h * GR * rbytes, rbytes, nb, out + 32 * h, bstride, 64, doff, moff);
     }
 }
 
@@ -344,7 +382,8 @@ static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, g
 static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gblock *panel) {
     const int ub = unit_bytes(t);
     if (is_k_quant(t)) {
-        unpack_kgroup(t, w, rbytes, nb, panel);
+        unpack_kgroup(t, w, rbytes, nb, (uint8_t *)panel, (int64_t)sizeof(gblock), 32, (int)offsetof(gblock, d),
+                      (int)offsetof(gblock, m));
         return;
     }
     const uint8_t *next = w + GR * rbytes; /* the next group's rows, fetched while this one is unpacked */
@@ -556,15 +595,15 @@ static void single_row(int t, const uint8_t *row, tq_q8acts x, float *y, int64_t
         for (int64_t b = 0; b < nb; b++) {
             const int8_t *xq = x.q + i * K + b * QK;
             if (is_k_quant(t)) { /* the panel's values (kquant_block) and operations */
-                gblock g;
                 uint8_t q[QK];
-                float d;
+                float d, m;
+                int32_t sc;
                 int dot[2] = {0, 0};
-                kquant_block(t, row + b / 8 * ub, (int)(b % 8), q, &d, &g, 0);
+                kquant_block(t, row + b / 8 * ub, (int)(b % 8), q, &d, &m, &sc);
                 for (int k = 0; k < QK; k++) dot[k / 16] += (int)q[k] * xq[k];
-                const int isum = t == TQ_Q6_K ? q6_fold(g.sc[0], dot[0], dot[1], x.h + 2 * (i * nb + b)) : dot[0] + dot[1];
+                const int isum = t == TQ_Q6_K ? q6_fold(sc, dot[0], dot[1], x.h + 2 * (i * nb + b)) : dot[0] + dot[1];
                 acc = fmaf((float)isum, d * x.d[i * nb + b], acc);
-                if (has_min(t)) acc = fmaf(g.m[0], x.s[i * nb + b], acc);
+                if (has_min(t)) acc = fmaf(m, x.s[i * nb + b], acc);
                 continue;
             }
             const uint8_t *u = row + b * ub;

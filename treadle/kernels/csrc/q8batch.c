@@ -25,6 +25,7 @@
  * depends on the rows beside it. Threads split the strips; a lone last group takes a strip with
  * its upper 8 lanes zero and stores 8 outputs.
  */
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,12 +42,20 @@
  * (strip_direct), more through the panel. */
 #define BATCH_MIN_Q8_0 4
 #define DIRECT_MAX_Q4 16
+#define BATCH_MIN_K 4 /* Q4_K / Q5_K / Q6_K: fewer rows take q8act.c's 8-lane panel */
+enum { MODE_MIN, MODE_Q8_0, MODE_Q6_K }; /* strip_tile: q - minimum terms; Q8_0's offset; Q6_K's two halves */
 
 #ifdef TQ_ZMM
 typedef struct { /* one block of a strip, unpacked */
     __m512i q[8];
-    float d[SGR], m[SGR];
+    float d[SGR];
+    union {
+        float m[SGR];
+        int32_t sc[SGR]; /* Q6_K: the halves' int8 scales, sc0 | sc1 << 16 (q8act.c's gblock) */
+    };
 } sblock;
+
+static inline int kquant8(int t) { return t == TQ_Q4_K || t == TQ_Q5_K || t == TQ_Q6_K; }
 
 static inline int pscale_bytes(int t) { return base_type(t) == TQ_Q4_1 ? 4 * 8 : 2 * 8; }
 
@@ -121,10 +130,11 @@ static void unpack_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb,
 /* NX activation rows times one strip: out[i * ostride + j], j < 16 (8 when lone). The pf bytes (the
  * next strip's rows, or none) are prefetched a share per block, so the memory reads run beside
  * the arithmetic rather than in a burst while the panel is filled. */
-static inline __attribute__((always_inline)) void strip_tile(const int q8_0, const sblock *panel, int64_t nb,
+static inline __attribute__((always_inline)) void strip_tile(const int mode, const sblock *panel, int64_t nb,
                                                              tq_q8acts x, const int32_t *xsum, int64_t K, const int NX,
                                                              const float *bias, float *out, int64_t ostride,
                                                              __mmask16 store, const uint8_t *pf, int64_t pfbytes) {
+    const int q8_0 = mode == MODE_Q8_0, q6 = mode == MODE_Q6_K;
     __m512 acc[TQ_NX];
     const int64_t chunk = (pfbytes / nb + 127) / 64 * 64;
 #pragma GCC unroll 8
@@ -134,10 +144,12 @@ static inline __attribute__((always_inline)) void strip_tile(const int q8_0, con
         if (pf)
             for (int64_t off = b * chunk; off < (b + 1) * chunk && off < pfbytes; off += 64) __builtin_prefetch(pf + off);
         const int8_t *xb = x.q + b * QK;
-        __m512i p[TQ_NX];
+        __m512i p[TQ_NX], p0[TQ_NX];
 #pragma GCC unroll 8
-        for (int i = 0; i < NX; i++)
-            p[i] = q8_0 ? _mm512_set1_epi32(-128 * xsum[i * (K / QK) + b]) : _mm512_setzero_si512();
+        for (int i = 0; i < NX; i++) /* Q6_K: each half starts at -32 times its activation sum (q8act.c's q6_fold) */
+            p[i] = q8_0 ? _mm512_set1_epi32(-128 * xsum[i * (K / QK) + b])
+                 : q6   ? _mm512_set1_epi32(-32 * x.h[2 * (i * nb + b)])
+                        : _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int s = 0; s < 8; s++) {
             const __m512i q = _mm512_load_si512(g->q + s);
@@ -148,13 +160,23 @@ static inline __attribute__((always_inline)) void strip_tile(const int q8_0, con
                 p[i] = _mm512_dpbusd_epi32(p[i], q, _mm512_set1_epi32(v));
                 __asm__("" : "+v"(p[i])); /* keep each row's chain in its register */
             }
+            if (q6 && s == 3)
+#pragma GCC unroll 8
+                for (int i = 0; i < NX; i++) p0[i] = p[i], p[i] = _mm512_set1_epi32(-32 * x.h[2 * (i * nb + b) + 1]);
         }
         const __m512 dw = _mm512_load_ps(g->d), mw = _mm512_load_ps(g->m);
+        __m512i sc0 = _mm512_setzero_si512(), sc1 = sc0;
+        if (q6) {
+            const __m512i sc = _mm512_load_si512(g->sc);
+            sc0 = _mm512_srai_epi32(_mm512_slli_epi32(sc, 16), 16);
+            sc1 = _mm512_srai_epi32(sc, 16);
+        }
 #pragma GCC unroll 8
         for (int i = 0; i < NX; i++) {
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[i]), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i * nb + b])),
+            const __m512i isum = q6 ? _mm512_add_epi32(_mm512_mullo_epi32(p0[i], sc0), _mm512_mullo_epi32(p[i], sc1)) : p[i];
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i * nb + b])),
                                      acc[i]);
-            if (!q8_0) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[i * nb + b]), acc[i]);
+            if (mode == MODE_MIN) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[i * nb + b]), acc[i]);
         }
     }
 #pragma GCC unroll 8
@@ -231,7 +253,7 @@ static inline __attribute__((always_inline)) void direct_rows(const int t, const
                                                               int64_t M, int64_t K, __mmask16 store) {
     const int64_t nb = K / QK;
     for (int64_t m0 = 0; m0 < M; m0 += TQ_NX) {
-        const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb};
+        const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb, x.h ? x.h + 2 * m0 * nb : NULL};
         float *out = y + m0 * ldy;
         switch (M - m0 < TQ_NX ? (int)(M - m0) : TQ_NX) {
             case 1: SDIRECT(1); break;
@@ -246,14 +268,16 @@ static inline __attribute__((always_inline)) void direct_rows(const int t, const
     }
 }
 
-#define STILE(NX) strip_tile(q8_0, panel, nb, xm, xs, K, NX, bn, out, ldy, store, m0 ? NULL : pf, pfbytes)
+#define STILE(NX) strip_tile(mode, panel, nb, xm, xs, K, NX, bn, out, ldy, store, m0 ? NULL : pf, pfbytes)
 
-/* Every activation row times the strip's panel, in tiles of TQ_NX rows. */
-static void strip_rows(int q8_0, const sblock *panel, tq_q8acts x, const int32_t *xsum, float *y, int64_t ldy,
-                       const float *bn, int64_t M, int64_t K, __mmask16 store, const uint8_t *pf, int64_t pfbytes) {
+/* Every activation row times the strip's panel, in tiles of TQ_NX rows; mode a constant after inlining. */
+static inline __attribute__((always_inline)) void strip_rows_mode(const int mode, const sblock *panel, tq_q8acts x,
+                                                                  const int32_t *xsum, float *y, int64_t ldy,
+                                                                  const float *bn, int64_t M, int64_t K, __mmask16 store,
+                                                                  const uint8_t *pf, int64_t pfbytes) {
     const int64_t nb = K / QK;
     for (int64_t m0 = 0; m0 < M; m0 += TQ_NX) {
-        const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb};
+        const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb, x.h ? x.h + 2 * m0 * nb : NULL};
         const int32_t *xs = xsum ? xsum + m0 * nb : NULL;
         float *out = y + m0 * ldy;
         switch (M - m0 < TQ_NX ? (int)(M - m0) : TQ_NX) {
@@ -266,6 +290,15 @@ static void strip_rows(int q8_0, const sblock *panel, tq_q8acts x, const int32_t
             case 7: STILE(7); break;
             default: STILE(TQ_NX); break;
         }
+    }
+}
+
+static void strip_rows(int mode, const sblock *panel, tq_q8acts x, const int32_t *xsum, float *y, int64_t ldy,
+                       const float *bn, int64_t M, int64_t K, __mmask16 store, const uint8_t *pf, int64_t pfbytes) {
+    switch (mode) {
+        case MODE_Q8_0: strip_rows_mode(MODE_Q8_0, panel, x, xsum, y, ldy, bn, M, K, store, pf, pfbytes); break;
+        case MODE_Q6_K: strip_rows_mode(MODE_Q6_K, panel, x, xsum, y, ldy, bn, M, K, store, pf, pfbytes); break;
+        default: strip_rows_mode(MODE_MIN, panel, x, xsum, y, ldy, bn, M, K, store, pf, pfbytes); break;
     }
 }
 
@@ -288,10 +321,11 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
 #ifdef TQ_ZMM
     const int64_t amx = tq_q8_amx_rows(t, w, x, y, ldy, bias, M, N, K); /* q8amx.c, the amx build */
     if (amx) return amx;
-    const int q8_0 = t == TQ_Q8_0;
-    if (!(packed_type(t) || q8_0) || (q8_0 && M < BATCH_MIN_Q8_0)) return 0;
+    const int q8_0 = t == TQ_Q8_0, kq = kquant8(t);
+    if (!(packed_type(t) || q8_0 || kq) || (q8_0 && M < BATCH_MIN_Q8_0) || (kq && M < BATCH_MIN_K)) return 0;
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
-    const int direct = !q8_0 && M <= DIRECT_MAX_Q4;
+    const int direct = packed_type(t) && M <= DIRECT_MAX_Q4;
+    const int mode = q8_0 ? MODE_Q8_0 : t == TQ_Q6_K ? MODE_Q6_K : MODE_MIN;
     int32_t *xsum = q8_0 ? block_sums(x, M, K) : NULL;
 #pragma omp parallel
     {
@@ -314,9 +348,12 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
             }
             if (q8_0)
                 unpack_q8_0(wg, rbytes, lone ? 8 : SGR, nb, panel);
+            else if (kq)
+                tq_q8_unpack_kstrip(t, wg, rbytes, lone, nb, (uint8_t *)panel, (int64_t)sizeof(sblock),
+                                    (int)offsetof(sblock, d), (int)offsetof(sblock, m));
             else
                 unpack_packed(t, wg, lone ? NULL : wg + 8 * rbytes, nb, panel);
-            strip_rows(q8_0, panel, x, xsum, y + g * 8, ldy, bs, M, K, store, g + 3 < groups ? wg + SGR * rbytes : NULL,
+            strip_rows(mode, panel, x, xsum, y + g * 8, ldy, bs, M, K, store, g + 3 < groups ? wg + SGR * rbytes : NULL,
                        SGR * rbytes);
         }
         free(panel);
