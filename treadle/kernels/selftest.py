@@ -4,8 +4,8 @@ tests/kernels/test_kernel_variants.py, test_q8_activations.py and test_bf16_matm
 
     check                    contract
     w8a8 int8 x int8         bit-exact (exact int32 sums, the same float scaling)
-    Q8_0 / Q4_1, 8-bit acts  bit-exact (exact int32 sums per block, the same float order), packed
-                             Q4_1 rows at 64 activation rows too (the batched int8 path)
+    Q8_0 / Q4_1 / Q4_K /     bit-exact (exact int32 sums per block, the same float order), packed
+    Q6_K, 8-bit acts         Q4_1 rows at 64 activation rows too (the batched int8 path)
     Q4_1 / Q6_K, 16-bit acts float32 sums of exact block products in another order: |err| <= 1e-5 max|y|
     bfloat16 weights         bit-exact (the same FMAs in the same order), except a variant that rounds
                              activations to bfloat16 (``native.rounds_activations_to_bf16``):
@@ -55,8 +55,12 @@ def _blocks(qtype: str, seed: int, n: int = N) -> torch.Tensor:
     inputs, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n * K // inputs, nbytes), dtype=np.uint8)
-    raw[:, -2:] = (rng.uniform(0.5, 1.0, size=(raw.shape[0], 1)) * 1e-4).astype(np.float16).view(np.uint8)
-    return torch.from_numpy(raw).reshape(-1)  # Q6_K: its super-block scale d is the last 2 bytes
+    for at in _HALVES[qtype]:  # the super-block's float16 d (and dmin)
+        raw[:, at : at + 2] = (rng.uniform(0.5, 1.0, size=(raw.shape[0], 1)) * 1e-4).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(raw).reshape(-1)
+
+
+_HALVES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # qblocks.h layouts
 
 
 def _check(variant: str, name: str, got: torch.Tensor, ref: torch.Tensor, exact: bool) -> Check:
@@ -105,7 +109,8 @@ def _bf16(variant: str) -> Check:
 
 def run(variant: str) -> list[Check]:
     """Every check of ``variant`` (one this CPU runs) against the plain-C build."""
-    return [_w8a8(variant), _blocks_check(variant, "Q8_0", 8), _blocks_check(variant, "Q4_1", 8), _packed(variant),
+    return [_w8a8(variant), _blocks_check(variant, "Q8_0", 8), _blocks_check(variant, "Q4_1", 8),
+            _blocks_check(variant, "Q4_K", 8), _blocks_check(variant, "Q6_K", 8), _packed(variant),
             _blocks_check(variant, "Q4_1", 16), _blocks_check(variant, "Q6_K", 16), _bf16(variant)]
 
 

@@ -42,7 +42,7 @@
  * (strip_direct), more through the panel. */
 #define BATCH_MIN_Q8_0 4
 #define DIRECT_MAX_Q4 16
-#define BATCH_MIN_K 4 /* Q4_K / Q5_K / Q6_K: fewer rows take q8act.c's 8-lane panel */
+#define BATCH_MIN_K 3 /* Q4_K / Q5_K / Q6_K: fewer rows take q8act.c's 8-lane panel (1 row: 1.05-1.3x the strips; 3: 0.9x) */
 enum { MODE_MIN, MODE_Q8_0, MODE_Q6_K }; /* strip_tile: q - minimum terms; Q8_0's offset; Q6_K's two halves */
 
 #ifdef TQ_ZMM
