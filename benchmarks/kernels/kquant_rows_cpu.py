@@ -3,6 +3,11 @@ tree's kernels against a git ref's (default ``HEAD``; ``--ref none``: this tree 
 in one process, interleaved call by call, 16-bit activations (the default).
 
     .venv/bin/python benchmarks/kernels/kquant_rows_cpu.py [--ref HEAD] [--threads 1] [--cold]
+        [--activation-bits 16 8] [--batches 1 16 128] [--types Q4_K Q6_K Q4_0]
+
+``--activation-bits`` with several values times each library at each (a column per pair, the
+speed-up the last column's over the first's); at 8 bits Q4_0 is packed 8 rows at a time as a
+load with ``TREADLE_ACTIVATION_BITS=8`` packs it (``native.pack_rows``).
 
 Shapes: TinyLlama-1.1B's q/k/v (2560 x 2048), o (2048 x 2048), gate/up (11264 x 2048), down
 (2048 x 5632) in Q4_K, Q6_K and Q4_0 (the types llama.cpp's Q4_K_M and Q4_0 files hold). Per shape,
@@ -17,7 +22,7 @@ from pathlib import Path
 
 import harness
 import torch
-from gguf_matmul import caller
+from gguf_matmul import caller, pack_copies
 from harness import Case
 
 from treadle.kernels import native
@@ -32,6 +37,7 @@ def main() -> None:
     ap.add_argument("--ref", default="HEAD")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--types", nargs="+", default=TYPES)
+    ap.add_argument("--activation-bits", type=int, nargs="+", default=[16], choices=[8, 16])
     ap.add_argument("--cold", action="store_true", help="8 distinct weights per shape, called in turn")
     args = ap.parse_args()
     run = harness.start(args)
@@ -39,24 +45,28 @@ def main() -> None:
         libs = {"this tree": native.library()}
         if args.ref != "none":
             libs = {args.ref: harness.build_ref(args.ref, Path(tmp)), **libs}
-        base = next(iter(libs))
-        table = run.table(["shape", "type", "M", *(f"{name} ms" for name in libs), *(f"{name} GB/s" for name in libs),
-                           "speed-up"], title="median per call (16-bit activations)")
+        cols = [(name, bits) for name in libs for bits in args.activation_bits]
+        label = {c: c[0] if len(args.activation_bits) == 1 else f"{c[0]} a{c[1]}" for c in cols}
+        table = run.table(["shape", "type", "M", *(f"{label[c]} ms" for c in cols), *(f"{label[c]} GB/s" for c in cols),
+                           "speed-up"], title=f"median per call ({'/'.join(map(str, args.activation_bits))}-bit activations)")
         for qtype in args.types:
             for shape, n, k in SHAPES:
                 copies = 8 if args.cold else 1
                 ws = [harness.random_blocks(qtype, n, k, seed=1 + c) for c in range(copies)]
+                packed = pack_copies(list(libs.values()), qtype, ws, n, k) if 8 in args.activation_bits else {}
+                pname = next((p for p, b in native.PACKED.items() if b == qtype), qtype)
                 for m in args.batches:
                     x = torch.randn(m, k)
-                    calls = {name: [caller(lib, 16, qtype, w, n, k, x) for w in ws] for name, lib in libs.items()}
-                    cases = [Case(name, lambda fns=fns: [f() for f in fns], calls=copies) for name, fns in calls.items()]
+                    calls = {c: [caller(libs[c[0]], c[1], pname, w, n, k, x) for w in packed[libs[c[0]]]]
+                             if c[1] == 8 and libs[c[0]] in packed else [caller(libs[c[0]], c[1], qtype, w, n, k, x) for w in ws]
+                             for c in cols}
+                    cases = [Case(label[c], lambda fns=fns: [f() for f in fns], calls=copies) for c, fns in calls.items()]
                     t = run.time(cases)
-                    ms = {name: t.median(name) * 1e3 for name in libs}
-                    gbs = {name: n * k * BYTES[qtype] / (ms[name] * 1e6) for name in libs}
+                    ms = {c: t.median(label[c]) * 1e3 for c in cols}
+                    gbs = {c: n * k * BYTES[qtype] / (ms[c] * 1e6) for c in cols}
                     table.add([shape, qtype, m, *ms.values(), *(f"{g:.1f}" for g in gbs.values()),
-                               f"{t.ratio(base, 'this tree') if len(libs) > 1 else 1.0:.2f}"])
+                               f"{t.ratio(label[cols[0]], label[cols[-1]]) if len(cols) > 1 else 1.0:.2f}"])
     run.finish()
-
 
 if __name__ == "__main__":
     main()
