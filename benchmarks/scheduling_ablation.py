@@ -2,8 +2,9 @@
 fcfs, predicted, an oracle order and a random order, each case repeated and the cases
 interleaved (rep 1: fcfs, predicted, oracle, random; rep 2: ...), so drift of a shared machine
 hits every case alike. Medians over the repeats, ratios against the first case (fcfs).
-With ``--router``: two instances behind ``treadle router``, balanced by request count vs by
-predicted cost (``--balance``), the same arrivals.
+With ``--router``: two instances behind ``treadle router``, the same arrivals: count-balanced
+instances scheduling fcfs (the baseline: what the router and engine did before), count-balanced
+instances scheduling ``predicted``, and cost-balanced (``--balance cost``) ``predicted`` instances.
 
 Each run starts its own ``treadle serve`` (restarted between runs: no warm prefix cache or
 queue carries over) and drives it with ``treadle bench serve``; oracle and random run the
@@ -35,7 +36,11 @@ CASES = {  # name: (server policy, client ordering)
     "oracle": ("priority", "oracle"),
     "random": ("priority", "random"),
 }
-ROUTER_CASES = {"count": "count", "cost": "cost"}  # --router: two instances behind `treadle router --balance B`
+ROUTER_CASES = {  # --router: name: (`treadle router --balance`, the instances' --scheduling-policy)
+    "count-fcfs": ("count", "fcfs"),
+    "count-predicted": ("count", "predicted"),
+    "cost-predicted": ("cost", "predicted"),
+}
 ROWS = [("median e2e s", "e2el_ms", "median", 1e-3), ("mean e2e s", "e2el_ms", "mean", 1e-3),
         ("p99 e2e s", "e2el_ms", "p99", 1e-3), ("median TTFT s", "ttft_ms", "median", 1e-3),
         ("longest wait (max TTFT) s", "ttft_ms", "p100", 1e-3), ("output tok/s", "output_throughput", None, 1.0)]
@@ -85,13 +90,14 @@ def run_case(args: argparse.Namespace, name: str, out: Path) -> dict:
 
 
 def run_router_case(args: argparse.Namespace, name: str, out: Path) -> dict:
-    """Two instances (ports port+1, port+2; the instances' policy: --router-policy) behind
-    ``treadle router --balance NAME`` on ``port``."""
-    procs = [serve(args, args.router_policy, args.port + i) for i in (1, 2)]
+    """Two instances (ports port+1, port+2) behind ``treadle router`` on ``port``, balancing and
+    instance policy as ROUTER_CASES[name] says."""
+    balance, policy = ROUTER_CASES[name]
+    procs = [serve(args, policy, args.port + i) for i in (1, 2)]
     try:
         urls = [f"http://127.0.0.1:{args.port + i}" for i in (1, 2)]
         procs.append(start([*TREADLE, "router", "--backend", *urls, "--port", str(args.port),
-                            "--balance", ROUTER_CASES[name], "--no-prefix-affinity"], args.port))
+                            "--balance", balance, "--no-prefix-affinity"], args.port))
         return bench(args, "none", out)
     finally:
         for proc in reversed(procs):
@@ -136,8 +142,8 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--cases", default=None, help=f"comma list of {','.join(CASES)} (with --router: "
                    f"{','.join(ROUTER_CASES)}); ratios are against the first")
-    p.add_argument("--router", action="store_true", help="two instances behind treadle router, balanced by count vs cost")
-    p.add_argument("--router-policy", default="predicted", help="the instances' --scheduling-policy with --router")
+    p.add_argument("--router", action="store_true", help="two instances behind treadle router: count/fcfs vs "
+                   "count/predicted vs cost/predicted")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=60)
     p.add_argument("--output-len", type=int, default=256)
