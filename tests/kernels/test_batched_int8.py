@@ -3,8 +3,9 @@ once per call and reused by every activation row). Its contract is q8act.c's: ex
 sums and one fixed float order, so every variant equals the plain-C reference bit for bit at every
 batch (packed Q4 up to 16 rows on the AVX-512 builds: strip_direct's tiles of 8 rows straight from
 the packed bytes, 2 and 7 its ragged tiles; Q8_0 up to 3 rows: q8act.c's direct path; above: the
-vpdpbusd panel; 64 and up on the amx build: AMX tiles; ragged last tiles, a lone last group of 8
-weight rows, N % 8 leftover rows), and a row's result does not depend on the rows beside it."""
+vpdpbusd panel; 64 and up on the amx build: AMX tiles; Q4_K / Q5_K / Q6_K up to 2 rows: q8act.c's
+panel, above: the vpdpbusd strips; ragged last tiles, a lone last group of 8 weight rows, N % 8
+leftover rows), and a row's result does not depend on the rows beside it."""
 from __future__ import annotations
 
 import pytest
@@ -20,6 +21,12 @@ BATCHES = (1, 2, 4, 5, 7, 16, 17, 64, 71)
 # (K, N): SmolLM2's hidden size (18 blocks); its MLP width (48 blocks); N = 5 groups (two strips
 # and a lone group), N = 24 + 3 (a lone group, then rows that go alone)
 SHAPES = ((576, 40), (1536, 24))
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def inputs(qtype: str, k: int) -> int:
+    """k, or for a K-quant (super-blocks of 256) 768 in place of 576."""
+    return 768 if qtype.endswith("_K") and k % 256 else k
 
 
 def weights(qtype: str, n: int, k: int, seed: int) -> tuple[tuple[tuple[str, int], ...], torch.Tensor]:
@@ -34,10 +41,11 @@ def weights(qtype: str, n: int, k: int, seed: int) -> tuple[tuple[tuple[str, int
 
 
 @VARIANTS
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize(("k", "n"), SHAPES)
 def test_every_batch_equals_the_plain_reference_bitwise(variant: str, qtype: str, k: int, n: int) -> None:
     runnable(variant)
+    k = inputs(qtype, k)
     seg, w = weights(qtype, n, k, seed=101)
     bias = rand(n, seed=102)
     for m in BATCHES:
@@ -47,10 +55,10 @@ def test_every_batch_equals_the_plain_reference_bitwise(variant: str, qtype: str
 
 
 @VARIANTS
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", TYPES)
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(variant: str, qtype: str) -> None:
     runnable(variant)
-    k, n = 576, 27 * 8 + 5  # 27 groups: 13 strips and a lone group; 5 rows alone
+    k, n = inputs(qtype, 576), 27 * 8 + 5  # 27 groups: 13 strips and a lone group; 5 rows alone
     seg, w = weights(qtype, n, k, seed=111)
     x = rand(64, k, seed=112)
     full = native.qmatmul(seg, w, x, variant=variant, act_bits=8)
@@ -64,18 +72,27 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(variant: str, qtype
 
 def test_extreme_activations_and_weights_stay_exact() -> None:
     """Activations at +-127 everywhere and weights at their extremes (nibbles 15, Q8_0 bytes
-    -128 / 127): the int32 sums (and Q8_0's +128 offset) are exact, so still the reference's bits."""
-    for qtype in ("Q4_1", "Q8_0"):
-        seg, w = weights(qtype, 32, 576, seed=121)
+    -128 / 127; Q4_K nibbles and 6-bit scales and minimums at 15 / 63; Q6_K q - 32 = -32 with
+    its int8 scales -128, the largest terms of its int32 fold): the int32 sums (and Q8_0's +128
+    offset) are exact, so still the reference's bits."""
+    for qtype in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
+        k = inputs(qtype, 576)
+        seg, w = weights(qtype, 32, k, seed=121)
         raw = w.view(torch.uint8)
-        if qtype == "Q8_0":
+        if qtype == "Q4_K":
+            raw.view(-1, 144)[:, 4:] = 0xFF
+        elif qtype == "Q6_K":
+            blocks = raw.view(-1, 210)
+            blocks[:, :192] = 0  # ql, qh: q = 0, read as 0 - 32
+            blocks[:, 192:208] = 0x80  # the 16 int8 scales: -128
+        elif qtype == "Q8_0":
             blocks = raw.view(-1, 34)
             blocks[:, 2:18] = 0x80  # -128
             blocks[:, 18:] = 0x7F
         else:
             nib = raw.view(-1, 20 * 8)  # packed: 8 rows' d, m, then 128 nibble bytes per block
             nib[:, 32:] = 0xFF
-        x = torch.ones(17, 576) * torch.where(torch.arange(576) % 3 == 0, -1.0, 1.0)
+        x = torch.ones(17, k) * torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)
         y = native.qmatmul(seg, w, x, act_bits=8)
         assert torch.equal(y, native.qmatmul(seg, w, x, plain=True, act_bits=8))
         assert torch.isfinite(y).all()
