@@ -1,12 +1,26 @@
 /* The 8-bit activation path of tq_matmul (qmatmul.c) for the legacy block types Q4_0, Q4_1,
- * Q5_0, Q5_1, Q8_0: the layout's act_bits == 8 (tq.h).
+ * Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K: the layout's act_bits == 8 (tq.h).
  *
  * Each activation row is quantized once per matmul to int8 per block of 32 (xd = max|x| / 127,
- * xq = round(x / xd)) with its block sum (xs = xd * sum(xq), the minimum term's factor). The
- * weights stay 8-bit: unsigned q for the 4/5-bit types (the types that store q - 8 / q - 16 read
- * as q with the minimum m = -8 d / -16 d), signed q for Q8_0:
+ * xq = round(x / xd)) with its block sum (xs = xd * sum(xq), the minimum term's factor) and its
+ * two half-block integer sums (xh, Q6_K's). The weights stay 8-bit: unsigned q for the 4/5-bit
+ * types (the types that store q - 8 / q - 16 read as q with the minimum m = -8 d / -16 d), signed
+ * q for Q8_0:
  *
  *   y[m, n] = sum_b  d_b xd_b (q_b . xq_b)  +  sum_b m_b xs_b  (+ bias)
+ *
+ * A Q4_K / Q5_K super-block is 8 such blocks of 32, each Q4_1 / Q5_1-like: q unsigned (0..15 /
+ * 0..31), d_b = d sc_b and m_b = -dmin mn_b (fp16 times a 6-bit integer: exact in float32, the
+ * values the 16-bit path's unit_scales makes). Q6_K's 32-blocks have two int8 scales (one per 16)
+ * and q stored with bias 32: the panel holds q + 32 (0..63, unsigned), d = the super-block's d,
+ * and both scales; the two halves' dots (steps 0-3, 4-7) are kept apart and folded in int32,
+ *
+ *   isum = sc0 (dot0 - 32 xh0) + sc1 (dot1 - 32 xh1)       (|isum| < 2^24: exact, also as a float)
+ *
+ * then acc = fma(float(isum), d xd, acc) with no minimum term. Block b of a K-quant row is
+ * sub-block b % 8 of its super-block b / 8, so the K-quants share the panel, tiles and tail loop
+ * of the legacy types below (only unpack_kgroup differs); q8batch.c takes their whole groups from
+ * BATCH_MIN_K activation rows in the AVX-512 builds, with the same integers and float order.
  *
  * Eight weight rows side by side (a "group"), one output row per vector lane: a vector's 8 int32
  * lanes are 8 weight rows (columns of y) rather than 8 pieces of one dot product.
@@ -36,6 +50,8 @@
  * sums spill). The VNNI builds take each step's 4-byte dot
  * products with vpdpbusd straight into int32 (step16 / step32 below: the same integers; not run on
  * the AVX2 machine this was written on, so not measured). Threads split the groups.
+ *
+ * Q6_K's steps widen per step in the AVX2 build (2 * 63 * 127 per pair).
  *
  * Packed Q4_0 / Q4_1 (types TQ_PACKED + t, made once at load by tq_q8_pack, same bytes): a group's
  * block is its 8 d, 8 m and 4 vectors of nibbles already in step order, so the panel is filled

@@ -1,6 +1,8 @@
 /* The batched 8-bit activation path on AVX-512 VNNI (the avx512-vnni and avx512-bf16 builds):
- * packed Q4_0 / Q4_1 rows (q8act.c tq_q8_pack) at every batch and Q8_0 rows times M >=
- * BATCH_MIN_Q8_0 activation rows. Up to DIRECT_MAX_Q4 rows, a packed strip's nibbles go from the
+ * packed Q4_0 / Q4_1 rows (q8act.c tq_q8_pack) at every batch, Q8_0 rows times M >=
+ * BATCH_MIN_Q8_0 activation rows, Q4_K / Q5_K / Q6_K rows times M >= BATCH_MIN_K (their strips
+ * unpacked by q8act.c's unpack_kgroup, one group per half; Q6_K's two half-block dots start at
+ * -32 xh and are folded with its int8 scales in int32 as q8act.c's q6_fold). Up to DIRECT_MAX_Q4 rows, a packed strip's nibbles go from the
  * packed bytes straight into zmm registers, each block unpacked once per tile of TQ_NX rows and
  * fed to all of them (strip_direct, the next strip prefetched); more rows, and Q8_0, unpack each
  * weight block once per call into an L1 panel reused by every activation row. tq_q8_rows
@@ -18,7 +20,7 @@
  * minus 128 times the block's activation sum, the offset the unsigned bytes added), and each
  * output takes, per block in order, exactly q8act.c's float operations:
  *
- *   acc = fma(float(isum), d_w * xd, acc);   acc = fma(m_w, xs, acc)   (Q8_0: no minimum)
+ *   acc = fma(float(isum), d_w * xd, acc);   acc = fma(m_w, xs, acc)   (Q8_0, Q6_K: no minimum)
  *
  * then y = acc (+ bias). So every output has the bits of the plain-C reference (q8act.c's
  * group_tile without TQ_AVX2), whatever the batch, the tile or the thread: a row's result never

@@ -31,7 +31,8 @@
  * fma per output, and free the registers those held: gcc 12 spills 2 of the 8 accumulators of a
  * Q4_1 tile instead of 6 (Q4_1 at M >= 4 ~1.1x faster; Q8_0 unchanged: docs/benchmarks-archive.md, #16).
  * With the layout's act_bits 8 (TREADLE_ACTIVATION_BITS=8; the default is 16), segments of Q4_0,
- * Q4_1, Q5_0, Q5_1, Q8_0 take q8act.c's 8-bit activations instead (faster; llama.cpp's rounding).
+ * Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K take q8act.c's 8-bit activations instead (faster;
+ * llama.cpp's rounding); Q2_K and Q3_K keep 16-bit ones.
  * Built once per variant (native.py VARIANTS, chosen at load by CPU features): AVX2/FMA/F16C
  * paths, plus vpdpwssd in the avx512-vnni build, or plain C (-DTQ_PLAIN_C, the reference build the
  * tests compare against).

@@ -11,11 +11,12 @@ Q4_0 / Q4_1 rows are repacked in place 8 at a time (same bytes: ``process_weight
 in type -- llama.cpp's K-quant mixes give ``attn_v`` more bits than ``attn_q`` -- keeps each
 shard's rows in its own type, as runs of rows ("segments") multiplied in one call.
 Activations are rounded per block of 32 inside the kernel, to 16 bits (the default, and always
-for the K-quants: results equal the dequantized reference up to that rounding and float32
+for Q2_K / Q3_K: results equal the dequantized reference up to that rounding and float32
 summation order, so greedy output matches transformers) or, opted into with
-``TREADLE_ACTIVATION_BITS=8``, to 8 bits for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 (``csrc/q8act.c``: llama.cpp's
-rounding; SmolLM2's prompt ~2x and batch-1 decode ~1.2x faster than 16-bit, perplexity +0.32 %,
-greedy output no longer kept). The same method
+``TREADLE_ACTIVATION_BITS=8``, to 8 bits for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K
+(``csrc/q8act.c``: llama.cpp's rounding; SmolLM2's prompt ~2x and batch-1 decode ~1.2x faster than
+16-bit, perplexity +0.32 %, greedy output no longer kept; Q4_K/Q6_K rows ~3.5-5x at 16-128
+activation rows; Gemma 3 270M Q4_K_M perplexity -0.17 %, docs/kernels.md). The same method
 serves the embedding (rows gathered and dequantized) and a tied or quantized lm_head (a
 matmul over the same bytes).
 """
