@@ -319,18 +319,35 @@ static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, u
             }
             continue;
         }
-        for (int j = 0; j < GR; j++) { /* row j's d (lanes 0-7 of r) and m (of tr) by block */
-            __m256 d, m;
-            k4_scale_vectors(u[j], &d, &m);
-            r[j] = _mm256_castps_si256(d);
-            tr[j] = _mm256_castps_si256(m);
-        }
-        __m256i dt[GR], mt[GR];
-        transpose8(r, dt);
-        transpose8(tr, mt);
-        for (int b = 0; b < 8; b++) {
-            _mm256_store_si256((__m256i *)KD(b), dt[b]);
-            _mm256_store_si256((__m256i *)KM(b), mt[b]);
+        { /* the rows' first 16 bytes (d | dmin, then the 12 scale bytes a0 a1 a2) as 4 dword vectors, lane
+             j = row j (a 4 x 4 dword transpose per 128-bit half), then k4_scales_mins in lanes: the
+             same d sc_b and -dmin mn_b as k4_scale_vectors */
+            __m256i h[4];
+            for (int i = 0; i < 4; i++)
+                h[i] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)u[i + 4]), _mm_loadu_si128((const __m128i *)u[i]));
+            const __m256i t0 = _mm256_unpacklo_epi32(h[0], h[1]), t1 = _mm256_unpackhi_epi32(h[0], h[1]);
+            const __m256i t2 = _mm256_unpacklo_epi32(h[2], h[3]), t3 = _mm256_unpackhi_epi32(h[2], h[3]);
+            const __m256i dd = _mm256_unpacklo_epi64(t0, t2), a0 = _mm256_unpackhi_epi64(t0, t2);
+            const __m256i a1 = _mm256_unpacklo_epi64(t1, t3), a2 = _mm256_unpackhi_epi64(t1, t3);
+            const __m256i halves = _mm256_permute4x64_epi64(
+                _mm256_shuffle_epi8(dd, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5,
+                                                         8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)),
+                0xd8); /* d0..d7 | dmin0..dmin7 */
+            const __m256 dv = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+            const __m256 nmv = _mm256_xor_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)), _mm256_set1_ps(-0.0f));
+            const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x30303030);
+            const __m256i v[4] = {_mm256_and_si256(a0, m6),
+                                  _mm256_or_si256(_mm256_and_si256(a2, m4), _mm256_and_si256(_mm256_srli_epi32(a0, 2), m2)),
+                                  _mm256_and_si256(a1, m6),
+                                  _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(a2, 4), m4),
+                                                  _mm256_and_si256(_mm256_srli_epi32(a1, 2), m2))};
+            const __m256i ff = _mm256_set1_epi32(0xff);
+            for (int b = 0; b < 8; b++) { /* byte b % 4 of v[b / 4] (scales) and v[2 + b / 4] (minimums) */
+                const __m256i sc = _mm256_and_si256(_mm256_srli_epi32(v[b / 4], 8 * (b % 4)), ff);
+                const __m256i mn = _mm256_and_si256(_mm256_srli_epi32(v[2 + b / 4], 8 * (b % 4)), ff);
+                _mm256_store_ps((float *)KD(b), _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sc)));
+                _mm256_store_ps((float *)KM(b), _mm256_mul_ps(nmv, _mm256_cvtepi32_ps(mn)));
+            }
         }
         __m256i qh[GR];
         if (t == TQ_Q5_K) {
