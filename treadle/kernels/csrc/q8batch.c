@@ -129,6 +129,95 @@ static void unpack_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb,
     }
 }
 
+/* 8 registers of two rows' 8 dwords each (row j low, row j + 8 high) -> out[s] = dword s of the 16
+ * rows, lane j = row j: unpack_q8_0's transpose. */
+static inline __attribute__((always_inline)) void transpose16(const __m512i r[8], __m512i out[8]) {
+    const __m512i lanes_lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), lanes_hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    __m512i u[8];
+    for (int j = 0; j < 8; j += 4) {
+        const __m512i t0 = _mm512_unpacklo_epi32(r[j], r[j + 1]), t1 = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+        const __m512i t2 = _mm512_unpacklo_epi32(r[j + 2], r[j + 3]), t3 = _mm512_unpackhi_epi32(r[j + 2], r[j + 3]);
+        u[j] = _mm512_unpacklo_epi64(t0, t2), u[j + 1] = _mm512_unpackhi_epi64(t0, t2);
+        u[j + 2] = _mm512_unpacklo_epi64(t1, t3), u[j + 3] = _mm512_unpackhi_epi64(t1, t3);
+    }
+    for (int s = 0; s < 4; s++) {
+        out[s] = _mm512_permutex2var_epi64(u[s], lanes_lo, u[s + 4]);
+        out[s + 4] = _mm512_permutex2var_epi64(u[s], lanes_hi, u[s + 4]);
+    }
+}
+
+/* 32 bytes at p + off of rows j and j + 8 (zero when lone) in one register */
+static inline __m512i two_rows(const uint8_t *w, int64_t rbytes, int j, int64_t off, int lone) {
+    const __m256i lo = _mm256_loadu_si256((const __m256i *)(w + j * rbytes + off));
+    const __m256i hi = lone ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(w + (j + 8) * rbytes + off));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+/* Q4_K / Q5_K strips (16 rows, or 8 when lone: rows 8..15 zero) straight into 16-lane blocks, the
+ * same values as q8act.c's unpack_kgroup (d sc_b, -dmin mn_b exact; the same q bytes) with half
+ * the shuffles: the 16 rows' scale bytes decoded in lanes, each 32-byte qs run of 16 rows
+ * transposed once. */
+static void unpack_k4_strip(int t, const uint8_t *w, int64_t rbytes, int lone, int64_t nb, sblock *panel) {
+    const int ub = unit_bytes(t), qoff = t == TQ_Q4_K ? 16 : 48;
+    const __m512i mask = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16), ff = _mm512_set1_epi32(0xff);
+    const __m512i m6 = _mm512_set1_epi32(0x3f3f3f3f), m4 = _mm512_set1_epi32(0x0f0f0f0f), m2 = _mm512_set1_epi32(0x30303030);
+    const uint8_t *next = w + SGR * rbytes;
+    for (int64_t su = 0; su < nb / 8; su++) {
+        const uint8_t *u = w + su * ub;
+        sblock *g = panel + 8 * su;
+        for (int64_t off = su * SGR * ub; off < (su + 1) * SGR * ub; off += 64) __builtin_prefetch(next + off);
+        /* h[i]: 128-bit lane L = row i + 4 L's first 16 bytes; a 4 x 4 dword transpose per lane -> lane j = row j */
+        __m512i h[4];
+        for (int i = 0; i < 4; i++) {
+            __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(u + i * rbytes)));
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(u + (i + 4) * rbytes)), 1);
+            if (!lone) {
+                v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(u + (i + 8) * rbytes)), 2);
+                v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(u + (i + 12) * rbytes)), 3);
+            } else {
+                v = _mm512_maskz_mov_epi64(0x0f, v);
+            }
+            h[i] = v;
+        }
+        const __m512i t0 = _mm512_unpacklo_epi32(h[0], h[1]), t1 = _mm512_unpackhi_epi32(h[0], h[1]);
+        const __m512i t2 = _mm512_unpacklo_epi32(h[2], h[3]), t3 = _mm512_unpackhi_epi32(h[2], h[3]);
+        const __m512i dd = _mm512_unpacklo_epi64(t0, t2), a0 = _mm512_unpackhi_epi64(t0, t2);
+        const __m512i a1 = _mm512_unpacklo_epi64(t1, t3), a2 = _mm512_unpackhi_epi64(t1, t3);
+        const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+        const __m512 nmv = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)))),
+                                                                _mm512_set1_epi32((int)0x80000000u)));
+        const __m512i v[4] = {_mm512_and_si512(a0, m6),
+                              _mm512_or_si512(_mm512_and_si512(a2, m4), _mm512_and_si512(_mm512_srli_epi32(a0, 2), m2)),
+                              _mm512_and_si512(a1, m6),
+                              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(a2, 4), m4), _mm512_and_si512(_mm512_srli_epi32(a1, 2), m2))};
+        for (int b = 0; b < 8; b++) {
+            const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(v[b / 4], 8 * (b % 4)), ff);
+            const __m512i mn = _mm512_and_si512(_mm512_srli_epi32(v[2 + b / 4], 8 * (b % 4)), ff);
+            _mm512_store_ps(g[b].d, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(sc)));
+            _mm512_store_ps(g[b].m, _mm512_mul_ps(nmv, _mm512_cvtepi32_ps(mn)));
+        }
+        __m512i r[8], tr[8], qh[8];
+        if (t == TQ_Q5_K) {
+            for (int j = 0; j < 8; j++) r[j] = two_rows(u, rbytes, j, 16, lone);
+            transpose16(r, qh);
+        }
+        for (int p = 0; p < 4; p++) { /* qs run p: low nibbles block 2p, high block 2p + 1 */
+            for (int j = 0; j < 8; j++) r[j] = two_rows(u, rbytes, j, qoff + 32 * p, lone);
+            transpose16(r, tr);
+            for (int s = 0; s < 8; s++) {
+                __m512i lo = _mm512_and_si512(tr[s], mask), hn = _mm512_and_si512(_mm512_srli_epi16(tr[s], 4), mask);
+                if (t == TQ_Q5_K) {
+                    const __m512i b0 = _mm512_set1_epi8((char)(1 << (2 * p))), b1 = _mm512_set1_epi8((char)(2 << (2 * p)));
+                    lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh[s], b0), sixteen));
+                    hn = _mm512_or_si512(hn, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh[s], b1), sixteen));
+                }
+                _mm512_store_si512(g[2 * p].q + s, lo);
+                _mm512_store_si512(g[2 * p + 1].q + s, hn);
+            }
+        }
+    }
+}
+
 /* NX activation rows times one strip: out[i * ostride + j], j < 16 (8 when lone). The pf bytes (the
  * next strip's rows, or none) are prefetched a share per block, so the memory reads run beside
  * the arithmetic rather than in a burst while the panel is filled. */
@@ -350,6 +439,8 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
             }
             if (q8_0)
                 unpack_q8_0(wg, rbytes, lone ? 8 : SGR, nb, panel);
+            else if (t == TQ_Q4_K || t == TQ_Q5_K)
+                unpack_k4_strip(t, wg, rbytes, lone, nb, panel);
             else if (kq)
                 tq_q8_unpack_kstrip(t, wg, rbytes, lone, nb, (uint8_t *)panel, (int64_t)sizeof(sblock),
                                     (int)offsetof(sblock, d), (int)offsetof(sblock, m));
