@@ -1,8 +1,9 @@
 /* The batched 8-bit activation path on AVX-512 VNNI (the avx512-vnni and avx512-bf16 builds):
  * packed Q4_0 / Q4_1 rows (q8act.c tq_q8_pack) at every batch, Q8_0 rows times M >=
- * BATCH_MIN_Q8_0 activation rows, Q4_K / Q5_K / Q6_K rows times M >= BATCH_MIN_K (their strips
- * unpacked by q8act.c's unpack_kgroup, one group per half; Q6_K's two half-block dots start at
- * -32 xh and are folded with its int8 scales in int32 as q8act.c's q6_fold). Up to DIRECT_MAX_Q4 rows, a packed strip's nibbles go from the
+ * BATCH_MIN_Q8_0 activation rows, Q4_K / Q5_K rows times M >= BATCH_MIN_K (unpack_k4_strip) and
+ * Q6_K rows times M >= BATCH_MIN_Q6_K (unpacked by q8act.c's unpack_kgroup, one group per half;
+ * its two half-block dots start at -32 xh and are folded with its int8 scales in int32 as
+ * q8act.c's q6_fold). Up to DIRECT_MAX_Q4 rows, a packed strip's nibbles go from the
  * packed bytes straight into zmm registers, each block unpacked once per tile of TQ_NX rows and
  * fed to all of them (strip_direct, the next strip prefetched); more rows, and Q8_0, unpack each
  * weight block once per call into an L1 panel reused by every activation row. tq_q8_rows
@@ -44,7 +45,11 @@
  * (strip_direct), more through the panel. */
 #define BATCH_MIN_Q8_0 4
 #define DIRECT_MAX_Q4 16
-#define BATCH_MIN_K 3 /* Q4_K / Q5_K / Q6_K: fewer rows take q8act.c's 8-lane panel (1 row: 1.05-1.3x the strips; 3: 0.9x) */
+/* K-quants: fewer rows take q8act.c's 8-lane panel. Q4_K / Q5_K (unpack_k4_strip): the strips
+ * measured 1.14-1.22x the panel at 2 rows, 0.97-1.03x at 1; Q6_K (unpacked by q8act.c): 1.1x at
+ * 3 rows, 0.93-1.0x at 2, 0.76-0.95x at 1. */
+#define BATCH_MIN_K 2
+#define BATCH_MIN_Q6_K 3
 enum { MODE_MIN, MODE_Q8_0, MODE_Q6_K }; /* strip_tile: q - minimum terms; Q8_0's offset; Q6_K's two halves */
 
 #ifdef TQ_ZMM
@@ -413,7 +418,7 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
     const int64_t amx = tq_q8_amx_rows(t, w, x, y, ldy, bias, M, N, K); /* q8amx.c, the amx build */
     if (amx) return amx;
     const int q8_0 = t == TQ_Q8_0, kq = kquant8(t);
-    if (!(packed_type(t) || q8_0 || kq) || (q8_0 && M < BATCH_MIN_Q8_0) || (kq && M < BATCH_MIN_K)) return 0;
+    if (!(packed_type(t) || q8_0 || kq) || (q8_0 && M < BATCH_MIN_Q8_0) || (kq && M < (t == TQ_Q6_K ? BATCH_MIN_Q6_K : BATCH_MIN_K))) return 0;
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
     const int direct = packed_type(t) && M <= DIRECT_MAX_Q4;
     const int mode = q8_0 ? MODE_Q8_0 : t == TQ_Q6_K ? MODE_Q6_K : MODE_MIN;
