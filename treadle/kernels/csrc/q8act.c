@@ -20,7 +20,7 @@
  * then acc = fma(float(isum), d xd, acc) with no minimum term. Block b of a K-quant row is
  * sub-block b % 8 of its super-block b / 8, so the K-quants share the panel, tiles and tail loop
  * of the legacy types below (only unpack_kgroup differs); q8batch.c takes their whole groups from
- * BATCH_MIN_K activation rows in the AVX-512 builds, with the same integers and float order.
+ * BATCH_MIN_K activation rows in the AVX-512 builds, with the same values, integers and float order.
  *
  * Eight weight rows side by side (a "group"), one output row per vector lane: a vector's 8 int32
  * lanes are 8 weight rows (columns of y) rather than 8 pieces of one dot product.
@@ -59,7 +59,6 @@
  * straight into registers). Same integers, same float order, so the same bits as the file's rows.
  */
 #include <math.h>
-#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -265,22 +264,20 @@ static inline __attribute__((always_inline)) void transpose8(const __m256i r[GR]
 }
 #endif
 
-/* K-quant rows n0 .. n0 + 7 unpacked a super-block (8 blocks) at a time, into blocks bstride
- * bytes apart from out: block b's step s (lane j's 4 bytes at 4 j) at out + b bstride + s qstride,
- * its d[8] at + doff, m[8] (Q6_K: sc[8], the halves' scales) at + moff -- a gblock panel here, or
- * one half of q8batch.c's 16-lane strip blocks (tq_q8_unpack_kstrip). AVX2: each 32-byte run of
- * the 8 rows (qs, qh, ql) is transposed once (transpose8: vector s = the rows' bytes 4s .. 4s+3,
- * lane j = row j), which is a panel step for every block that run feeds; the scales likewise
- * (8 floats or 8 scale pairs per row -> one vector per block). */
-#define KQ(b, s) (o + (b) * bstride + (s) * qstride)
-#define KD(b) (o + (b) * bstride + doff)
-#define KM(b) (o + (b) * bstride + moff)
-static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, uint8_t *out, int64_t bstride,
-                          int qstride, int doff, int moff) {
+/* K-quant rows n0 .. n0 + 7 unpacked into panel[nb], a super-block (8 blocks) at a time: block
+ * b's step s at panel[b].q + 32 s (KQ), its d[8] (KD), m[8] / Q6_K's sc[8] (KM). AVX2: each
+ * 32-byte run of the 8 rows (qs, qh, ql) is transposed once (transpose8: vector s = the rows'
+ * bytes 4s .. 4s+3, lane j = row j), which is a panel step for every block that run feeds; Q4_K /
+ * Q5_K scales are decoded in lanes, Q6_K's 8 scale pairs per row transposed. (q8batch.c's
+ * unpack_k4_strip / unpack_q6k_strip make the same values for 16 rows at a time.) */
+#define KQ(b, s) ((uint8_t *)(o + (b))->q + 32 * (s))
+#define KD(b) ((uint8_t *)(o + (b))->d)
+#define KM(b) ((uint8_t *)(o + (b))->m)
+static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gblock *panel) {
     const int ub = unit_bytes(t);
     const uint8_t *next = w + GR * rbytes;
     for (int64_t su = 0; su < nb / 8; su++) {
-        uint8_t *o = out + 8 * su * bstride;
+        gblock *o = panel + 8 * su;
         for (int64_t off = su * GR * ub; off < (su + 1) * GR * ub; off += 64) __builtin_prefetch(next + off);
 #ifdef TQ_AVX2
         const uint8_t *u[GR];
@@ -391,32 +388,12 @@ static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, u
 #undef KD
 #undef KM
 
-/* q8batch.c's strips of K-quant rows: groups at w (and w + 8 rbytes unless lone, whose lanes are
- * then zero) into 16-lane blocks bstride bytes apart (steps 64 bytes apart, lanes 0-7 the first
- * group; d[16] at doff, m[16] / sc[16] at moff) -- the same values as the gblock panel. */
-void tq_q8_unpack_kstrip(int t, const uint8_t *w, int64_t rbytes, int lone, int64_t nb, uint8_t *out,
-                         int64_t bstride, int doff, int moff) {
-    for (int h = 0; h < 2; h++) {
-        if (h && lone) {
-            for (int64_t b = 0; b < nb; b++) {
-                uint8_t *o = out + b * bstride + 32;
-                for (int s = 0; s < 8; s++) memset(o + 64 * s, 0, 32);
-                memset(o + doff, 0, 32);
-                memset(o + moff, 0, 32);
-            }
-            break;
-        }
-        unpack_kgroup(t, w + h * GR * rbytes, rbytes, nb, out + 32 * h, bstride, 64, doff, moff);
-    }
-}
-
 /* Rows n0 .. n0 + 7 of w unpacked into panel[nb]: q unsigned (the stored q plus q_bias) for the
  * 4/5-bit types, int8 for Q8_0. */
 static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gblock *panel) {
     const int ub = unit_bytes(t);
     if (is_k_quant(t)) {
-        unpack_kgroup(t, w, rbytes, nb, (uint8_t *)panel, (int64_t)sizeof(gblock), 32, (int)offsetof(gblock, d),
-                      (int)offsetof(gblock, m));
+        unpack_kgroup(t, w, rbytes, nb, panel);
         return;
     }
     const uint8_t *next = w + GR * rbytes; /* the next group's rows, fetched while this one is unpacked */

@@ -1,9 +1,8 @@
 /* The batched 8-bit activation path on AVX-512 VNNI (the avx512-vnni and avx512-bf16 builds):
  * packed Q4_0 / Q4_1 rows (q8act.c tq_q8_pack) at every batch, Q8_0 rows times M >=
- * BATCH_MIN_Q8_0 activation rows, Q4_K / Q5_K rows times M >= BATCH_MIN_K (unpack_k4_strip) and
- * Q6_K rows times M >= BATCH_MIN_Q6_K (unpacked by q8act.c's unpack_kgroup, one group per half;
- * its two half-block dots start at -32 xh and are folded with its int8 scales in int32 as
- * q8act.c's q6_fold). Up to DIRECT_MAX_Q4 rows, a packed strip's nibbles go from the
+ * BATCH_MIN_Q8_0 activation rows, Q4_K / Q5_K / Q6_K rows times M >= BATCH_MIN_K (unpack_k4_strip,
+ * unpack_q6k_strip: q8act.c's unpack_kgroup values for 16 rows at a time; Q6_K's two half-block
+ * dots start at -32 xh and are folded with its int8 scales in int32 as q8act.c's q6_fold). Up to DIRECT_MAX_Q4 rows, a packed strip's nibbles go from the
  * packed bytes straight into zmm registers, each block unpacked once per tile of TQ_NX rows and
  * fed to all of them (strip_direct, the next strip prefetched); more rows, and Q8_0, unpack each
  * weight block once per call into an L1 panel reused by every activation row. tq_q8_rows
@@ -28,7 +27,6 @@
  * depends on the rows beside it. Threads split the strips; a lone last group takes a strip with
  * its upper 8 lanes zero and stores 8 outputs.
  */
-#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -45,11 +43,9 @@
  * (strip_direct), more through the panel. */
 #define BATCH_MIN_Q8_0 4
 #define DIRECT_MAX_Q4 16
-/* K-quants: fewer rows take q8act.c's 8-lane panel. Q4_K / Q5_K (unpack_k4_strip): the strips
- * measured 1.14-1.22x the panel at 2 rows, 0.97-1.03x at 1; Q6_K (unpacked by q8act.c): 1.1x at
- * 3 rows, 0.93-1.0x at 2, 0.76-0.95x at 1. */
+/* K-quants: fewer rows take q8act.c's 8-lane panel (the strips measured 1.13-1.22x the panel at 2
+ * rows, 0.97-1.06x at 1) */
 #define BATCH_MIN_K 2
-#define BATCH_MIN_Q6_K 3
 enum { MODE_MIN, MODE_Q8_0, MODE_Q6_K }; /* strip_tile: q - minimum terms; Q8_0's offset; Q6_K's two halves */
 
 #ifdef TQ_ZMM
@@ -218,6 +214,50 @@ static void unpack_k4_strip(int t, const uint8_t *w, int64_t rbytes, int lone, i
                 }
                 _mm512_store_si512(g[2 * p].q + s, lo);
                 _mm512_store_si512(g[2 * p + 1].q + s, hn);
+            }
+        }
+    }
+}
+
+/* Q6_K strips likewise: unpack_kgroup's values (q + 32, the super-block's d, the halves' scales
+ * sc0 | sc1 << 16) for 16 rows at a time, each 32-byte ql / qh run transposed once. */
+static void unpack_q6k_strip(const uint8_t *w, int64_t rbytes, int lone, int64_t nb, sblock *panel) {
+    const int ub = unit_bytes(TQ_Q6_K);
+    const __m512i mask = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3);
+    const uint8_t *next = w + SGR * rbytes;
+    for (int64_t su = 0; su < nb / 8; su++) {
+        const uint8_t *u = w + su * ub;
+        sblock *g = panel + 8 * su;
+        for (int64_t off = su * SGR * ub; off < (su + 1) * SGR * ub; off += 64) __builtin_prefetch(next + off);
+        uint16_t hd[SGR] = {0};
+        __m512i r[8], tr[8], qh[2][8];
+        for (int j = 0; j < 8; j++) { /* dword b of row j: its scales 2b, 2b + 1 as int16 */
+            const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u + j * rbytes + 192)));
+            const __m256i hi = lone ? _mm256_setzero_si256()
+                                    : _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u + (j + 8) * rbytes + 192)));
+            r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        }
+        for (int j = 0; j < (lone ? 8 : SGR); j++) memcpy(hd + j, u + j * rbytes + 208, 2);
+        transpose16(r, tr);
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hd));
+        for (int b = 0; b < 8; b++) {
+            _mm512_store_ps(g[b].d, dv);
+            _mm512_store_si512(g[b].sc, tr[b]);
+        }
+        for (int h = 0; h < 2; h++) {
+            for (int j = 0; j < 8; j++) r[j] = two_rows(u, rbytes, j, 128 + 32 * h, lone);
+            transpose16(r, qh[h]);
+        }
+        for (int c = 0; c < 4; c++) { /* ql run c: low nibbles block 4h + c % 2, high block 4h + 2 + c % 2 */
+            const int h = c / 2, b0 = 4 * h + c % 2, r0 = c % 2;
+            for (int j = 0; j < 8; j++) r[j] = two_rows(u, rbytes, j, 32 * c, lone);
+            transpose16(r, tr);
+            for (int s = 0; s < 8; s++) {
+                const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(qh[h][s], 2 * r0), three);
+                const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(qh[h][s], 2 * r0 + 4), three);
+                const __m512i lo = _mm512_and_si512(tr[s], mask), hn = _mm512_and_si512(_mm512_srli_epi16(tr[s], 4), mask);
+                _mm512_store_si512(g[b0].q + s, _mm512_or_si512(lo, _mm512_slli_epi16(hi0, 4)));
+                _mm512_store_si512(g[b0 + 2].q + s, _mm512_or_si512(hn, _mm512_slli_epi16(hi1, 4)));
             }
         }
     }
@@ -418,7 +458,7 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
     const int64_t amx = tq_q8_amx_rows(t, w, x, y, ldy, bias, M, N, K); /* q8amx.c, the amx build */
     if (amx) return amx;
     const int q8_0 = t == TQ_Q8_0, kq = kquant8(t);
-    if (!(packed_type(t) || q8_0 || kq) || (q8_0 && M < BATCH_MIN_Q8_0) || (kq && M < (t == TQ_Q6_K ? BATCH_MIN_Q6_K : BATCH_MIN_K))) return 0;
+    if (!(packed_type(t) || q8_0 || kq) || (q8_0 && M < BATCH_MIN_Q8_0) || (kq && M < BATCH_MIN_K)) return 0;
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
     const int direct = packed_type(t) && M <= DIRECT_MAX_Q4;
     const int mode = q8_0 ? MODE_Q8_0 : t == TQ_Q6_K ? MODE_Q6_K : MODE_MIN;
@@ -446,9 +486,8 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
                 unpack_q8_0(wg, rbytes, lone ? 8 : SGR, nb, panel);
             else if (t == TQ_Q4_K || t == TQ_Q5_K)
                 unpack_k4_strip(t, wg, rbytes, lone, nb, panel);
-            else if (kq)
-                tq_q8_unpack_kstrip(t, wg, rbytes, lone, nb, (uint8_t *)panel, (int64_t)sizeof(sblock),
-                                    (int)offsetof(sblock, d), (int)offsetof(sblock, m));
+            else if (t == TQ_Q6_K)
+                unpack_q6k_strip(wg, rbytes, lone, nb, panel);
             else
                 unpack_packed(t, wg, lone ? NULL : wg + 8 * rbytes, nb, panel);
             strip_rows(mode, panel, x, xsum, y + g * 8, ldy, bs, M, K, store, g + 3 < groups ? wg + SGR * rbytes : NULL,

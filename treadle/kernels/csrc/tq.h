@@ -85,8 +85,6 @@ void tq_q8_rows(int qtype, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy,
                 int64_t N, int64_t K);
 void tq_q8_pack(int qtype, uint8_t *w, int64_t N, int64_t K); /* Q4_0 / Q4_1 rows, N % 8 == 0, in place */
 void tq_q8_unpack_row(int packed_qtype, const uint8_t *w, int64_t n, int64_t K, uint8_t *out);
-void tq_q8_unpack_kstrip(int qtype, const uint8_t *w, int64_t rbytes, int lone, int64_t nb, uint8_t *out,
-                         int64_t bstride, int doff, int moff); /* Q4_K / Q5_K / Q6_K groups for q8batch.c */
 /* q8batch.c: the whole groups of packed Q4 / Q8_0 / Q4_K / Q5_K / Q6_K rows at batches it takes (AVX-512 VNNI builds);
  * returns the rows done (0: none, the caller does them) */
 int64_t tq_q8_batch_rows(int qtype, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias,
