@@ -3,7 +3,7 @@ once per call and reused by every activation row). Its contract is q8act.c's: ex
 sums and one fixed float order, so every variant equals the plain-C reference bit for bit at every
 batch (packed Q4 up to 16 rows on the AVX-512 builds: strip_direct's tiles of 8 rows straight from
 the packed bytes, 2 and 7 its ragged tiles; Q8_0 up to 3 rows: q8act.c's direct path; above: the
-vpdpbusd panel; 64 and up on the amx build: AMX tiles; Q4_K / Q5_K / Q6_K up to 2 rows: q8act.c's
+vpdpbusd panel; 64 and up on the amx build: AMX tiles; Q4_K / Q5_K / Q6_K at 1 row: q8act.c's
 panel, above: the vpdpbusd strips; ragged last tiles, a lone last group of 8 weight rows, N % 8
 leftover rows), and a row's result does not depend on the rows beside it."""
 from __future__ import annotations
