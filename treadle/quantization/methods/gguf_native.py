@@ -16,7 +16,7 @@ summation order, so greedy output matches transformers) or, opted into with
 ``TREADLE_ACTIVATION_BITS=8``, to 8 bits for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K
 (``csrc/q8act.c``: llama.cpp's rounding; SmolLM2's prompt ~2x and batch-1 decode ~1.2x faster than
 16-bit, perplexity +0.32 %, greedy output no longer kept; Q4_K/Q6_K rows ~3.5-5x at 16-128
-activation rows; Gemma 3 270M Q4_K_M perplexity -0.17 %, docs/kernels.md). The same method
+activation rows; Gemma 3 270M Q4_K_M perplexity -0.17 % when measured, docs/kernels.md). The same method
 serves the embedding (rows gathered and dequantized) and a tied or quantized lm_head (a
 matmul over the same bytes).
 """
