@@ -2,8 +2,8 @@
 once per call and reused by every activation row). Its contract is q8act.c's: exact integer block
 sums and one fixed float order, so every variant equals the plain-C reference bit for bit at every
 batch (packed Q4 up to 16 rows on the AVX-512 builds: strip_direct's tiles of 8 rows straight from
-the packed bytes, 2 and 7 its ragged tiles; Q8_0 up to 3 rows: q8act.c's direct path; above: the
-vpdpbusd panel; 64 and up on the amx build: AMX tiles; Q4_K / Q5_K / Q6_K at 1 row: q8act.c's
+the packed bytes, 2 and 7 its ragged tiles; Q8_0 up to 8 rows: q8batch.c's zmm direct strips
+(the AVX2 builds: q8act.c's direct path up to 3 rows), above: the vpdpbusd panel; 64 and up on the amx build: AMX tiles; Q4_K / Q5_K / Q6_K at 1 row: q8act.c's
 panel, above: the vpdpbusd strips; ragged last tiles, a lone last group of 8 weight rows, N % 8
 leftover rows), and a row's result does not depend on the rows beside it."""
 from __future__ import annotations
@@ -68,6 +68,41 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(variant: str, qtype
         assert torch.equal(native.qmatmul(seg, w, x[:m], variant=variant, act_bits=8), full[:m]), f"batch {m}"
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(113))
     assert torch.equal(native.qmatmul(seg, w, x[perm], variant=variant, act_bits=8), full[perm])
+
+
+@VARIANTS
+@pytest.mark.parametrize(("k", "n"), ((576, 40), (1536, 24), (576, 27 * 8 + 5)))
+def test_q8_0_every_batch_from_1_to_17_equals_the_plain_reference_bitwise(variant: str, k: int, n: int) -> None:
+    """Q8_0 (the lm_head) at every batch 1..17: on the AVX-512 builds 1..8 rows take the direct zmm
+    strips (tiles of 1..8 rows), 9..17 the panel (tiles of 8 and a ragged one); on the AVX2 builds
+    1..3 the 256-bit direct path, then the panel. Strips, a lone last group and N % 8 rows alone."""
+    runnable(variant)
+    seg, w = weights("Q8_0", n, k, seed=131)
+    bias = rand(n, seed=132)
+    for m in range(1, 18):
+        x = rand(m, k, seed=133 + m)
+        y = native.qmatmul(seg, w, x, bias, variant=variant, act_bits=8)
+        assert torch.equal(y, native.qmatmul(seg, w, x, bias, plain=True, act_bits=8)), f"batch {m}"
+        if m in (1, 4, 8, 9):  # each row as it comes out alone
+            alone = torch.cat([native.qmatmul(seg, w, x[i : i + 1], bias, variant=variant, act_bits=8) for i in range(m)])
+            assert torch.equal(y, alone), f"batch {m}"
+
+
+@VARIANTS
+def test_q8_0_extreme_bytes_stay_exact_at_every_direct_batch(variant: str) -> None:
+    """Q8_0 bytes -128 / 127 against activations at +-127 at batches 1..9: the +128 offset
+    (bytes + 128 up to 255, minus 128 x the block sum) stays exact in the direct strips' int32 lanes."""
+    runnable(variant)
+    seg, w = weights("Q8_0", 40, 576, seed=141)
+    blocks = w.view(torch.uint8).view(-1, 34)
+    blocks[:, 2:18] = 0x80  # -128
+    blocks[:, 18:] = 0x7F
+    for m in range(1, 10):
+        x = torch.ones(m, 576) * torch.where(torch.arange(576) % 3 == 0, -1.0, 1.0)
+        x[m // 2] *= -1.0
+        y = native.qmatmul(seg, w, x, variant=variant, act_bits=8)
+        assert torch.equal(y, native.qmatmul(seg, w, x, plain=True, act_bits=8)), f"batch {m}"
+        assert torch.isfinite(y).all()
 
 
 def test_extreme_activations_and_weights_stay_exact() -> None:

@@ -45,7 +45,8 @@
  * and y = acc (+ bias). The plain-C build (TQ_PLAIN_C) computes exactly these operations, and
  * rows of N past the last whole group (N % 8) take a plain-C loop in the SIMD builds too, so every
  * output has one value whatever the build, tile, thread or batch. Up to 3 activation rows, Q8_0
- * (the lm_head) skips the panel: q8_0_direct takes each row's block dot along k and reduces 8 rows'
+ * (the lm_head) skips the panel in the AVX2 / AVX-VNNI builds (the AVX-512 builds take q8batch.c's
+ * zmm q8_0_strip_direct up to 8 rows, the same integers and float order): q8_0_direct takes each row's block dot along k and reduces 8 rows'
  * partial sums to the same exact integers (1.25x the panel at 1 row, 1.13x at 2 and 3; at 4 its
  * sums spill). The VNNI builds take each step's 4-byte dot
  * products with vpdpbusd straight into int32 (step16 / step32 below: the same integers; not run on
@@ -122,7 +123,7 @@ void tq_q8_free(tq_q8acts a) {
 
 #define GR 8 /* weight rows per group */
 #define MRG 4 /* activation rows per pass over a group's panel */
-#define Q8_0_DIRECT 3 /* Q8_0 up to this many activation rows skips the panel (4: 0.99x, its sums spill) */
+#define Q8_0_DIRECT 3 /* Q8_0 up to this many activation rows skips the panel (4: 0.99x, its sums spill); AVX2 / AVX-VNNI builds only */
 #define MR2 2 /* activation rows per pass over two groups' panels (3 spilled: 0.98x) */
 
 typedef struct { /* one block of a group, unpacked */

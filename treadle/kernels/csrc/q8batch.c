@@ -1,13 +1,13 @@
 /* The batched 8-bit activation path on AVX-512 VNNI (the avx512-vnni and avx512-bf16 builds):
- * packed Q4_0 / Q4_1 rows (q8act.c tq_q8_pack) at every batch, Q8_0 rows times M >=
- * BATCH_MIN_Q8_0 activation rows, Q4_K / Q5_K / Q6_K rows times M >= BATCH_MIN_K (unpack_k4_strip,
+ * packed Q4_0 / Q4_1 rows (q8act.c tq_q8_pack) and Q8_0 rows at every batch, Q4_K / Q5_K / Q6_K rows times M >= BATCH_MIN_K (unpack_k4_strip,
  * unpack_q6k_strip: q8act.c's unpack_kgroup values for 16 rows at a time; Q6_K's two half-block
  * dots start at -32 xh and are folded with its int8 scales in int32 as q8act.c's q6_fold). Up to DIRECT_MAX_Q4 rows, a packed strip's nibbles go from the
  * packed bytes straight into zmm registers, each block unpacked once per tile of TQ_NX rows and
- * fed to all of them (strip_direct, the next strip prefetched); more rows, and Q8_0, unpack each
- * weight block once per call into an L1 panel reused by every activation row. tq_q8_rows
- * (q8act.c) hands the whole groups here first; the other builds, and Q8_0 below BATCH_MIN_Q8_0
- * rows (q8act.c's q8_0_direct), keep q8act.c's paths.
+ * fed to all of them (strip_direct, the next strip prefetched); likewise up to DIRECT_MAX_Q8_0
+ * rows a Q8_0 strip's blocks are loaded from the rows, transposed in registers and fed to every
+ * row of a tile (q8_0_strip_direct); more rows unpack each weight block once per call into an L1
+ * panel reused by every activation row. tq_q8_rows (q8act.c) hands the whole groups here first;
+ * the other builds keep q8act.c's paths (Q8_0 up to 3 rows: its 256-bit q8_0_direct).
  *
  * A "strip" is two groups of 8 weight rows (16 rows, one int32 lane each of a zmm register):
  *
@@ -38,10 +38,14 @@
 
 #define SGR 16 /* weight rows per strip */
 #define TQ_NX 8 /* activation rows per tile */
-/* the fewest Q8_0 activation rows taken here: below, q8act.c's q8_0_direct reads the rows straight
- * into registers. Packed Q4 takes every batch: up to DIRECT_MAX_Q4 rows without a panel
- * (strip_direct), more through the panel. */
-#define BATCH_MIN_Q8_0 4
+/* Q8_0 takes every batch here: up to DIRECT_MAX_Q8_0 rows without a panel (q8_0_strip_direct;
+ * lm_head 49152 x 576 on AMD EPYC Zen 5, one thread, against q8act.c's 256-bit q8_0_direct below 4
+ * rows and the panel above: about 1.0x at 1 row, 1.3-1.55x at 2-4, 1.2x at 8; 9 rows, one tile of 8
+ * and one of 1 each transposing the strip again, 0.9x, 12 and 16: 0.85-0.88x, so those keep the panel).
+ * Packed Q4 takes every batch: up to DIRECT_MAX_Q4 rows without a panel (strip_direct), more
+ * through the panel. */
+#define BATCH_MIN_Q8_0 1
+#define DIRECT_MAX_Q8_0 8
 #define DIRECT_MAX_Q4 16
 /* K-quants: fewer rows take q8act.c's 8-lane panel (the strips measured 1.13-1.22x the panel at 2
  * rows, 0.97-1.06x at 1) */
@@ -380,6 +384,91 @@ static inline __attribute__((always_inline)) void strip_direct(const int t, cons
     }
 }
 
+/* Q8_0 strips (16 rows, or 8 when lone: rows 8..15 zero) straight from the file's rows, NX
+ * activation rows, no panel: each block of the 16 rows is loaded (rows j, j + 8 in one register),
+ * transposed in registers (transpose16: vector s = bytes 4s .. 4s+3 of every row) and offset to
+ * unsigned (+ 128, one xor per step), then fed to every row of the tile with 512-bit vpdpbusd from
+ * -128 x the activation block sum: the exact block dots, the same integers as the panel's
+ * strip_tile and the plain-C reference; then the same float operations, so the same bits. The pf
+ * bytes (the next strip's rows, or none) are prefetched a share per block. */
+static inline __attribute__((always_inline)) void q8_0_strip_direct(const uint8_t *w, int64_t rbytes, int lone,
+                                                                    int64_t nb, tq_q8acts x, const int32_t *xsum,
+                                                                    int64_t K, const int NX, const float *bias,
+                                                                    float *out, int64_t ostride, __mmask16 store,
+                                                                    const uint8_t *pf, int64_t pfbytes) {
+    const int ub = unit_bytes(TQ_Q8_0);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)rbytes));
+    const int gather = !lone && rbytes <= INT32_MAX / SGR;
+    const int64_t chunk = (pfbytes / nb + 127) / 64 * 64;
+    __m512 acc[TQ_NX];
+#pragma GCC unroll 8
+    for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        if (pf)
+            for (int64_t off = b * chunk; off < (b + 1) * chunk && off < pfbytes; off += 64) __builtin_prefetch(pf + off);
+        __m512i r[8], q[8], p[TQ_NX];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) r[j] = two_rows(w, rbytes, j, b * ub + 2, lone);
+        transpose16(r, q);
+        __m512 dw;
+        if (gather) { /* the 16 rows' d, one gather (4 bytes each: d and the first q byte) */
+            dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(rows, (const void *)(w + b * ub), 1)));
+        } else {
+            uint16_t h[SGR] = {0};
+            for (int j = 0; j < (lone ? 8 : SGR); j++) memcpy(h + j, w + j * rbytes + b * ub, 2);
+            dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+        }
+        const int8_t *xb = x.q + b * QK;
+#pragma GCC unroll 8
+        for (int i = 0; i < NX; i++) p[i] = _mm512_set1_epi32(-128 * xsum[i * nb + b]);
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            const __m512i qs = _mm512_xor_si512(q[s], flip);
+#pragma GCC unroll 8
+            for (int i = 0; i < NX; i++) {
+                int32_t v;
+                memcpy(&v, xb + i * K + 4 * s, 4);
+                p[i] = _mm512_dpbusd_epi32(p[i], qs, _mm512_set1_epi32(v));
+            }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < NX; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[i]), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i * nb + b])), acc[i]);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < NX; i++) {
+        __m512 o = acc[i];
+        if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(store, bias));
+        _mm512_mask_storeu_ps(out + i * ostride, store, o);
+    }
+}
+
+#define QDIRECT(NX) q8_0_strip_direct(w, rbytes, lone, nb, xm, xs, K, NX, bias, out, ldy, store, m0 ? NULL : pf, pfbytes)
+
+/* Every activation row times the Q8_0 strip at w, in direct tiles of TQ_NX rows. */
+static void q8_0_direct_rows(const uint8_t *w, int64_t rbytes, int lone, tq_q8acts x, const int32_t *xsum, float *y,
+                             int64_t ldy, const float *bias, int64_t M, int64_t K, __mmask16 store, const uint8_t *pf,
+                             int64_t pfbytes) {
+    const int64_t nb = K / QK;
+    for (int64_t m0 = 0; m0 < M; m0 += TQ_NX) {
+        const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb, x.h ? x.h + 2 * m0 * nb : NULL};
+        const int32_t *xs = xsum + m0 * nb;
+        float *out = y + m0 * ldy;
+        switch (M - m0 < TQ_NX ? (int)(M - m0) : TQ_NX) {
+            case 1: QDIRECT(1); break;
+            case 2: QDIRECT(2); break;
+            case 3: QDIRECT(3); break;
+            case 4: QDIRECT(4); break;
+            case 5: QDIRECT(5); break;
+            case 6: QDIRECT(6); break;
+            case 7: QDIRECT(7); break;
+            default: QDIRECT(TQ_NX); break;
+        }
+    }
+}
+
 #define SDIRECT(NX) strip_direct(t, w, w1, m0 ? NULL : next, nb, xm, K, NX, bias, out, ldy, store)
 
 /* Every activation row times the strip of packed groups at w, w1, in direct tiles of TQ_NX rows;
@@ -460,7 +549,7 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
     const int q8_0 = t == TQ_Q8_0, kq = kquant8(t);
     if (!(packed_type(t) || q8_0 || kq) || (q8_0 && M < BATCH_MIN_Q8_0) || (kq && M < BATCH_MIN_K)) return 0;
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
-    const int direct = packed_type(t) && M <= DIRECT_MAX_Q4;
+    const int direct = (packed_type(t) && M <= DIRECT_MAX_Q4) || (q8_0 && M <= DIRECT_MAX_Q8_0);
     const int mode = q8_0 ? MODE_Q8_0 : t == TQ_Q6_K ? MODE_Q6_K : MODE_MIN;
     int32_t *xsum = q8_0 ? block_sums(x, M, K) : NULL;
 #pragma omp parallel
@@ -474,6 +563,11 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
             const uint8_t *wg = w + g * 8 * rbytes;
             const __mmask16 store = lone ? (__mmask16)0x00ff : (__mmask16)0xffff;
             const float *bs = bias ? bias + g * 8 : NULL;
+            if (direct && q8_0) {
+                q8_0_direct_rows(wg, rbytes, lone, x, xsum, y + g * 8, ldy, bs, M, K, store,
+                                 g + 3 < groups ? wg + SGR * rbytes : NULL, SGR * rbytes);
+                continue;
+            }
             if (direct) {
                 const uint8_t *nextw = st + 1 < strips && g + 3 < groups ? wg + SGR * rbytes : NULL;
                 if (t == TQ_PACKED + TQ_Q4_1)
