@@ -57,11 +57,14 @@
 #define SPLIT 64            /* keys per chunk of a context (a multiple of TILE) */
 #define WORK_PER_THREAD 4   /* fewer rows than this per thread: chunks are the work items */
 #define PARALLEL_MIN 1024   /* fewer (keys x query heads) than this (~10 us): one thread */
-#define AHEAD 2           /* float32 caches: every line of the block this many ahead is prefetched */
+#define AHEAD 2             /* float32 caches: every line of the block this many ahead is prefetched */
 #define PAGE_FLOATS 1024    /* 4 KiB: blocks are scattered, so the next one's pages (TLB entries,
                                and where the hardware prefetchers start) are requested ahead */
 
 #ifdef TQ_AVX2
+
+/* e^r's Taylor series up to r^7, highest power first (Horner) */
+static const float EXP_COEF[8] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
 
 /* e^x for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, e^r from its Taylor series up to r^7
  * (truncation error < 1e-8 relative), 2^n built in the exponent bits. x is clamped at -87 so
@@ -72,9 +75,8 @@ static inline __m256 exp_nonpositive(__m256 x) {
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 = hi + lo */
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 5040);
-    static const float coef[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
-    for (int i = 0; i < 7; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(coef[i]));
+    __m256 p = _mm256_set1_ps(EXP_COEF[0]);
+    for (int i = 1; i < 8; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_COEF[i]));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
@@ -185,9 +187,8 @@ static inline __m512 exp512_nonpositive(__m512 x) { /* exp_nonpositive's steps o
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    static const float coef[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
-    for (int i = 0; i < 7; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coef[i]));
+    __m512 p = _mm512_set1_ps(EXP_COEF[0]);
+    for (int i = 1; i < 8; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_COEF[i]));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }

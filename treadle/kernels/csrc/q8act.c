@@ -754,7 +754,7 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
     for (int h = 0; h <= pair; h++) unpack_group(t, w + (g + h) * GR * rbytes, rbytes, nb, panel + h * nb);
     const int mr = pair ? MR2 : MRG;
     for (int64_t m0 = 0; m0 < M; m0 += mr) {
-        const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb, x.h + 2 * m0 * nb};
+        const tq_q8acts xm = tq_q8_rows_from(x, m0, K);
         float *out = y + m0 * ldy + g * GR;
         const int nx = M - m0 < mr ? (int)(M - m0) : mr;
         if (pair) {

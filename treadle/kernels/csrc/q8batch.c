@@ -271,7 +271,7 @@ static void unpack_q6k_strip(const uint8_t *w, int64_t rbytes, int lone, int64_t
  * next strip's rows, or none) are prefetched a share per block, so the memory reads run beside
  * the arithmetic rather than in a burst while the panel is filled. */
 static inline __attribute__((always_inline)) void strip_tile(const int mode, const sblock *panel, int64_t nb,
-                                                             tq_q8acts x, const int32_t *xsum, int64_t K, const int NX,
+                                                             tq_q8acts x, int64_t K, const int NX,
                                                              const float *bias, float *out, int64_t ostride,
                                                              __mmask16 store, const uint8_t *pf, int64_t pfbytes) {
     const int q8_0 = mode == MODE_Q8_0, q6 = mode == MODE_Q6_K;
@@ -287,7 +287,7 @@ static inline __attribute__((always_inline)) void strip_tile(const int mode, con
         __m512i p[TQ_NX], p0[TQ_NX];
 #pragma GCC unroll 8
         for (int i = 0; i < NX; i++) /* Q6_K: each half starts at -32 times its activation sum (q8act.c's q6_fold) */
-            p[i] = q8_0 ? _mm512_set1_epi32(-128 * xsum[i * (K / QK) + b])
+            p[i] = q8_0 ? _mm512_set1_epi32(-128 * q8_block_sum(x, i * nb + b))
                  : q6   ? _mm512_set1_epi32(-32 * x.h[2 * (i * nb + b)])
                         : _mm512_setzero_si512();
 #pragma GCC unroll 8
@@ -392,8 +392,7 @@ static inline __attribute__((always_inline)) void strip_direct(const int t, cons
  * strip_tile and the plain-C reference; then the same float operations, so the same bits. The pf
  * bytes (the next strip's rows, or none) are prefetched a share per block. */
 static inline __attribute__((always_inline)) void q8_0_strip_direct(const uint8_t *w, int64_t rbytes, int lone,
-                                                                    int64_t nb, tq_q8acts x, const int32_t *xsum,
-                                                                    int64_t K, const int NX, const float *bias,
+                                                                    int64_t nb, tq_q8acts x, int64_t K, const int NX, const float *bias,
                                                                     float *out, int64_t ostride, __mmask16 store,
                                                                     const uint8_t *pf, int64_t pfbytes) {
     const int ub = unit_bytes(TQ_Q8_0);
@@ -422,7 +421,7 @@ static inline __attribute__((always_inline)) void q8_0_strip_direct(const uint8_
         }
         const int8_t *xb = x.q + b * QK;
 #pragma GCC unroll 8
-        for (int i = 0; i < NX; i++) p[i] = _mm512_set1_epi32(-128 * xsum[i * nb + b]);
+        for (int i = 0; i < NX; i++) p[i] = _mm512_set1_epi32(-128 * q8_block_sum(x, i * nb + b));
 #pragma GCC unroll 8
         for (int s = 0; s < 8; s++) {
             const __m512i qs = _mm512_xor_si512(q[s], flip);
@@ -445,16 +444,14 @@ static inline __attribute__((always_inline)) void q8_0_strip_direct(const uint8_
     }
 }
 
-#define QDIRECT(NX) q8_0_strip_direct(w, rbytes, lone, nb, xm, xs, K, NX, bias, out, ldy, store, m0 ? NULL : pf, pfbytes)
+#define QDIRECT(NX) q8_0_strip_direct(w, rbytes, lone, nb, xm, K, NX, bias, out, ldy, store, m0 ? NULL : pf, pfbytes)
 
 /* Every activation row times the Q8_0 strip at w, in direct tiles of TQ_NX rows. */
-static void q8_0_direct_rows(const uint8_t *w, int64_t rbytes, int lone, tq_q8acts x, const int32_t *xsum, float *y,
-                             int64_t ldy, const float *bias, int64_t M, int64_t K, __mmask16 store, const uint8_t *pf,
+static void q8_0_direct_rows(const uint8_t *w, int64_t rbytes, int lone, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M, int64_t K, __mmask16 store, const uint8_t *pf,
                              int64_t pfbytes) {
     const int64_t nb = K / QK;
     for (int64_t m0 = 0; m0 < M; m0 += TQ_NX) {
-        const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb, x.h ? x.h + 2 * m0 * nb : NULL};
-        const int32_t *xs = xsum + m0 * nb;
+        const tq_q8acts xm = tq_q8_rows_from(x, m0, K);
         float *out = y + m0 * ldy;
         switch (M - m0 < TQ_NX ? (int)(M - m0) : TQ_NX) {
             case 1: QDIRECT(1); break;
@@ -478,7 +475,7 @@ static inline __attribute__((always_inline)) void direct_rows(const int t, const
                                                               int64_t M, int64_t K, __mmask16 store) {
     const int64_t nb = K / QK;
     for (int64_t m0 = 0; m0 < M; m0 += TQ_NX) {
-        const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb, x.h ? x.h + 2 * m0 * nb : NULL};
+        const tq_q8acts xm = tq_q8_rows_from(x, m0, K);
         float *out = y + m0 * ldy;
         switch (M - m0 < TQ_NX ? (int)(M - m0) : TQ_NX) {
             case 1: SDIRECT(1); break;
@@ -493,17 +490,16 @@ static inline __attribute__((always_inline)) void direct_rows(const int t, const
     }
 }
 
-#define STILE(NX) strip_tile(mode, panel, nb, xm, xs, K, NX, bn, out, ldy, store, m0 ? NULL : pf, pfbytes)
+#define STILE(NX) strip_tile(mode, panel, nb, xm, K, NX, bn, out, ldy, store, m0 ? NULL : pf, pfbytes)
 
 /* Every activation row times the strip's panel, in tiles of TQ_NX rows; mode a constant after inlining. */
 static inline __attribute__((always_inline)) void strip_rows_mode(const int mode, const sblock *panel, tq_q8acts x,
-                                                                  const int32_t *xsum, float *y, int64_t ldy,
+                                                                  float *y, int64_t ldy,
                                                                   const float *bn, int64_t M, int64_t K, __mmask16 store,
                                                                   const uint8_t *pf, int64_t pfbytes) {
     const int64_t nb = K / QK;
     for (int64_t m0 = 0; m0 < M; m0 += TQ_NX) {
-        const tq_q8acts xm = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb, x.h ? x.h + 2 * m0 * nb : NULL};
-        const int32_t *xs = xsum ? xsum + m0 * nb : NULL;
+        const tq_q8acts xm = tq_q8_rows_from(x, m0, K);
         float *out = y + m0 * ldy;
         switch (M - m0 < TQ_NX ? (int)(M - m0) : TQ_NX) {
             case 1: STILE(1); break;
@@ -518,27 +514,15 @@ static inline __attribute__((always_inline)) void strip_rows_mode(const int mode
     }
 }
 
-static void strip_rows(int mode, const sblock *panel, tq_q8acts x, const int32_t *xsum, float *y, int64_t ldy,
+static void strip_rows(int mode, const sblock *panel, tq_q8acts x, float *y, int64_t ldy,
                        const float *bn, int64_t M, int64_t K, __mmask16 store, const uint8_t *pf, int64_t pfbytes) {
     switch (mode) {
-        case MODE_Q8_0: strip_rows_mode(MODE_Q8_0, panel, x, xsum, y, ldy, bn, M, K, store, pf, pfbytes); break;
-        case MODE_Q6_K: strip_rows_mode(MODE_Q6_K, panel, x, xsum, y, ldy, bn, M, K, store, pf, pfbytes); break;
-        default: strip_rows_mode(MODE_MIN, panel, x, xsum, y, ldy, bn, M, K, store, pf, pfbytes); break;
+        case MODE_Q8_0: strip_rows_mode(MODE_Q8_0, panel, x, y, ldy, bn, M, K, store, pf, pfbytes); break;
+        case MODE_Q6_K: strip_rows_mode(MODE_Q6_K, panel, x, y, ldy, bn, M, K, store, pf, pfbytes); break;
+        default: strip_rows_mode(MODE_MIN, panel, x, y, ldy, bn, M, K, store, pf, pfbytes); break;
     }
 }
 
-/* The integer sum of each activation block (Q8_0's offset): [M, nb]. */
-static int32_t *block_sums(tq_q8acts x, int64_t M, int64_t K) {
-    const int64_t nb = K / QK;
-    int32_t *s = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t));
-    if (s == NULL) abort();
-    for (int64_t i = 0; i < M * nb; i++) {
-        int sum = 0;
-        for (int k = 0; k < QK; k++) sum += x.q[i * QK + k];
-        s[i] = sum;
-    }
-    return s;
-}
 #endif
 
 int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
@@ -551,7 +535,6 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
     const int direct = (packed_type(t) && M <= DIRECT_MAX_Q4) || (q8_0 && M <= DIRECT_MAX_Q8_0);
     const int mode = q8_0 ? MODE_Q8_0 : t == TQ_Q6_K ? MODE_Q6_K : MODE_MIN;
-    int32_t *xsum = q8_0 ? block_sums(x, M, K) : NULL;
 #pragma omp parallel
     {
         sblock *panel = direct ? NULL : (sblock *)aligned_alloc(64, (size_t)nb * sizeof(sblock));
@@ -564,7 +547,7 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
             const __mmask16 store = lone ? (__mmask16)0x00ff : (__mmask16)0xffff;
             const float *bs = bias ? bias + g * 8 : NULL;
             if (direct && q8_0) {
-                q8_0_direct_rows(wg, rbytes, lone, x, xsum, y + g * 8, ldy, bs, M, K, store,
+                q8_0_direct_rows(wg, rbytes, lone, x, y + g * 8, ldy, bs, M, K, store,
                                  g + 3 < groups ? wg + SGR * rbytes : NULL, SGR * rbytes);
                 continue;
             }
@@ -584,12 +567,11 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
                 unpack_q6k_strip(wg, rbytes, lone, nb, panel);
             else
                 unpack_packed(t, wg, lone ? NULL : wg + 8 * rbytes, nb, panel);
-            strip_rows(mode, panel, x, xsum, y + g * 8, ldy, bs, M, K, store, g + 3 < groups ? wg + SGR * rbytes : NULL,
+            strip_rows(mode, panel, x, y + g * 8, ldy, bs, M, K, store, g + 3 < groups ? wg + SGR * rbytes : NULL,
                        SGR * rbytes);
         }
         free(panel);
     }
-    free(xsum);
     return groups * 8;
 #else
     (void)t, (void)w, (void)x, (void)y, (void)ldy, (void)bias, (void)M, (void)N, (void)K;

@@ -76,8 +76,16 @@ void tq_bf16_rows(const uint16_t *w, const void *x, int x_bf16, void *y, int y_b
 typedef struct { /* activation rows as int8 blocks of 32 */
     const int8_t *q; /* [M, K] */
     const float *d, *s; /* [M, K/32] scales; [M, K/32] scale * sum(q) */
-    const int32_t *h; /* [M, 2 K/32]: sum(q) of each half block of 16 (Q6_K's q - 32 term) */
+    const int32_t *h; /* [M, 2 K/32]: sum(q) of each half block of 16 (Q6_K's q - 32 term; both: Q8_0's offset) */
 } tq_q8acts;
+/* rows m0.. of x */
+static inline tq_q8acts tq_q8_rows_from(tq_q8acts x, int64_t m0, int64_t K) {
+    const int64_t nb = K / 32;
+    const tq_q8acts r = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb, x.h + 2 * m0 * nb};
+    return r;
+}
+/* the integer sum of activation block i (Q8_0's +128 offset term): its two halves' */
+static inline int32_t q8_block_sum(tq_q8acts x, int64_t i) { return x.h[2 * i] + x.h[2 * i + 1]; }
 int tq_q8_type(int qtype);
 tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K);
 void tq_q8_free(tq_q8acts a);
