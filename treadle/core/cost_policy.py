@@ -86,10 +86,14 @@ def remaining_cost(req: Request) -> float:
     return PREFILL_TOKEN_COST * uncomputed + predicted_remaining(req)
 
 
+def aged_start(arrival: float, cost: float, aging_s: float) -> float:
+    """arrival + aging_s * cost / (cost + COST_HALF): always below arrival + aging_s (the
+    engine's waiting queue and the router's dispatch queue order by it)."""
+    return arrival + aging_s * cost / (cost + COST_HALF)
+
+
 def virtual_start(req: Request, aging_s: float) -> float:
-    """arrival + aging_s * cost / (cost + COST_HALF): always below arrival + aging_s."""
-    cost = remaining_cost(req)
-    return req.arrival_time + aging_s * cost / (cost + COST_HALF)
+    return aged_start(req.arrival_time, remaining_cost(req), aging_s)
 
 
 @dataclass(frozen=True)

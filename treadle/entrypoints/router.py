@@ -29,6 +29,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--balance", choices=("cost", "count"), default="cost",
                    help="cost: by each instance's predicted remaining tokens (/load, where it reports them); "
                         "count: by running + waiting requests")
+    p.add_argument("--queue", choices=("off", "fcfs", "predicted"), default="off",
+                   help="hold requests in the router until an instance has a free batch slot (its max_num_seqs) and "
+                        "release them in arrival order (fcfs) or shortest predicted job first (predicted: the "
+                        "instances' length predictor through /tokenize, with the aging bounds below); off: send at once")
+    p.add_argument("--queue-aging-s", type=float, default=120.0,
+                   help="--queue predicted: no request is passed over by one that arrived this many seconds later")
+    p.add_argument("--queue-max-passed-over", type=int, default=20,
+                   help="--queue predicted: a request passed over this many times goes first")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_router)
 
@@ -50,7 +58,8 @@ def run_router(args: argparse.Namespace) -> int:
                               poll_interval_s=args.poll_interval, upstream_timeout_s=args.upstream_timeout,
                               max_attempts=args.max_attempts, max_failures=args.max_failures,
                               retry_backoff_s=args.retry_backoff, prefix_affinity=args.prefix_affinity,
-                              balance_by_cost=args.balance == "cost")
+                              balance_by_cost=args.balance == "cost", queue=args.queue,
+                              queue_aging_s=args.queue_aging_s, queue_max_passed_over=args.queue_max_passed_over)
     except ValueError as e:
         raise TreadleError(str(e)) from None
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -25,6 +25,9 @@ class RouterConfig:
     retry_backoff_s: float = 1.0  # first back-off of a failing instance, doubled after each failure
     prefix_affinity: bool = True
     balance_by_cost: bool = True  # by the instances' predicted remaining tokens where they report them
+    queue: str = "off"  # the dispatch queue (router/queue.py): off, fcfs or predicted
+    queue_aging_s: float = 120.0  # predicted: nobody is passed over by a request arriving this much later
+    queue_max_passed_over: int = 20  # predicted: passed over this often, a request goes first
 
     def __post_init__(self) -> None:
         if self.backend and (self.prefill or self.decode):
@@ -33,6 +36,10 @@ class RouterConfig:
             raise ValueError("give --backend URL..., or --prefill URL... and --decode URL...")
         if self.max_failures < 1 or not self.retry_backoff_s > 0:
             raise ValueError("--max-failures must be at least 1 and --retry-backoff above 0")
+        if self.queue not in ("off", "fcfs", "predicted"):
+            raise ValueError(f"--queue must be off, fcfs or predicted, not {self.queue!r}")
+        if not self.queue_aging_s > 0 or self.queue_max_passed_over < 0:
+            raise ValueError("--queue-aging-s must be above 0 and --queue-max-passed-over at least 0")
         urls = [*self.prefill, *self.decode, *self.backend]
         if len(set(urls)) != len(urls):
             raise ValueError("an instance URL is given twice")

@@ -1,5 +1,9 @@
 """Sending a request on: instance choice, timeouts, retries, and the P/D prefill step.
 
+With ``--queue`` the generating step first waits in the router's dispatch queue for a free
+batch slot among the generating instances (``queue.py``), and holds the slot until its answer
+or stream ends; the instance is then chosen among those with a free slot.
+
 A step (prefill, or the generating call) tries up to ``max_attempts`` instances: one that
 cannot be reached, times out, answers 5xx, or ends its stream before the first event is
 left for the next one (connection failures also count against it: ``instances.py``). When
@@ -40,12 +44,14 @@ import httpx
 import zmq
 from starlette.responses import Response
 
+from treadle.core.cost_policy import PREFILL_TOKEN_COST, UNKNOWN_OUTPUT_TOKENS
 from treadle.core.kv_connector_data import RemotePrefill
 from treadle.kv_transfer.release import send_release
 from treadle.router.config import Role, RouterConfig
 from treadle.router.instances import Instance, InstancePool, describe
 from treadle.router.metrics import RouterMetrics
 from treadle.router.policy import PrefixIndex, choose, estimate_prompt_tokens, prompt_text
+from treadle.router.queue import DispatchQueue
 
 logger = logging.getLogger("treadle.router")
 T = TypeVar("T")
@@ -123,12 +129,15 @@ class OpenStream:
     first: str  # the first "data: ..." line
     prompt_tokens: int  # what the instance's in-flight count was raised by
     closed: bool = False
+    on_close: Callable[[], None] | None = None  # gives the dispatch queue's slot back
 
     async def close(self) -> None:
         """Idempotent: closing the upstream connection makes the instance abort the request."""
         if not self.closed:
             self.closed = True
             self.instance.end(self.prompt_tokens)
+            if self.on_close is not None:
+                self.on_close()
             await self.response.aclose()
 
 
@@ -157,10 +166,19 @@ class Forwarder:
         self._detached: set[asyncio.Future[dict[str, Any] | None]] = set()  # prefill calls of clients who left
         self.turn = 0
         self.timeout = httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s)
+        self.queue: DispatchQueue | None = None
+        if config.queue != "off":
+            self.queue = DispatchQueue(pool, config.generating_role.value, config.queue, config.queue_aging_s,
+                                       config.queue_max_passed_over)
+            pool.after_poll.append(self.queue.dispatch)
+            metrics.watch_queue(self.queue)
 
     # --- choosing and retrying -------------------------------------------------------------
     def _pick(self, role: Role, job: Job, tried: set[str]) -> Instance | None:
         candidates = [i for i in self.pool.by_role(role) if i.url not in tried]
+        if self.queue is not None and role == self.config.generating_role:
+            room = [i for i in candidates if not i.load.max_num_seqs or i.in_flight < i.load.max_num_seqs]
+            candidates = room or candidates
         owner_url = self.prefix.owner(job.text) if self.config.prefix_affinity and role == self.config.prompt_role \
             else None
         owner = next((i for i in candidates if i.url == owner_url), None)
@@ -322,15 +340,73 @@ class Forwarder:
             send_release(self.zmq_ctx, remote.host, remote.port, [remote.request_id], remote.tp_size)
             self.metrics.kv_releases.inc()
 
+    # --- the dispatch queue ----------------------------------------------------------------
+    async def _wait_turn(self, job: Job) -> None:
+        """With --queue: wait for a batch slot (the caller releases it)."""
+        assert self.queue is not None
+        cost = await self.predicted_cost(job) if self.queue.order == "predicted" else 0.0
+        waited = await self.queue.acquire(cost)
+        self.metrics.queue_wait.observe(waited)
+
+    async def predicted_cost(self, job: Job) -> float:
+        """The request's predicted work in decode tokens: PREFILL_TOKEN_COST x prompt tokens +
+        predicted output tokens (at most max_tokens), times n. The prompt's tokens and the
+        prediction come from a generating instance's /tokenize; when it cannot say (token-id or
+        batched prompts, an instance without a length predictor, an error), the prompt is
+        estimated from its size and the output counts as UNKNOWN_OUTPUT_TOKENS."""
+        body = job.body
+        prompt_tokens, output = job.prompt_tokens, UNKNOWN_OUTPUT_TOKENS
+        ask: dict[str, Any] | None = None
+        if job.path == "/v1/chat/completions" and isinstance(body.get("messages"), list):
+            ask = {"messages": body["messages"]}
+        elif isinstance(body.get("prompt"), str):
+            ask = {"prompt": body["prompt"]}
+        insts = [i for i in self.pool.by_role(self.config.generating_role) if i.healthy]
+        if ask is not None and insts:
+            inst = min(insts, key=lambda i: i.in_flight)
+            if "model" in body:
+                ask["model"] = body["model"]
+            try:
+                resp = await self.client.post(inst.url + "/tokenize", json=ask, headers=job.headers,
+                                              timeout=self.config.poll_timeout_s)
+                if resp.status_code == 200:
+                    data = resp.json()
+                    prompt_tokens = int(data["count"])
+                    if data.get("predicted_output_tokens") is not None:
+                        output = int(data["predicted_output_tokens"])
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                logger.debug("%s/tokenize: no prediction (%s)", inst.url, describe(e))
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        if isinstance(limit, int) and limit > 0:
+            output = min(output, limit)
+        n = body.get("n", 1)
+        return (n if isinstance(n, int) and n > 0 else 1) * (PREFILL_TOKEN_COST * prompt_tokens + output)
+
+    # --- answers ---------------------------------------------------------------------------
     async def generate(self, job: Job) -> Response:
         """A non-streaming answer."""
-        _, resp = await self._attempts(self.config.generating_role, job, lambda i: self._post(i, job, job.body))
+        if self.queue is not None:
+            await self._wait_turn(job)
+        try:
+            _, resp = await self._attempts(self.config.generating_role, job, lambda i: self._post(i, job, job.body))
+        finally:
+            if self.queue is not None:
+                self.queue.release()
         return Relay.of(resp).response()
 
     async def open_stream(self, job: Job) -> OpenStream:
         """A stream whose first event has arrived; the caller must ``close`` it."""
-        _, stream = await self._attempts(self.config.generating_role, job,
-                                         lambda i: self._open(i, job, job.body), keep=True)
+        if self.queue is not None:
+            await self._wait_turn(job)
+        try:
+            _, stream = await self._attempts(self.config.generating_role, job,
+                                             lambda i: self._open(i, job, job.body), keep=True)
+        except BaseException:
+            if self.queue is not None:
+                self.queue.release()
+            raise
+        if self.queue is not None:
+            stream.on_close = self.queue.release
         return stream
 
     async def events(self, stream: OpenStream) -> AsyncIterator[str]:

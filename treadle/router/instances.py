@@ -2,7 +2,7 @@
 
 Every ``poll_interval_s`` each instance is asked ``GET /health`` and, when healthy,
 ``GET /load`` (``{"waiting_prompt_tokens", "running", "waiting", "kv_usage", "role",
-"predicted_remaining_tokens"}``;
+"predicted_remaining_tokens", "max_num_seqs"}``;
 an instance without it is read from its Prometheus ``/metrics``).
 
 Failures (a failed or non-200 health check, a request that cannot reach the instance) are
@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,13 +50,14 @@ class InstanceLoad:
     waiting: int = 0
     kv_usage: float = 0.0  # 0-1
     predicted_remaining_tokens: int | None = None  # output tokens its requests are predicted to need; None: no predictor
+    max_num_seqs: int | None = None  # its batch slots; None: not reported
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> InstanceLoad:
-        predicted = data.get("predicted_remaining_tokens")
+        predicted, slots = data.get("predicted_remaining_tokens"), data.get("max_num_seqs")
         return InstanceLoad(int(data.get("waiting_prompt_tokens", 0)), int(data.get("running", 0)),
                             int(data.get("waiting", 0)), float(data.get("kv_usage", 0.0)),
-                            None if predicted is None else int(predicted))
+                            None if predicted is None else int(predicted), None if slots is None else int(slots))
 
     @staticmethod
     def from_metrics(text: str) -> InstanceLoad:
@@ -181,12 +183,15 @@ class InstancePool:
     def __init__(self, instances: list[Instance], poll_interval_s: float, poll_timeout_s: float) -> None:
         self.instances = instances
         self.poll_interval_s, self.poll_timeout_s = poll_interval_s, poll_timeout_s
+        self.after_poll: list[Callable[[], None]] = []  # called after every round of polls
 
     def by_role(self, role: Role) -> list[Instance]:
         return [i for i in self.instances if i.role == role]
 
     async def poll_all(self, client: httpx.AsyncClient) -> None:
         await asyncio.gather(*(i.poll(client, self.poll_timeout_s) for i in self.instances))
+        for callback in self.after_poll:
+            callback()
 
     async def run(self, client: httpx.AsyncClient) -> None:
         """Poll forever (cancelled at shutdown)."""

@@ -1,14 +1,18 @@
 """The router's Prometheus metrics, in its own registry: upstream requests per instance
 and outcome, retries, routing decisions, prefill fall-backs, KV releases, errors after a stream began,
-and (read at scrape time) each instance's health and in-flight count."""
+the dispatch queue's waits, and (read at scrape time) each instance's health and in-flight count."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from treadle.router.instances import Instance, InstancePool
+
+if TYPE_CHECKING:
+    from treadle.router.queue import DispatchQueue
 
 
 class _InstanceCollector:
@@ -51,7 +55,15 @@ class RouterMetrics:
         self.kv_releases = Counter("treadle:router_kv_releases", "Producers told to free a prompt's KV because "
                                    "its decode step never started (the client left, or no decode instance took it).",
                                    registry=reg)
+        self.queue_wait = Histogram("treadle:router_queue_wait_seconds", "Time requests waited in the router's "
+                                    "dispatch queue (--queue) for a batch slot.", registry=reg,
+                                    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
+        self.queue_waiting = Gauge("treadle:router_queue_waiting", "Requests waiting in the router's dispatch "
+                                   "queue (--queue).", registry=reg)
         reg.register(_InstanceCollector(pool))
+
+    def watch_queue(self, queue: DispatchQueue) -> None:
+        self.queue_waiting.set_function(lambda: len(queue.waiting))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -109,12 +109,14 @@ async def health(request: Request) -> Response:
 @router.get("/load", response_model=LoadResponse)
 async def load(request: Request) -> dict[str, Any]:
     """A cheap load report for a router (P/D or multi-instance): queued prompt tokens, running
-    and waiting sequences, KV usage, and this instance's kv_role (null without kv_transfer)."""
-    snap = _state(request).llm.snapshot
+    and waiting sequences, KV usage, this instance's kv_role (null without kv_transfer), the
+    predicted output tokens left (null without a length predictor) and its batch slots."""
+    llm = _state(request).llm
+    snap = llm.snapshot
     return {"waiting_prompt_tokens": snap.num_waiting_prompt_tokens, "running": snap.num_running,
             "waiting": snap.num_waiting, "kv_usage": snap.kv_usage,
             "role": None if snap.kv_transfer is None else snap.kv_transfer["role"],
-            "predicted_remaining_tokens": snap.predicted_remaining_tokens}
+            "predicted_remaining_tokens": snap.predicted_remaining_tokens, "max_num_seqs": llm.max_num_seqs}
 
 
 @router.get("/version", response_model=VersionResponse)
@@ -142,7 +144,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise APIError.bad_request("give exactly one of prompt and messages", "prompt")
     ids = await asyncio.to_thread(_tokenize, state, body)
-    return {"tokens": ids, "count": len(ids), "max_model_len": state.llm.max_model_len}
+    predictor = state.llm.length_predictor
+    return {"tokens": ids, "count": len(ids), "max_model_len": state.llm.max_model_len,
+            "predicted_output_tokens": None if predictor is None else predictor.predict([ids])[0]}
 
 
 def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:

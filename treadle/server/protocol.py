@@ -348,6 +348,7 @@ class LoadResponse(_Out):
     kv_usage: float
     role: str | None  # the kv_role of kv_transfer_config; null without one
     predicted_remaining_tokens: int | None = None  # output tokens still predicted (length predictor); null without one
+    max_num_seqs: int | None = None  # sequences the instance runs at once (its batch slots)
 
 
 class VersionResponse(_Out):
@@ -358,6 +359,7 @@ class TokenizeResponse(_Out):
     tokens: list[int]
     count: int
     max_model_len: int
+    predicted_output_tokens: int | None = None  # the length predictor's answer for this prompt; null without one
 
 
 class DetokenizeResponse(_Out):

@@ -25,6 +25,7 @@ from treadle.config import EngineDeadError, ModelConfig
 from treadle.engine.core.engine_core import EngineSnapshot
 from treadle.engine.llm_engine import PromptType
 from treadle.engine.outputs import RequestOutput
+from treadle.predict.model import LengthPredictor
 from treadle.sampling_params import SamplingParams, StructuredOutputsParams
 from treadle.tokenizer import Tokenizer
 
@@ -71,13 +72,16 @@ def settle(future: concurrent.futures.Future[Any], value: Any, error: BaseExcept
 
 class EngineClient(ABC):
     """An engine serving asyncio callers. Attributes every client sets: ``tokenizer``,
-    ``model_config``, ``max_model_len``, ``heartbeat_timeout``; ``snapshot`` (the latest
+    ``model_config``, ``max_model_len``, ``max_num_seqs``, ``length_predictor`` (the engine's, or
+    None), ``heartbeat_timeout``; ``snapshot`` (the latest
     gauges), ``dead_error`` (None while alive) and ``num_open_requests`` (maintained by
     the OutputGroups: admitted and not yet finished or closed)."""
 
     tokenizer: Tokenizer | None  # None: skip_tokenizer_init (token ids in and out)
     model_config: ModelConfig
     max_model_len: int
+    max_num_seqs: int
+    length_predictor: LengthPredictor | None
     heartbeat_timeout: float
     snapshot: EngineSnapshot
     dead_error: BaseException | None

@@ -165,6 +165,8 @@ class AsyncLLM(EngineClient):
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_model_len = engine.scheduler_config.max_model_len
+        self.max_num_seqs = engine.scheduler_config.max_num_seqs
+        self.length_predictor = engine.length_predictor
         self.heartbeat_timeout = heartbeat_timeout
         self.dead_error: BaseException | None = None
         self.snapshot = self._core.snapshot()

@@ -66,6 +66,7 @@ from treadle.engine.core.process import run_engine_core
 from treadle.engine.llm_engine import LLMEngine, PromptType, StepFailedError
 from treadle.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from treadle.loaders import open_model_source
+from treadle.predict.model import LengthPredictor
 from treadle.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("treadle")
@@ -292,6 +293,9 @@ class EngineCoreClient(EngineClient):
                     raise from_wire(msg.error)
                 if isinstance(msg, Ready):
                     self.snapshot, self._heartbeat = msg.snapshot, time.monotonic()
+                    self.max_num_seqs = msg.max_num_seqs
+                    self.length_predictor = None if msg.length_predictor is None else \
+                        LengthPredictor.load(msg.length_predictor)
                     return msg.max_model_len
             elif self._proc.sentinel in events:
                 self._proc.join(1)

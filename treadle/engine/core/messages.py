@@ -63,6 +63,8 @@ class WireError(msgspec.Struct, array_like=True):
 class Ready(_Msg):
     max_model_len: int
     snapshot: EngineSnapshot
+    max_num_seqs: int = 0
+    length_predictor: str | None = None  # the engine's predictor directory, loaded by the client too (/tokenize)
 
 
 class StartupFailed(_Msg):

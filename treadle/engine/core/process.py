@@ -77,7 +77,9 @@ def run_engine_core(engine_factory: Callable[[], LLMEngine], input_addr: str, ou
             return
         core = EngineCore(engine)
         try:
-            out.send(enc.encode(Ready(engine.scheduler_config.max_model_len, core.snapshot())))
+            sched = engine.scheduler_config
+            out.send(enc.encode(Ready(sched.max_model_len, core.snapshot(), sched.max_num_seqs,
+                                      sched.length_predictor)))
             CoreLoop(core, ZmqCoreTransport(inp, out)).run()
         finally:
             core.shutdown()  # the executor's workers go with the engine
