@@ -4,7 +4,9 @@ interleaved (rep 1: fcfs, predicted, oracle, random; rep 2: ...), so drift of a 
 hits every case alike. Medians over the repeats, ratios against the first case (fcfs).
 With ``--router``: two instances behind ``treadle router``, the same arrivals: count-balanced
 instances scheduling fcfs (the baseline: what the router and engine did before), count-balanced
-instances scheduling ``predicted``, and cost-balanced (``--balance cost``) ``predicted`` instances.
+instances scheduling ``predicted``, cost-balanced (``--balance cost``) ``predicted`` instances, and
+the router's own dispatch queue (``--queue predicted``: requests wait in the router for a free
+batch slot and go shortest predicted job first; ``queue-fcfs``, in arrival order, is a case too).
 
 Each run starts its own ``treadle serve`` (restarted between runs: no warm prefix cache or
 queue carries over) and drives it with ``treadle bench serve``; oracle and random run the
@@ -36,11 +38,13 @@ CASES = {  # name: (server policy, client ordering)
     "oracle": ("priority", "oracle"),
     "random": ("priority", "random"),
 }
-ROUTER_CASES = {  # --router: name: (`treadle router --balance`, the instances' --scheduling-policy)
-    "count-fcfs": ("count", "fcfs"),
-    "count-predicted": ("count", "predicted"),
-    "cost-predicted": ("cost", "predicted"),
+ROUTER_CASES = {  # --router: name: (`treadle router --balance`, the instances' --scheduling-policy, --queue)
+    "count-fcfs": ("count", "fcfs", "off"),
+    "count-predicted": ("count", "predicted", "off"),
+    "cost-predicted": ("cost", "predicted", "off"),
+    "queue-predicted": ("cost", "predicted", "predicted"),
 }
+EXTRA_ROUTER_CASES = {"queue-fcfs": ("count", "fcfs", "fcfs")}  # only when asked for
 ROWS = [("median e2e s", "e2el_ms", "median", 1e-3), ("mean e2e s", "e2el_ms", "mean", 1e-3),
         ("p99 e2e s", "e2el_ms", "p99", 1e-3), ("median TTFT s", "ttft_ms", "median", 1e-3),
         ("longest wait (max TTFT) s", "ttft_ms", "p100", 1e-3), ("output tok/s", "output_throughput", None, 1.0)]
@@ -92,12 +96,12 @@ def run_case(args: argparse.Namespace, name: str, out: Path) -> dict:
 def run_router_case(args: argparse.Namespace, name: str, out: Path) -> dict:
     """Two instances (ports port+1, port+2) behind ``treadle router`` on ``port``, balancing and
     instance policy as ROUTER_CASES[name] says."""
-    balance, policy = ROUTER_CASES[name]
+    balance, policy, queue = {**ROUTER_CASES, **EXTRA_ROUTER_CASES}[name]
     procs = [serve(args, policy, args.port + i) for i in (1, 2)]
     try:
         urls = [f"http://127.0.0.1:{args.port + i}" for i in (1, 2)]
         procs.append(start([*TREADLE, "router", "--backend", *urls, "--port", str(args.port),
-                            "--balance", balance, "--no-prefix-affinity"], args.port))
+                            "--balance", balance, "--no-prefix-affinity", "--queue", queue], args.port))
         return bench(args, "none", out)
     finally:
         for proc in reversed(procs):
@@ -141,7 +145,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--cases", default=None, help=f"comma list of {','.join(CASES)} (with --router: "
-                   f"{','.join(ROUTER_CASES)}); ratios are against the first")
+                   f"{','.join([*ROUTER_CASES, *EXTRA_ROUTER_CASES])}); ratios are against the first")
     p.add_argument("--router", action="store_true", help="two instances behind treadle router: count/fcfs vs "
                    "count/predicted vs cost/predicted")
     p.add_argument("--repeats", type=int, default=3)
