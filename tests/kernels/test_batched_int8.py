@@ -22,6 +22,7 @@ BATCHES = (1, 2, 4, 5, 7, 16, 17, 64, 71)
 # and a lone group), N = 24 + 3 (a lone group, then rows that go alone)
 SHAPES = ((576, 40), (1536, 24))
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+AMX_AFTER_ONEDNN_TYPES = ["Q4_0", "Q8_0"]
 
 
 def inputs(qtype: str, k: int) -> int:
@@ -103,6 +104,23 @@ def test_q8_0_extreme_bytes_stay_exact_at_every_direct_batch(variant: str) -> No
         y = native.qmatmul(seg, w, x, variant=variant, act_bits=8)
         assert torch.equal(y, native.qmatmul(seg, w, x, plain=True, act_bits=8)), f"batch {m}"
         assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("qtype", AMX_AFTER_ONEDNN_TYPES)
+def test_amx_tiles_survive_another_amx_user_on_the_thread(qtype: str) -> None:
+    """torch's bfloat16 matmul (oneDNN) uses AMX tiles on this thread and releases them. q8amx.c
+    loads its tile configuration at each call, so its next call still gives the reference's bits
+    (a configuration kept from an earlier call, as q8amx.c once did, died of SIGILL here)."""
+    variant = runnable("amx")
+    k, n, m = 512, 40, 130
+    seg, w = weights(qtype, n, k, seed=171)
+    x = rand(m, k, seed=172)
+    ref = native.qmatmul(seg, w, x, plain=True, act_bits=8)
+    assert torch.equal(native.qmatmul(seg, w, x, variant=variant, act_bits=8), ref)
+    a = rand(256, 256, seed=173).to(torch.bfloat16)
+    for _ in range(3):
+        a @ a  # noqa: B018  (oneDNN's AMX tiles, then released)
+    assert torch.equal(native.qmatmul(seg, w, x, variant=variant, act_bits=8), ref)
 
 
 def test_extreme_activations_and_weights_stay_exact() -> None:

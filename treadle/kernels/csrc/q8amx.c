@@ -52,12 +52,12 @@ static int amx_allowed(void) {
     return s == 1;
 }
 
-/* Each thread loads the tile configuration once and keeps it (releasing it cost ~0.1 ms a call
- * here: the next call's first tile instruction took the state from init again) */
+/* Loaded by each thread at each call (~0.2 us): the tile configuration is per thread, and anything
+ * else in the process that uses AMX on that thread (oneDNN through torch, another build of these
+ * kernels) may have loaded its own since; a configuration kept from an earlier call (as this file
+ * once did) then multiplies with the wrong shapes. (Releasing the tiles after each call cost ~0.1 ms
+ * a call here: the next call's first tile instruction took the state from init again; not done.) */
 static void configure_tiles(void) {
-    static _Thread_local int configured;
-    if (configured) return;
-    configured = 1;
     tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
