@@ -11,6 +11,14 @@ throughput); prompt chunks of up to 512 tokens. Each policy's ratios to fcfs (me
 p99 worse, median TTFT) are medians over the arrival draws; ``[max]`` is the worst p99 draw.
 
     python benchmarks/scheduling_sim.py --draws 12 --rate 3
+
+``--instances K``: K such engines behind a router (``--slots`` each), two ways: a queue per
+instance, each request sent at arrival to the instance with the fewest running + waiting requests
+(``treadle router --balance count``), or the router's dispatch queue (``--queue``): one waiting
+list, a request admitted by whichever instance frees a slot first. Adds output throughput
+(tokens over the makespan) to the ratios.
+
+    python benchmarks/scheduling_sim.py --draws 12 --rate 4.5 --instances 2
 """
 from __future__ import annotations
 
@@ -82,6 +90,94 @@ def simulate(reqs: list[dict], key: Key, cap: int | None, slots: int, cost: tupl
             "ttft": statistics.median(r["first"] - r["arr"] for r in reqs)}
 
 
+def simulate_router(reqs: list[dict], key: Key, cap: int | None, slots: int, cost: tuple[float, float, float],
+                    instances: int, pooled: bool) -> dict:
+    """``instances`` engines, each stepping on its own clock; arrivals up to the stepping
+    instance's clock are routed first (to the shared list, or to the instance with the fewest
+    running + waiting requests). The same step and admission rules as ``simulate``."""
+    reqs = [dict(r, gen=0, todo=r["p"], passed=0) for r in reqs]
+    pending = sorted(reqs, key=lambda r: r["arr"])
+    engines = [{"t": 0.0, "running": [], "waiting": []} for _ in range(instances)]
+    shared: list[dict] = []
+    i, turn = 0, 0
+    while True:
+        e = min(engines, key=lambda e: e["t"])
+        t = e["t"]
+        while i < len(pending) and pending[i]["arr"] <= t:
+            r = pending[i]
+            i += 1
+            if pooled:
+                shared.append(r)
+            else:
+                turn += 1
+                n = len(engines)
+                dest = min(range(n), key=lambda k: (len(engines[k]["running"]) + len(engines[k]["waiting"]),
+                                                   (k - turn) % n))
+                engines[dest]["waiting"].append(r)
+        waiting = shared if pooled else e["waiting"]
+        if not e["running"] and not waiting:  # idle until the next arrival; done when none is left
+            e["t"] = pending[i]["arr"] if i < len(pending) else float("inf")
+            if all(x["t"] == float("inf") for x in engines):
+                break
+            continue
+        while len(e["running"]) < slots and waiting:
+            overdue = [w for w in waiting if cap is not None and w["passed"] >= cap]
+            r = min(overdue, key=lambda w: w["arr"]) if overdue else min(waiting, key=key)
+            waiting.remove(r)
+            for w in waiting:
+                w["passed"] += w["arr"] < r["arr"]
+            e["running"].append(r)
+        budget = 512
+        run = e["running"]
+        t += cost[0] + cost[1] * (len(run) - 1) + cost[2] * min(budget, sum(r["todo"] for r in run))
+        for r in run:
+            if r["todo"]:
+                take = min(r["todo"], budget)
+                r["todo"] -= take
+                budget -= take
+                if not r["todo"]:
+                    r["gen"], r["first"] = 1, t
+            else:
+                r["gen"] += 1
+        for r in [r for r in run if not r["todo"] and r["gen"] >= r["L"]]:
+            r["done"] = t
+            run.remove(r)
+        e["t"] = t
+    e2e = [r["done"] - r["arr"] for r in reqs]
+    makespan = max(r["done"] for r in reqs) - min(r["arr"] for r in reqs)
+    return {"med": statistics.median(e2e), "mean": statistics.mean(e2e), "p99": float(np.percentile(e2e, 99)),
+            "ttft": statistics.median(r["first"] - r["arr"] for r in reqs), "tput": sum(r["L"] for r in reqs) / makespan}
+
+
+def router_main(args: argparse.Namespace, rows: list[dict]) -> None:
+    def aged(r: dict) -> tuple:
+        c = PREFILL_TOKEN_COST * r["p"] + r["pred"]
+        return (r["arr"] + args.aging_s * c / (c + 128), r["arr"])
+
+    cases: dict[str, tuple[Key, int | None, bool]] = {
+        "queue per instance, fcfs (count-fcfs)": (lambda r: (r["arr"],), None, False),
+        "queue per instance, predicted + count 20 (count-predicted)": (aged, 20, False),
+        "router queue, fcfs": (lambda r: (r["arr"],), None, True),
+    }
+    for cap in (20, 30, 40):
+        cases[f"router queue, predicted + count {cap}"] = (aged, cap, True)
+    for name, cost in COSTS.items():
+        print(f"step cost model {name} {cost}, {args.instances} instances x {args.slots} slots, {args.rate} req/s, "
+              f"{args.draws} draws")
+        print("| case | median e2e | mean e2e | p99 (worse) [max] | median TTFT | throughput |\n|---|---|---|---|---|---|")
+        draws = [workload(rows, args.num_prompts, s, args.rate) for s in range(1, args.draws + 1)]
+        base = None
+        for label, (key, cap, pooled) in cases.items():
+            got = [simulate_router(d, key, cap, args.slots, cost, args.instances, pooled) for d in draws]
+            base = base or got
+            ratio = {m: [b[m] / g[m] for b, g in zip(base, got)] for m in ("med", "mean", "ttft")}
+            worse = [g["p99"] / b["p99"] for b, g in zip(base, got)]
+            tput = [g["tput"] / b["tput"] for b, g in zip(base, got)]
+            print(f"| {label} | {statistics.median(ratio['med']):.2f}x | {statistics.median(ratio['mean']):.2f}x | "
+                  f"{statistics.median(worse):.2f}x [{max(worse):.2f}] | {statistics.median(ratio['ttft']):.2f}x | "
+                  f"{statistics.median(tput) - 1:+.1%} |")
+
+
 def policies(aging_s: float) -> dict[str, tuple[Key, int | None]]:
     def cost(r: dict, length: str) -> float:
         return PREFILL_TOKEN_COST * r["p"] + r[length]
@@ -105,8 +201,12 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=3.0)
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--aging-s", type=float, default=120.0)
+    p.add_argument("--instances", type=int, default=1, help="above 1: instances behind a router (see above)")
     args = p.parse_args()
     rows = [json.loads(line) for line in open(shipped_for("smollm2-135m-instruct") / "lengths.jsonl")]
+    if args.instances > 1:
+        router_main(args, rows)
+        return
     for name, cost in COSTS.items():
         print(f"step cost model {name} {cost}, {args.slots} slots, {args.rate} req/s, {args.draws} draws")
         print("| policy | median e2e | mean e2e | p99 (worse) [max] | median TTFT |\n|---|---|---|---|---|")

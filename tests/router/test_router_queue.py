@@ -16,7 +16,9 @@ from server_harness import wait_until
 
 from treadle.core.cost_policy import COST_HALF
 from treadle.router.config import Role, RouterConfig
+from treadle.router.forward import Forwarder
 from treadle.router.instances import Instance, InstanceLoad, InstancePool
+from treadle.router.metrics import RouterMetrics
 from treadle.router.queue import DispatchQueue, Waiter
 
 
@@ -126,6 +128,16 @@ def test_config_refuses_unknown_queue_orders():
         RouterConfig(backend=("http://a",), queue="sjf")
     assert InstanceLoad.from_json({"max_num_seqs": 4}).max_num_seqs == 4
     assert InstanceLoad.from_json({}).max_num_seqs is None
+
+
+def test_the_count_bound_defaults_to_20_per_generating_instance():
+    """Two instances admit twice as often as one: 40 passes take about as long as one engine's 20."""
+    config = RouterConfig(backend=("http://a", "http://b"), queue="predicted")
+    pool = InstancePool([Instance(u, Role.BACKEND) for u in config.backend], 0.5, 1.0)
+    forwarder = Forwarder(config, pool, RouterMetrics(pool), None, None)  # type: ignore[arg-type]
+    assert forwarder.queue is not None and forwarder.queue.max_passed_over == 40
+    config = RouterConfig(backend=("http://a", "http://b"), queue="predicted", queue_max_passed_over=7)
+    assert Forwarder(config, pool, RouterMetrics(pool), None, None).queue.max_passed_over == 7  # type: ignore[arg-type,union-attr]
 
 
 # --- two real instances behind `treadle router --queue predicted` -------------------------------

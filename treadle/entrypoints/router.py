@@ -35,8 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "instances' length predictor through /tokenize, with the aging bounds below); off: send at once")
     p.add_argument("--queue-aging-s", type=float, default=120.0,
                    help="--queue predicted: no request is passed over by one that arrived this many seconds later")
-    p.add_argument("--queue-max-passed-over", type=int, default=20,
-                   help="--queue predicted: a request passed over this many times goes first")
+    p.add_argument("--queue-max-passed-over", type=int, default=None,
+                   help="--queue predicted: a request passed over this many times goes first (default: 20 per "
+                        "generating instance, as many passes per instance as one engine's own default)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_router)
 

@@ -27,7 +27,8 @@ class RouterConfig:
     balance_by_cost: bool = True  # by the instances' predicted remaining tokens where they report them
     queue: str = "off"  # the dispatch queue (router/queue.py): off, fcfs or predicted
     queue_aging_s: float = 120.0  # predicted: nobody is passed over by a request arriving this much later
-    queue_max_passed_over: int = 20  # predicted: passed over this often, a request goes first
+    queue_max_passed_over: int | None = None  # predicted: passed over this often, a request goes first
+    # (None: 20 per generating instance, so the bound means in time what the engine's 20 does)
 
     def __post_init__(self) -> None:
         if self.backend and (self.prefill or self.decode):
@@ -38,7 +39,7 @@ class RouterConfig:
             raise ValueError("--max-failures must be at least 1 and --retry-backoff above 0")
         if self.queue not in ("off", "fcfs", "predicted"):
             raise ValueError(f"--queue must be off, fcfs or predicted, not {self.queue!r}")
-        if not self.queue_aging_s > 0 or self.queue_max_passed_over < 0:
+        if not self.queue_aging_s > 0 or (self.queue_max_passed_over or 0) < 0:
             raise ValueError("--queue-aging-s must be above 0 and --queue-max-passed-over at least 0")
         urls = [*self.prefill, *self.decode, *self.backend]
         if len(set(urls)) != len(urls):

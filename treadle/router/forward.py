@@ -55,6 +55,7 @@ from treadle.router.queue import DispatchQueue
 
 logger = logging.getLogger("treadle.router")
 T = TypeVar("T")
+PASSES_PER_INSTANCE = 20  # the engine's default count bound (scheduling_max_passed_over)
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -168,8 +169,10 @@ class Forwarder:
         self.timeout = httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s)
         self.queue: DispatchQueue | None = None
         if config.queue != "off":
-            self.queue = DispatchQueue(pool, config.generating_role.value, config.queue, config.queue_aging_s,
-                                       config.queue_max_passed_over)
+            passes = config.queue_max_passed_over
+            if passes is None:  # each instance admits about as often as a lone engine does
+                passes = PASSES_PER_INSTANCE * len(pool.by_role(config.generating_role))
+            self.queue = DispatchQueue(pool, config.generating_role.value, config.queue, config.queue_aging_s, passes)
             pool.after_poll.append(self.queue.dispatch)
             metrics.watch_queue(self.queue)
 
