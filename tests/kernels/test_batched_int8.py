@@ -4,7 +4,8 @@ sums and one fixed float order, so every variant equals the plain-C reference bi
 batch (packed Q4 up to 16 rows on the AVX-512 builds: strip_direct's tiles of 8 rows straight from
 the packed bytes, 2 and 7 its ragged tiles; Q8_0 up to 8 rows: q8batch.c's zmm direct strips
 (the AVX2 builds: q8act.c's direct path up to 3 rows), above: the vpdpbusd panel; 64 and up on the amx build: AMX tiles; Q4_K / Q5_K / Q6_K at 1 row: q8act.c's
-panel, above: the vpdpbusd strips; ragged last tiles, a lone last group of 8 weight rows, N % 8
+panel, above: the vpdpbusd strips, and on the amx build from its thresholds AMX tiles (q8amx.c:
+Q4_K / Q5_K int8, Q6_K bfloat16); ragged last tiles, a lone last group of 8 weight rows, N % 8
 leftover rows), and a row's result does not depend on the rows beside it."""
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ BATCHES = (1, 2, 4, 5, 7, 16, 17, 64, 71)
 # and a lone group), N = 24 + 3 (a lone group, then rows that go alone)
 SHAPES = ((576, 40), (1536, 24))
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
-AMX_AFTER_ONEDNN_TYPES = ["Q4_0", "Q8_0"]
+AMX_AFTER_ONEDNN_TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K"]
 
 
 def inputs(qtype: str, k: int) -> int:
@@ -104,6 +105,82 @@ def test_q8_0_extreme_bytes_stay_exact_at_every_direct_batch(variant: str) -> No
         y = native.qmatmul(seg, w, x, variant=variant, act_bits=8)
         assert torch.equal(y, native.qmatmul(seg, w, x, plain=True, act_bits=8)), f"batch {m}"
         assert torch.isfinite(y).all()
+
+
+# K-quant batches around and above the amx build's AMX thresholds (q8amx.c AMX_MIN_K, AMX_MIN_Q6K):
+# one row short of a tile, whole tiles, a ragged last tile (M % 16)
+KQUANT_AMX_BATCHES = (15, 16, 31, 32, 33, 47, 64, 100, 127, 128, 130)
+# (K, N): passes of 4, 4 and 2 strips, the last a lone group, then 5 rows alone; 3 strips in one
+# pass; 5 strips (4, then 1); one lone group and 3 rows alone; K = 3072, whose Q6_K panels fit 3
+# strips per pass (q8amx.c PASS_BYTES): 3, 3 and a lone group (Q4_K / Q5_K: 4, then 3)
+KQUANT_AMX_SHAPES = ((512, 8 * 19 + 5), (256, 48), (768, 80), (256, 11), (3072, 8 * 13 + 3))
+_reference: dict[tuple[object, ...], torch.Tensor] = {}
+
+
+def plain_reference(seg: tuple[tuple[str, int], ...], w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
+                    key: tuple[object, ...]) -> torch.Tensor:
+    """The plain-C reference, computed once per key for every variant's case."""
+    if key not in _reference:
+        _reference[key] = native.qmatmul(seg, w, x, bias, plain=True, act_bits=8)
+    return _reference[key]
+
+
+@VARIANTS
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_kquant_amx_batches_equal_the_plain_reference_bitwise(variant: str, qtype: str) -> None:
+    """Q4_K / Q5_K / Q6_K at batches around and above the AMX thresholds: on the amx build q8amx.c's
+    tiles (16 activation rows times passes of 1-4 strips of 16 weight rows; Q6_K's halves folded into
+    bfloat16 weights), elsewhere the vpdpbusd strips; ragged last tiles, lone last groups, N % 8 rows
+    alone, with and without a bias: the plain-C reference's bits."""
+    runnable(variant)
+    for k, n in KQUANT_AMX_SHAPES:
+        seg, w = weights(qtype, n, k, seed=151 + n)
+        bias = rand(n, seed=152)
+        for m in KQUANT_AMX_BATCHES:
+            x = rand(m, k, seed=153 + m)
+            b = bias if m % 2 else None
+            y = native.qmatmul(seg, w, x, b, variant=variant, act_bits=8)
+            assert torch.equal(y, plain_reference(seg, w, x, b, (qtype, k, n, m))), f"K {k} N {n} batch {m}"
+
+
+@VARIANTS
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_kquant_extremes_stay_exact_at_amx_batches(variant: str, qtype: str) -> None:
+    """The K-quants' largest terms against activations at +-127, at batches on both sides of the AMX
+    thresholds: Q4_K / Q5_K q = 15 / 31 with 6-bit scales and minimums 63; Q6_K q - 32 = -32 with
+    its int8 scales -128 (w = sc (q - 32) = 4096, the bfloat16 split's largest: hi 4096, lo 0;
+    |isum| up to 32 * 4096 * 127, just under 2^24), q - 32 = 31 with scales 127 (w = 3937: hi 3904
+    + lo 33), and the two mixed byte by byte. Integer sums (and Q6_K's bfloat16 float sums) stay
+    exact: the plain-C reference's bits."""
+    runnable(variant)
+    k, n = 768, 40
+    g = torch.Generator().manual_seed(161)
+    patterns = ("top",) if qtype != "Q6_K" else ("w4096", "w3937", "mixed")
+    for pattern in patterns:
+        seg, w = weights(qtype, n, k, seed=162)
+        raw = w.view(torch.uint8)
+        if qtype == "Q4_K":
+            raw.view(-1, 144)[:, 4:] = 0xFF
+        elif qtype == "Q5_K":
+            raw.view(-1, 176)[:, 4:] = 0xFF
+        else:
+            blocks = raw.view(-1, 210)
+            if pattern == "w4096":
+                blocks[:, :192], blocks[:, 192:208] = 0, 0x80
+            elif pattern == "w3937":
+                blocks[:, :192], blocks[:, 192:208] = 0xFF, 0x7F
+            else:
+                blocks[:, :192] = torch.where(torch.rand(blocks.shape[0], 192, generator=g) < 0.5, 0, 0xFF).to(torch.uint8)
+                blocks[:, 192:208] = torch.where(torch.rand(blocks.shape[0], 16, generator=g) < 0.5, 0x80, 0x7F).to(torch.uint8)
+        for m in (17, 33, 64, 130):
+            for signs in ("same", "mixed"):
+                x = torch.ones(m, k)
+                if signs == "mixed":
+                    x = torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)
+                x[m // 2] *= -1.0
+                y = native.qmatmul(seg, w, x, variant=variant, act_bits=8)
+                assert torch.equal(y, native.qmatmul(seg, w, x, plain=True, act_bits=8)), f"{pattern} batch {m} {signs}"
+                assert torch.isfinite(y).all()
 
 
 @pytest.mark.parametrize("qtype", AMX_AFTER_ONEDNN_TYPES)

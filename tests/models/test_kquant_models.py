@@ -17,6 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_files import finish, gguf_name, random_blocks, write_llama_metadata
+from kernel_variants import force
 from paged_session import PagedSession, greedy
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -155,3 +156,19 @@ def test_eight_bit_activations_stay_near_transformers(models, monkeypatch: pytes
     monkeypatch.setenv("TREADLE_ACTIVATION_BITS", "8")
     got = greedy(native_lm, PROMPTS, 16)
     assert len({t for tokens in got for t in tokens}) > 4
+
+
+def test_eight_bit_prefill_is_the_same_bits_with_and_without_amx(models, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A 128-token prefill (two prompts of 64) with 8-bit activations: every Q4_K / Q5_K / Q6_K matmul
+    of the step (q/k/v, o, gate/up, down and the lm_head over all 128 rows) takes the amx build's AMX
+    tiles (q8amx.c), the avx512-bf16 build (the same sources without AMX) its vpdpbusd strips; both
+    give the plain-C reference's bits, so the logits are equal bit for bit."""
+    native_lm, _, _ = models
+    monkeypatch.setenv("TREADLE_ACTIVATION_BITS", "8")
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, CONFIG.vocab_size, (64,), generator=g).tolist() for _ in range(2)]
+    logits = {}
+    for variant in ("amx", "avx512-bf16"):
+        force(monkeypatch, variant)
+        logits[variant] = PagedSession(native_lm, 2, 64).feed(prompts)
+    assert all(torch.equal(a, b) for a, b in zip(logits["amx"], logits["avx512-bf16"]))

@@ -59,9 +59,10 @@ class Variant:
 _AVX2 = ("avx2", "fma", "f16c")
 _AVX512_BF16 = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16")
 VARIANTS = (  # best first; "plain" (the reference) runs everywhere
-    # amx: avx512-bf16 plus AMX-INT8 tiles for the batched 8-bit matmul (csrc/q8amx.c)
-    Variant("amx", (*_AVX512_BF16, "-mamx-tile", "-mamx-int8", "-mtune=native"),
-            (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")),
+    # amx: avx512-bf16 plus AMX tiles for the batched 8-bit matmul (csrc/q8amx.c: AMX-INT8, and AMX-BF16 for Q6_K)
+    Variant("amx", (*_AVX512_BF16, "-mamx-tile", "-mamx-int8", "-mamx-bf16", "-mtune=native"),
+            (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
+             "amx_bf16")),
     Variant("avx512-bf16", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
                             "-mavx512bf16", "-mtune=native"),
             (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")),

@@ -347,7 +347,7 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
             else if (t == TQ_Q4_K || t == TQ_Q5_K)
                 unpack_k4_strip(t, wg, rbytes, lone, nb, panel);
             else if (t == TQ_Q6_K)
-                unpack_q6k_strip(wg, rbytes, lone, nb, panel);
+                unpack_q6k_strip(wg, rbytes, lone, nb, panel, 0);
             else
                 unpack_packed(t, wg, lone ? NULL : wg + 8 * rbytes, nb, panel);
             strip_rows(mode, panel, x, y + g * 8, ldy, bs, M, K, store, g + 3 < groups ? wg + SGR * rbytes : NULL,

@@ -1,10 +1,10 @@
 /* Strips of 16 weight rows unpacked for the AVX-512 builds' batched 8-bit path (q8batch.c's vpdpbusd
- * tiles), in a header so that q8amx.c's tiles can read the same panels. A panel is one sblock per
- * block of 32 inputs:
+ * tiles), in a header so that q8amx.c's tiles can read the same panels (the K-quants' AMX tiles take
+ * them as B tiles). A panel is one sblock per block of 32 inputs:
  *
  *   q[s] (s < 8): lane j = weight row j's 4 bytes at k = 4s .. 4s+3 (unsigned q; Q8_0: byte + 128;
- *                 Q6_K: q + 32) -- 512 bytes in AMX's B layout (8 rows of 64 bytes: row s = k
- *                 4s .. 4s+3 of the 16 weight rows)
+ *                 Q6_K: q + 32, or q itself, signed, where asked) -- 512 bytes in AMX's B layout
+ *                 (8 rows of 64 bytes: row s = k 4s .. 4s+3 of the 16 weight rows)
  *   d[16], m[16] (Q6_K: sc[16], the halves' int8 scales sc0 | sc1 << 16)
  *
  * Every function makes q8act.c's unpack_kgroup / unpack_group values for 16 rows at a time; a lone
@@ -192,10 +192,12 @@ static inline void unpack_k4_strip(int t, const uint8_t *w, int64_t rbytes, int 
 }
 
 /* Q6_K strips likewise: unpack_kgroup's values (q + 32, the super-block's d, the halves' scales
- * sc0 | sc1 << 16) for 16 rows at a time, each 32-byte ql / qh run transposed once. */
-static inline void unpack_q6k_strip(const uint8_t *w, int64_t rbytes, int lone, int64_t nb, sblock *panel) {
+ * sc0 | sc1 << 16) for 16 rows at a time, each 32-byte ql / qh run transposed once. is_signed: q
+ * itself (q + 32 - 32, int8 -32..31; q8amx.c's tdpbssd) in place of q + 32. */
+static inline void unpack_q6k_strip(const uint8_t *w, int64_t rbytes, int lone, int64_t nb, sblock *panel, int is_signed) {
     const int ub = unit_bytes(TQ_Q6_K);
     const __m512i mask = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3);
+    const __m512i bias = _mm512_set1_epi8(is_signed ? 32 : 0);
     const uint8_t *next = w + SGR * rbytes;
     for (int64_t su = 0; su < nb / 8; su++) {
         const uint8_t *u = w + su * ub;
@@ -228,8 +230,8 @@ static inline void unpack_q6k_strip(const uint8_t *w, int64_t rbytes, int lone, 
                 const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(qh[h][s], 2 * r0), three);
                 const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(qh[h][s], 2 * r0 + 4), three);
                 const __m512i lo = _mm512_and_si512(tr[s], mask), hn = _mm512_and_si512(_mm512_srli_epi16(tr[s], 4), mask);
-                _mm512_store_si512(g[b0].q + s, _mm512_or_si512(lo, _mm512_slli_epi16(hi0, 4)));
-                _mm512_store_si512(g[b0 + 2].q + s, _mm512_or_si512(hn, _mm512_slli_epi16(hi1, 4)));
+                _mm512_store_si512(g[b0].q + s, _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi16(hi0, 4)), bias));
+                _mm512_store_si512(g[b0 + 2].q + s, _mm512_sub_epi8(_mm512_or_si512(hn, _mm512_slli_epi16(hi1, 4)), bias));
             }
         }
     }
