@@ -3,11 +3,13 @@ tree's kernels against a git ref's (default ``HEAD``; ``--ref none``: this tree 
 in one process, interleaved call by call, 16-bit activations (the default).
 
     .venv/bin/python benchmarks/kernels/kquant_rows_cpu.py [--ref HEAD] [--threads 1] [--cold]
-        [--activation-bits 16 8] [--batches 1 16 128] [--types Q4_K Q6_K Q4_0]
+        [--activation-bits 16 8] [--batches 1 16 128] [--types Q4_K Q6_K Q4_0] [--variants amx avx512-vnni]
 
 ``--activation-bits`` with several values times each library at each (a column per pair, the
 speed-up the last column's over the first's); at 8 bits Q4_0 is packed 8 rows at a time as a
-load with ``TREADLE_ACTIVATION_BITS=8`` packs it (``native.pack_rows``).
+load with ``TREADLE_ACTIVATION_BITS=8`` packs it (``native.pack_rows``). ``--variants`` times this
+tree's builds of those names (``TREADLE_CPU_KERNELS``'s, e.g. ``avx512-vnni amx``: the speed-up is
+then amx's over avx512-vnni's) in place of the selected build.
 
 Shapes: TinyLlama-1.1B's q/k/v (2560 x 2048), o (2048 x 2048), gate/up (11264 x 2048), down
 (2048 x 5632) in Q4_K, Q6_K and Q4_0 (the types llama.cpp's Q4_K_M and Q4_0 files hold). Per shape,
@@ -29,7 +31,7 @@ from treadle.kernels import native
 
 SHAPES = [("qkv", 2560, 2048), ("o", 2048, 2048), ("gate_up", 11264, 2048), ("down", 2048, 5632)]
 TYPES = ["Q4_K", "Q6_K", "Q4_0"]
-BYTES = {"Q4_K": 144 / 256, "Q6_K": 210 / 256, "Q4_0": 18 / 32}  # per weight
+BYTES = {"Q4_K": 144 / 256, "Q5_K": 176 / 256, "Q6_K": 210 / 256, "Q4_0": 18 / 32}  # per weight
 
 
 def main() -> None:
@@ -39,10 +41,11 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=TYPES)
     ap.add_argument("--activation-bits", type=int, nargs="+", default=[16], choices=[8, 16])
     ap.add_argument("--cold", action="store_true", help="8 distinct weights per shape, called in turn")
+    ap.add_argument("--variants", nargs="*", default=[], help="this tree's builds to time (default: the selected one)")
     args = ap.parse_args()
     run = harness.start(args)
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"this tree": native.library()}
+        libs = {v: native.library(variant=v) for v in args.variants} if args.variants else {"this tree": native.library()}
         if args.ref != "none":
             libs = {args.ref: harness.build_ref(args.ref, Path(tmp)), **libs}
         cols = [(name, bits) for name in libs for bits in args.activation_bits]
