@@ -9,6 +9,8 @@ Q4_K / Q5_K int8, Q6_K bfloat16); ragged last tiles, a lone last group of 8 weig
 leftover rows), and a row's result does not depend on the rows beside it."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from gguf_files import random_blocks
@@ -107,8 +109,8 @@ def test_q8_0_extreme_bytes_stay_exact_at_every_direct_batch(variant: str) -> No
         assert torch.isfinite(y).all()
 
 
-# K-quant batches around and above the amx build's AMX thresholds (q8amx.c AMX_MIN_K, AMX_MIN_Q6K):
-# one row short of a tile, whole tiles, a ragged last tile (M % 16)
+# batches around and above the amx build's AMX thresholds (q8amx.c AMX_MIN_K, AMX_MIN_ROWS,
+# AMX_MIN_Q6K): one row short of a tile, whole tiles, a ragged last tile (M % 16)
 KQUANT_AMX_BATCHES = (15, 16, 31, 32, 33, 47, 64, 100, 127, 128, 130)
 # (K, N): passes of 4, 4 and 2 strips, the last a lone group, then 5 rows alone; 3 strips in one
 # pass; 5 strips (4, then 1); one lone group and 3 rows alone; K = 3072, whose Q6_K panels fit 3
@@ -126,12 +128,13 @@ def plain_reference(seg: tuple[tuple[str, int], ...], w: torch.Tensor, x: torch.
 
 
 @VARIANTS
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
-def test_kquant_amx_batches_equal_the_plain_reference_bitwise(variant: str, qtype: str) -> None:
-    """Q4_K / Q5_K / Q6_K at batches around and above the AMX thresholds: on the amx build q8amx.c's
-    tiles (16 activation rows times passes of 1-4 strips of 16 weight rows; Q6_K's halves folded into
-    bfloat16 weights), elsewhere the vpdpbusd strips; ragged last tiles, lone last groups, N % 8 rows
-    alone, with and without a bias: the plain-C reference's bits."""
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_strip_amx_batches_equal_the_plain_reference_bitwise(variant: str, qtype: str) -> None:
+    """Q4_K / Q5_K / Q6_K and packed Q4_0 / Q4_1 at batches around and above the AMX thresholds: on
+    the amx build q8amx.c's strip_amx_rows (16 activation rows times passes of 1-4 strips of 16
+    weight rows; Q6_K's halves folded into bfloat16 weights), elsewhere the vpdpbusd strips; ragged
+    last tiles, lone last groups, N % 8 rows alone, with and without a bias: the plain-C
+    reference's bits."""
     runnable(variant)
     for k, n in KQUANT_AMX_SHAPES:
         seg, w = weights(qtype, n, k, seed=151 + n)
@@ -203,9 +206,10 @@ def test_amx_tiles_survive_another_amx_user_on_the_thread(qtype: str) -> None:
 def test_extreme_activations_and_weights_stay_exact() -> None:
     """Activations at +-127 everywhere and weights at their extremes (nibbles 15, Q8_0 bytes
     -128 / 127; Q4_K nibbles and 6-bit scales and minimums at 15 / 63; Q6_K q - 32 = -32 with
-    its int8 scales -128, the largest terms of its int32 fold): the int32 sums (and Q8_0's +128
-    offset) are exact, so still the reference's bits."""
-    for qtype in ("Q4_1", "Q8_0", "Q4_K", "Q6_K"):
+    its int8 scales -128, the largest terms of its int32 fold), at 17 rows and at 130 (the amx
+    build's AMX tiles, Q6_K's in bfloat16): the sums (and Q8_0's +128 offset) are exact, so still
+    the reference's bits."""
+    for qtype, rows in itertools.product(("Q4_1", "Q8_0", "Q4_K", "Q6_K"), (17, 130)):  # 130: the amx build's AMX tiles
         k = inputs(qtype, 576)
         seg, w = weights(qtype, 32, k, seed=121)
         raw = w.view(torch.uint8)
@@ -222,7 +226,7 @@ def test_extreme_activations_and_weights_stay_exact() -> None:
         else:
             nib = raw.view(-1, 20 * 8)  # packed: 8 rows' d, m, then 128 nibble bytes per block
             nib[:, 32:] = 0xFF
-        x = torch.ones(17, k) * torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)
+        x = torch.ones(rows, k) * torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)
         y = native.qmatmul(seg, w, x, act_bits=8)
         assert torch.equal(y, native.qmatmul(seg, w, x, plain=True, act_bits=8))
         assert torch.isfinite(y).all()

@@ -1,19 +1,19 @@
-/* The batched 8-bit activation path on AMX (the amx build): packed Q4_0 / Q4_1 and Q8_0 rows from
- * AMX_MIN_ROWS activation rows (this part), Q4_K / Q5_K from AMX_MIN_K and Q6_K from AMX_MIN_Q6K
- * (kquant_rows, further down: activations as A, q8strip.h's panels as B, Q6_K in bfloat16) times a
- * batch of activation rows, one tile multiply (two for Q6_K) per block of 32 inputs. q8batch.c
- * calls it first and falls back to its own vpdpbusd tiles where it returns 0 (another build, the
- * kernel refusing AMX to this process, a type it does not take, fewer rows).
+/* The batched 8-bit activation path on AMX (the amx build) times a batch of activation rows, one
+ * tile multiply (two for Q6_K) per block of 32 inputs: Q8_0 rows from AMX_MIN_ROWS activation rows
+ * (this part), packed Q4_0 / Q4_1 from AMX_MIN_ROWS, Q4_K / Q5_K from AMX_MIN_K and Q6_K from
+ * AMX_MIN_Q6K (strip_amx_rows, further down: activations as A, q8strip.h's panels as B, Q6_K in
+ * bfloat16). q8batch.c calls it first and falls back to its own vpdpbusd tiles where it returns 0
+ * (another build, the kernel refusing AMX to this process, a type it does not take, fewer rows).
  *
- *   A (tile 1): 16 weight rows x 32 bytes, block b of a strip (two groups of 8), k in order;
- *               the unsigned q of Q4 (tdpbusd, unpacked once per strip), the signed bytes of
- *               Q8_0 (tdpbssd, loaded straight from the rows with their stride)
+ * Q8_0:
+ *   A (tile 1): 16 weight rows x 32 bytes, block b of a strip (two groups of 8), k in order:
+ *               the signed bytes (tdpbssd, loaded straight from the rows with their stride)
  *   B (tile 2): 8 rows x 64 bytes, 16 activation rows in VNNI order: B[r][4i + c] = x[i][4r + c]
  *   C (tile 0): 16 x 16 int32, C[j][i] = the exact integer block dot of weight row j, activation i
  *
  * Per block, C goes to a 1 KiB buffer and each output takes exactly q8act.c's float operations,
  *
- *   acc = fma(float(isum), d_w * xd, acc);   acc = fma(m_w, xs, acc)   (Q8_0: no minimum)
+ *   acc = fma(float(isum), d_w * xd, acc)   (Q8_0: no minimum term)
  *
  * (the 16 outputs of weight row j in one register, lane i = activation row i), then y = acc
  * (+ bias). Same integers, same float order: the bits of the plain-C reference, whatever the
@@ -76,24 +76,22 @@ static void configure_tiles(int kind) {
 
 typedef struct { /* per-call activations in tile order, [tiles][nb] */
     uint8_t *b; /* 512 bytes per (tile, block) */
-    float *d, *s; /* 16 per (tile, block); zeros past the batch */
+    float *d; /* 16 per (tile, block); zeros past the batch */
 } amx_acts;
 
 static amx_acts prepare_acts(tq_q8acts x, int64_t M, int64_t K) {
     const int64_t nb = K / QK, tiles = (M + 15) / 16;
     amx_acts a = {(uint8_t *)aligned_alloc(64, (size_t)(tiles * nb * 512)),
-                  (float *)aligned_alloc(64, (size_t)(2 * tiles * nb * 16) * sizeof(float)), NULL};
+                  (float *)aligned_alloc(64, (size_t)(tiles * nb * 16) * sizeof(float))};
     if (a.b == NULL || a.d == NULL) abort();
-    a.s = a.d + tiles * nb * 16;
     memset(a.b, 0, (size_t)(tiles * nb * 512));
-    memset(a.d, 0, (size_t)(2 * tiles * nb * 16) * sizeof(float));
+    memset(a.d, 0, (size_t)(tiles * nb * 16) * sizeof(float));
     for (int64_t m = 0; m < M; m++) {
         const int64_t t = m / 16, i = m % 16;
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *tb = a.b + (t * nb + b) * 512;
             for (int r = 0; r < 8; r++) memcpy(tb + 64 * r + 4 * i, x.q + m * K + b * QK + 4 * r, 4);
             a.d[(t * nb + b) * 16 + i] = x.d[m * nb + b];
-            a.s[(t * nb + b) * 16 + i] = x.s[m * nb + b];
         }
     }
     return a;
@@ -101,45 +99,10 @@ static amx_acts prepare_acts(tq_q8acts x, int64_t M, int64_t K) {
 
 typedef struct { /* one strip's weights in A order: [nb] */
     uint8_t *q; /* 512 bytes per block */
-    float *d, *m; /* 16 per block */
+    float *d; /* 16 per block */
     const uint8_t *w; /* Q8_0: A read from the rows themselves (NULL: from q) */
     int64_t stride; /* their row bytes */
 } amx_panel;
-
-/* Packed Q4 groups at w and w1 (NULL: a lone group, rows 8..15 zero), every block. */
-static void panel_packed(int t, const uint8_t *w, const uint8_t *w1, int64_t nb, amx_panel p) {
-    const int ub = unit_bytes(t), sb = base_type(t) == TQ_Q4_1 ? 32 : 16;
-    const __m512i mask = _mm512_set1_epi8(15);
-    /* dword j*4 + s <- dword s*8 + j: each row's 4 nibble dwords side by side */
-    const __m512i rows03 = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
-    const __m512i rows47 = _mm512_add_epi32(rows03, _mm512_set1_epi32(4));
-    const __m512i pair0 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), pair1 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
-    for (int64_t b = 0; b < nb; b++) {
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *g = h ? w1 : w;
-            uint8_t *out = p.q + b * 512 + 256 * h;
-            if (g == NULL) {
-                memset(out, 0, 256);
-                memset(p.d + 16 * b + 8, 0, 8 * sizeof(float));
-                memset(p.m + 16 * b + 8, 0, 8 * sizeof(float));
-                continue;
-            }
-            const uint8_t *blk = g + b * 8 * ub;
-            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-            _mm256_storeu_ps(p.d + 16 * b + 8 * h, dv);
-            _mm256_storeu_ps(p.m + 16 * b + 8 * h, base_type(t) == TQ_Q4_1
-                                                       ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
-                                                       : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f)));
-            const __m512i n01 = _mm512_loadu_si512(blk + sb), n23 = _mm512_loadu_si512(blk + sb + 64);
-            for (int r = 0; r < 2; r++) { /* rows 0-3, then 4-7: 16 nibble bytes each */
-                const __m512i v = _mm512_permutex2var_epi32(n01, r ? rows47 : rows03, n23);
-                const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-                _mm512_storeu_si512(out + 128 * r, _mm512_permutex2var_epi64(lo, pair0, hi));
-                _mm512_storeu_si512(out + 128 * r + 64, _mm512_permutex2var_epi64(lo, pair1, hi));
-            }
-        }
-    }
-}
 
 /* Q8_0 rows (16, or 8 for a lone group; rbytes apart), every block. A whole strip's A tiles are
  * loaded straight from its rows (p.w: row j's block b at p.w + j * rbytes + 34 b), so only its
@@ -168,7 +131,6 @@ static void panel_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb, 
                 memset(out, 0, 32);
                 p.d[16 * b + j] = 0.0f;
             }
-            p.m[16 * b + j] = 0.0f;
         }
     }
 }
@@ -181,14 +143,11 @@ static void panel_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb, 
             _tile_loadd(A, p.q + (blk) * 512, 32);                             \
         _tile_loadd(B, a.b + (t * nb + (blk)) * 512, 64);                      \
         _tile_zero(C);                                                         \
-        if (q8_0)                                                              \
-            _tile_dpbssd(C, A, B);                                             \
-        else                                                                   \
-            _tile_dpbusd(C, A, B);                                             \
+        _tile_dpbssd(C, A, B);                                                 \
     } while (0)
 
 /* Blocks b .. b + n - 1 (n <= 4) into C tiles 0 .. n - 1. */
-static inline void issue_blocks(int q8_0, amx_panel p, amx_acts a, int64_t t, int64_t nb, int64_t b, int n) {
+static inline void issue_blocks(amx_panel p, amx_acts a, int64_t t, int64_t nb, int64_t b, int n) {
     ISSUE(0, 4, 6, b);
     if (n > 1) ISSUE(1, 5, 7, b + 1);
     if (n > 2) ISSUE(2, 4, 6, b + 2);
@@ -206,26 +165,25 @@ static inline void store_blocks(int n, int32_t *buf) {
 /* 16 activation rows (tile t) times one strip: out[i * ldy + j] for i < nx, j < nj. The tile
  * multiplies of the next 4 blocks are issued before the float work on the last 4 reads their
  * sums, and stored after it (two buffers), so the AMX unit and the vector units overlap. */
-static void amx_tile(int q8_0, amx_panel p, amx_acts a, int64_t t, int64_t nb, const float *bias, float *out,
+static void amx_tile(amx_panel p, amx_acts a, int64_t t, int64_t nb, const float *bias, float *out,
                      int64_t ldy, int nx, int nj, int32_t *cbuf) {
     __m512 acc[16];
     for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
     int n = nb < 4 ? (int)nb : 4, cur = 0;
-    issue_blocks(q8_0, p, a, t, nb, 0, n);
+    issue_blocks(p, a, t, nb, 0, n);
     store_blocks(n, cbuf);
     for (int64_t b0 = 0; b0 < nb;) {
         const int64_t next = b0 + n;
         const int nn = nb - next < 4 ? (int)(nb - next) : 4;
-        if (nn > 0) issue_blocks(q8_0, p, a, t, nb, next, nn); /* runs while the float work below does */
+        if (nn > 0) issue_blocks(p, a, t, nb, next, nn); /* runs while the float work below does */
         for (int k = 0; k < n; k++) {
             const int64_t b = b0 + k;
             const int32_t *c = cbuf + 1024 * cur + 256 * k;
-            const __m512 xd = _mm512_load_ps(a.d + (t * nb + b) * 16), xs = _mm512_load_ps(a.s + (t * nb + b) * 16);
-            const float *d = p.d + 16 * b, *m = p.m + 16 * b;
+            const __m512 xd = _mm512_load_ps(a.d + (t * nb + b) * 16);
+            const float *d = p.d + 16 * b;
             for (int j = 0; j < 16; j++) {
                 const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * j));
                 acc[j] = _mm512_fmadd_ps(isum, _mm512_mul_ps(_mm512_set1_ps(d[j]), xd), acc[j]);
-                if (!q8_0) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(m[j]), xs, acc[j]);
             }
         }
         if (nn > 0) store_blocks(nn, cbuf + 1024 * (cur ^ 1));
@@ -237,7 +195,7 @@ static void amx_tile(int q8_0, amx_panel p, amx_acts a, int64_t t, int64_t nb, c
         for (int j = 0; j < nj; j++) out[i * ldy + j] = bias ? tmp[j][i] + bias[j] : tmp[j][i];
 }
 
-/* ---- K-quants (Q4_K, Q5_K, Q6_K): activations as A, strip panels as B ----
+/* ---- Q4_K, Q5_K, Q6_K and packed Q4_0 / Q4_1: activations as A, strip panels as B ----
  *
  * A (tile 4): 16 activation rows of block b, straight from the rows (row stride K)
  * B (tiles 6, 7): a strip's block, in B's layout (16 weight rows, k in VNNI order)
@@ -249,8 +207,9 @@ static void amx_tile(int q8_0, amx_panel p, amx_acts a, int64_t t, int64_t nb, c
  * multiplies. Each output takes q8act.c's operations in its order, per block acc = fma(float(isum),
  * d_w * xd, acc), acc = fma(m_w, xs, acc) (Q6_K: no minimum term), then y = acc (+ bias).
  *
- * Q4_K / Q5_K (CFG_INT8): B is q8strip.h's panel (unsigned q), A the int8 bytes (tdpbsud):
- * C = isum exactly.
+ * Q4_K / Q5_K, packed Q4_0 / Q4_1 (CFG_INT8): B is q8strip.h's panel (unsigned q, Q4_0's with the
+ * minimum -8 d), A the int8 bytes (tdpbsud): C = isum exactly. (Packed Q4 took the Q8_0 kernel
+ * above until this one: 1.2-1.6x faster at 64-512 rows, where that one was ~1.0x the vpdpbusd tiles.)
  *
  * Q6_K (CFG_BF16): isum = sc0 (dot0 - 32 xh0) + sc1 (dot1 - 32 xh1) = sum_k w_k x_k with
  * w_k = sc (q_k - 32), the half's int8 scale folded into each weight (|w| <= 128 * 32 = 4096). Each
@@ -416,7 +375,7 @@ static void ktile_rows(int q6, const void *pn, int ns, int64_t nb, ktile_x x, in
     }
 }
 
-static int64_t kquant_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
+static int64_t strip_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
                            int64_t N, int64_t K) {
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
     const int q6 = t == TQ_Q6_K;
@@ -469,6 +428,8 @@ static int64_t kquant_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64
                 if (q6) {
                     unpack_q6k_strip(w + g * 8 * rbytes, rbytes, lone, nb, tmp, 1);
                     q6k_bf16_panel(tmp, nb, (kb16 *)pn + h * nb);
+                } else if (packed_type(t)) {
+                    unpack_packed(t, w + g * 8 * rbytes, lone ? NULL : w + (g + 1) * 8 * rbytes, nb, (sblock *)pn + h * nb);
                 } else {
                     unpack_k4_strip(t, w + g * 8 * rbytes, rbytes, lone, nb, (sblock *)pn + h * nb);
                 }
@@ -493,29 +454,28 @@ static int64_t kquant_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64
 int64_t tq_q8_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
                        int64_t N, int64_t K) {
     const int q8_0 = t == TQ_Q8_0, kq = t == TQ_Q4_K || t == TQ_Q5_K || t == TQ_Q6_K;
-    if (kq) return M >= (t == TQ_Q6_K ? AMX_MIN_Q6K : AMX_MIN_K) && amx_allowed() ? kquant_rows(t, w, x, y, ldy, bias, M, N, K) : 0;
-    if (!(packed_type(t) || q8_0) || M < AMX_MIN_ROWS || !amx_allowed()) return 0;
+    if (kq || packed_type(t)) {
+        const int64_t from = t == TQ_Q6_K ? AMX_MIN_Q6K : kq ? AMX_MIN_K : AMX_MIN_ROWS;
+        return M >= from && amx_allowed() ? strip_amx_rows(t, w, x, y, ldy, bias, M, N, K) : 0;
+    }
+    if (!q8_0 || M < AMX_MIN_ROWS || !amx_allowed()) return 0;
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
     const amx_acts a = prepare_acts(x, M, K);
 #pragma omp parallel
     {
         amx_panel p = {(uint8_t *)aligned_alloc(64, (size_t)(nb * 512)),
-                       (float *)aligned_alloc(64, (size_t)(nb * 32) * sizeof(float)), NULL, NULL, 0};
+                       (float *)aligned_alloc(64, (size_t)(nb * 16) * sizeof(float)), NULL, 0};
         int32_t *cbuf = (int32_t *)aligned_alloc(64, 2 * 1024 * sizeof(int32_t));
         if (p.q == NULL || p.d == NULL || cbuf == NULL) abort();
-        p.m = p.d + nb * 16;
         configure_tiles(CFG_INT8);
 #pragma omp for schedule(static)
         for (int64_t st = 0; st < strips; st++) {
             const int64_t g = 2 * st;
             const int lone = g + 1 >= groups;
             const uint8_t *wg = w + g * 8 * rbytes;
-            if (q8_0)
-                panel_q8_0(wg, rbytes, lone ? 8 : 16, nb, &p);
-            else
-                panel_packed(t, wg, lone ? NULL : wg + 8 * rbytes, nb, p);
+            panel_q8_0(wg, rbytes, lone ? 8 : 16, nb, &p);
             for (int64_t tt = 0; tt * 16 < M; tt++)
-                amx_tile(q8_0, p, a, tt, nb, bias ? bias + g * 8 : NULL, y + tt * 16 * ldy + g * 8, ldy,
+                amx_tile(p, a, tt, nb, bias ? bias + g * 8 : NULL, y + tt * 16 * ldy + g * 8, ldy,
                          M - tt * 16 < 16 ? (int)(M - tt * 16) : 16, lone ? 8 : 16, cbuf);
         }
         free(p.q), free(p.d), free(cbuf);
