@@ -186,9 +186,10 @@ def test_load_endpoint(pd: tuple[str, str, str]) -> None:
     for url, role in ((producer, "kv_producer"), (consumer, "kv_consumer"), (colocated, None)):
         load = httpx.get(f"{url}/load", timeout=10).json()
         assert set(load) == {"waiting_prompt_tokens", "running", "waiting", "kv_usage", "role",
-                             "predicted_remaining_tokens"}
+                             "predicted_remaining_tokens", "max_num_seqs"}
         assert load["role"] == role and load["running"] == 0 and load["waiting_prompt_tokens"] == 0
         assert load["predicted_remaining_tokens"] in (None, 0)  # nothing running: no predicted work
+        assert isinstance(load["max_num_seqs"], int) and load["max_num_seqs"] > 0  # the router queue's slots
 
 
 # -- a client that leaves between prefill and decode ------------------------------------------------
