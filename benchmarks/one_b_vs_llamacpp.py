@@ -20,7 +20,9 @@ faster); the table gives the median ratio and its range over the rounds. The com
                 llama-batched-bench -m FILE -t T -c 2048 -npp 64 -ntg 32 -npl 16 --no-repack   (T_TG / 32)
 
 ``--repack 0`` / ``--no-repack``: ggml's AMX matmul dies with SIGILL on the VM this was written
-on (docs/models.md); it also turns off ggml's repacked AVX-512 Q4_0 path. The floor: the file's
+on (docs/models.md); it also turns off ggml's repacked AVX-512 / AVX2 paths (Q4_0, Q4_K), which
+handicaps the peer. ``--repack`` drops those flags: for a llama.cpp built without AMX
+(``NO_AMX=1 tools/build_llamacpp.sh``, then ``TREADLE_LLAMACPP_BIN`` = the folder it prints). The floor: the file's
 bytes over ``treadle doctor``'s read bandwidth at T threads (taken once per thread count, before
 the rounds), and "of floor" is that time over Treadle's decode step. Resident memory: a fresh
 process's VmRSS after ``LLM(FILE)`` (16 KV blocks) minus its VmRSS with treadle imported.
@@ -62,9 +64,12 @@ def llama_bin(name: str) -> str:
     return str(llamacpp_bin_dir() / name)
 
 
+REPACK = False  # --repack: let llama.cpp repack weights (a build without ggml's AMX path)
+
+
 def llama_tok_s(path: Path, threads: int, args: list[str]) -> float:
-    out = run([llama_bin("llama-bench"), "-m", str(path), "-t", str(threads), *args, "-r", "1", "--repack", "0",
-               "-o", "json"])
+    out = run([llama_bin("llama-bench"), "-m", str(path), "-t", str(threads), *args, "-r", "1",
+               *([] if REPACK else ["--repack", "0"]), "-o", "json"])
     return float(json.loads(out)[0]["avg_ts"])
 
 
@@ -91,7 +96,7 @@ def treadle_batch16_ms(path: Path, threads: int, bits: int) -> float:
 
 def llama_batch16_ms(path: Path, threads: int) -> float:
     out = run([llama_bin("llama-batched-bench"), "-m", str(path), "-t", str(threads), "-c", "2048", "-npp", "64",
-               "-ntg", "32", "-npl", "16", "--no-repack"])
+               "-ntg", "32", "-npl", "16", *([] if REPACK else ["--no-repack"])])
     for line in out.splitlines():  # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 8 and cells[0] == "64" and cells[2] == "16":
@@ -122,7 +127,10 @@ def main() -> None:
     ap.add_argument("--activation-bits", type=int, nargs="+", default=[16], choices=[8, 16])
     ap.add_argument("--batch16", action="store_true", help="also the batch-16 decode step")
     ap.add_argument("--no-rss", action="store_true", help="skip the resident-memory check")
+    ap.add_argument("--repack", action="store_true", help="llama.cpp repacks its weights (a build without AMX)")
     args = ap.parse_args()
+    global REPACK
+    REPACK = args.repack
     sys.path.insert(0, str(ROOT / "tools"))
     from make_1b_model import out_dir
 
@@ -133,6 +141,7 @@ def main() -> None:
             sys.exit(f"{path}: missing; run tools/build_llamacpp.sh and .venv/bin/python tools/make_1b_model.py")
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.1f} at the start")
+    print(f"llama.cpp: {llama_bin('')} ({'weights repacked' if REPACK else '--repack 0'})")
     bandwidth = {t: read_bandwidth(t) for t in args.threads}
     print("read bandwidth (treadle doctor): " + ", ".join(f"{bandwidth[t] / 1e9:.1f} GB/s at {t} threads" for t in args.threads))
     if not args.no_rss:

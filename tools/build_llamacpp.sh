@@ -15,7 +15,11 @@
 # it was built. The last line printed is always the bin directory.
 #
 # Environment: LLAMACPP_PY_VERSION (default 0.3.36), PYTHON (default .venv/bin/python or python3),
-# JOBS (default 2), NICE (the build's niceness, default 10).
+# JOBS (default 2), NICE (the build's niceness, default 10), NO_AMX=1: an x86 build with this CPU's
+# AVX / AVX2 / AVX-512 (F, VBMI, VNNI, BF16) / AVX-VNNI but without ggml's AMX matmul (GGML_NATIVE off,
+# each extension named), cached apart (<version>-<cpu hash>-noamx): on a VM where ggml's AMX tiles
+# die with SIGILL, the default build needs --repack 0, which also turns off ggml's repacked
+# AVX-512 / AVX2 kernels; this one runs them.
 set -euo pipefail
 
 VERSION="${LLAMACPP_PY_VERSION:-0.3.36}"
@@ -31,7 +35,7 @@ cpu_hash() {
         | sha256sum | cut -c1-12
 }
 
-ROOT="${TREADLE_CACHE_DIR:-$HOME/.cache/treadle}/llamacpp/${VERSION}-$(cpu_hash)"
+ROOT="${TREADLE_CACHE_DIR:-$HOME/.cache/treadle}/llamacpp/${VERSION}-$(cpu_hash)${NO_AMX:+-noamx}"
 BIN="$ROOT/bin"
 
 all_built() {
@@ -63,9 +67,18 @@ fi
 
 GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
-echo "configuring llama.cpp in $ROOT/build (GGML_NATIVE=ON) ..." >&2
+ISA=(-DGGML_NATIVE=ON)
+if [[ -n "${NO_AMX:-}" ]]; then
+    has() { grep -m1 '^flags' /proc/cpuinfo | grep -qw "$1" && echo ON || echo OFF; }
+    ISA=(-DGGML_NATIVE=OFF -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)"
+         -DGGML_F16C="$(has f16c)" -DGGML_BMI2="$(has bmi2)" -DGGML_AVX_VNNI="$(has avx_vnni)"
+         -DGGML_AVX512="$(has avx512bw)" -DGGML_AVX512_VBMI="$(has avx512vbmi)"
+         -DGGML_AVX512_VNNI="$(has avx512_vnni)" -DGGML_AVX512_BF16="$(has avx512_bf16)"
+         -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+fi
+echo "configuring llama.cpp in $ROOT/build (${ISA[*]}) ..." >&2
 cmake -S "$SRC" -B "$ROOT/build" "${GEN[@]}" \
-    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+    -DCMAKE_BUILD_TYPE=Release "${ISA[@]}" -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >&2
 echo "building ${TARGETS[*]} with -j$JOBS (nice) ..." >&2
