@@ -64,12 +64,9 @@ def llama_bin(name: str) -> str:
     return str(llamacpp_bin_dir() / name)
 
 
-REPACK = False  # --repack: let llama.cpp repack weights (a build without ggml's AMX path)
-
-
-def llama_tok_s(path: Path, threads: int, args: list[str]) -> float:
+def llama_tok_s(path: Path, threads: int, args: list[str], repack: bool) -> float:
     out = run([llama_bin("llama-bench"), "-m", str(path), "-t", str(threads), *args, "-r", "1",
-               *([] if REPACK else ["--repack", "0"]), "-o", "json"])
+               *([] if repack else ["--repack", "0"]), "-o", "json"])
     return float(json.loads(out)[0]["avg_ts"])
 
 
@@ -94,9 +91,9 @@ def treadle_batch16_ms(path: Path, threads: int, bits: int) -> float:
     return statistics.median(r["metrics"]["tpot_ms"]["percentiles"]["p50"] for r in runs)
 
 
-def llama_batch16_ms(path: Path, threads: int) -> float:
+def llama_batch16_ms(path: Path, threads: int, repack: bool) -> float:
     out = run([llama_bin("llama-batched-bench"), "-m", str(path), "-t", str(threads), "-c", "2048", "-npp", "64",
-               "-ntg", "32", "-npl", "16", *([] if REPACK else ["--no-repack"])])
+               "-ntg", "32", "-npl", "16", *([] if repack else ["--no-repack"])])
     for line in out.splitlines():  # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 8 and cells[0] == "64" and cells[2] == "16":
@@ -118,6 +115,21 @@ def spread(values: list[float], fmt: str = "{:.2f}") -> str:
     return med if len(values) == 1 else f"{med} ({fmt.format(min(values))}–{fmt.format(max(values))})"
 
 
+def machine_report(files: dict[str, Path], threads: list[int], repack: bool, rss: bool) -> dict[int, float]:
+    """Print the machine, the peer, the read bandwidth per thread count (returned, bytes/s) and,
+    with ``rss``, each file's resident growth after load."""
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.1f} at the start")
+    print(f"llama.cpp: {llama_bin('')} ({'weights repacked' if repack else '--repack 0'})")
+    bandwidth = {t: read_bandwidth(t) for t in threads}
+    print("read bandwidth (treadle doctor): " + ", ".join(f"{bandwidth[t] / 1e9:.1f} GB/s at {t} threads" for t in threads))
+    for q, path in files.items() if rss else ():
+        grown = resident_bytes(path)
+        print(f"{q}: file {path.stat().st_size / 2**20:.0f} MiB, Treadle's resident growth after load "
+              f"{grown / 2**20:.0f} MiB ({grown / path.stat().st_size:.3f}x the file)")
+    return bandwidth
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", type=Path, default=None, help="the model folder (default: make_1b_model.py's)")
@@ -129,8 +141,6 @@ def main() -> None:
     ap.add_argument("--no-rss", action="store_true", help="skip the resident-memory check")
     ap.add_argument("--repack", action="store_true", help="llama.cpp repacks its weights (a build without AMX)")
     args = ap.parse_args()
-    global REPACK
-    REPACK = args.repack
     sys.path.insert(0, str(ROOT / "tools"))
     from make_1b_model import out_dir
 
@@ -139,23 +149,14 @@ def main() -> None:
     for path in files.values():
         if not path.is_file():
             sys.exit(f"{path}: missing; run tools/build_llamacpp.sh and .venv/bin/python tools/make_1b_model.py")
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.1f} at the start")
-    print(f"llama.cpp: {llama_bin('')} ({'weights repacked' if REPACK else '--repack 0'})")
-    bandwidth = {t: read_bandwidth(t) for t in args.threads}
-    print("read bandwidth (treadle doctor): " + ", ".join(f"{bandwidth[t] / 1e9:.1f} GB/s at {t} threads" for t in args.threads))
-    if not args.no_rss:
-        for q, path in files.items():
-            rss = resident_bytes(path)
-            print(f"{q}: file {path.stat().st_size / 2**20:.0f} MiB, Treadle's resident growth after load "
-                  f"{rss / 2**20:.0f} MiB ({rss / path.stat().st_size:.3f}x the file)")
+    bandwidth = machine_report(files, args.threads, args.repack, not args.no_rss)
     keys = [(q, t, b) for q in args.quants for t in args.threads for b in args.activation_bits]
     got: dict[tuple, dict[str, list[float]]] = {k: {} for k in keys}
     for rnd in range(args.rounds):
         for q, t, b in keys:
             path, rec = files[q], got[(q, t, b)]
-            lp = llama_tok_s(path, t, ["-p", "512", "-n", "0"])
-            ld = llama_tok_s(path, t, ["-p", "0", "-n", "32", "-d", "512"])
+            lp = llama_tok_s(path, t, ["-p", "512", "-n", "0"], args.repack)
+            ld = llama_tok_s(path, t, ["-p", "0", "-n", "32", "-d", "512"], args.repack)
             tp, tpot = treadle_latency(path, t, b)
             for name, v in (("llama prompt", lp), ("llama decode", ld), ("prompt", tp), ("tpot", tpot),
                             ("decode x", (1e3 / tpot) / ld), ("prompt x", tp / lp),
@@ -164,7 +165,7 @@ def main() -> None:
             line = (f"round {rnd + 1} {q} T={t} a{b}: decode {1e3 / tpot:.2f} vs {ld:.2f} tok/s ({(1e3 / tpot) / ld:.2f}x), "
                     f"prompt {tp:.1f} vs {lp:.1f} tok/s ({tp / lp:.2f}x)")
             if args.batch16:
-                tb, lb = treadle_batch16_ms(path, t, b), llama_batch16_ms(path, t)
+                tb, lb = treadle_batch16_ms(path, t, b), llama_batch16_ms(path, t, args.repack)
                 rec.setdefault("b16", []).append(tb)
                 rec.setdefault("llama b16", []).append(lb)
                 rec.setdefault("b16 x", []).append(lb / tb)

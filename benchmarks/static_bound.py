@@ -10,7 +10,7 @@ the bench) through both admission rules, counting decode steps weighted by the s
 the ratio. Prefill costs the same in both runs, so the real ratio is lower still.
 
     python benchmarks/static_bound.py --input-len 32:512 --output-len 16:256 --num-prompts 32 \
-        --concurrency 16 --step-ratio 1 4:1.38 16:3.3
+        --concurrency 16 --step-ratio 4:1.38 16:3.3
 
 `--step-ratio B:R` is a measured step cost at batch B relative to batch 1 (linear between the points,
 flat past the last); with none given it prints a table over flat and linear-growth costs.
@@ -28,13 +28,14 @@ def step_cost(points: list[tuple[int, float]]) -> list[float]:
     """cost[b] for b = 0..max, linear between the measured (batch, ratio) points."""
     pts = sorted({1: 1.0, **dict(points)}.items())
     bs, rs = [b for b, _ in pts], [r for _, r in pts]
-    top = max(bs)
-    return [0.0] + [float(np.interp(b, bs, rs)) for b in range(1, top + 1)]
+    return [0.0] + [float(np.interp(b, bs, rs)) for b in range(1, max(bs) + 1)]
 
 
 def times(outputs: list[int], concurrency: int, cost: list[float]) -> tuple[float, float]:
-    """(static, continuous) decode time in batch-1 steps."""
-    f = lambda b: cost[min(b, len(cost) - 1)] if b else 0.0  # noqa: E731
+    """(static, continuous) decode time in batch-1 steps (``cost[b]``, flat past its end; cost[0] = 0)."""
+    def f(b: int) -> float:
+        return cost[min(b, len(cost) - 1)]
+
     static = 0.0
     for i in range(0, len(outputs), concurrency):
         batch = np.array(outputs[i:i + concurrency])
