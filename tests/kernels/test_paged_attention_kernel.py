@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_variants import VARIANTS, force
 from paged_session import scattered_block_tables
 
 from treadle.kernels import native
@@ -121,6 +122,28 @@ def test_bfloat16_cache_matches_float32_reference_on_the_same_values(window: int
     assert out is not None and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=1e-5, rtol=2**-8)
     assert torch.equal(k_cache.float(), kc_ref) and torch.equal(v_cache.float(), vc_ref)
+
+
+@VARIANTS
+@pytest.mark.parametrize("head_dim,window", [(64, None), (64, 48), (40, None)], ids=["d64", "d64-window48", "d40"])
+def test_bfloat16_cache_of_a_float32_model_gives_the_float32_cache_bits(
+    variant: str, head_dim: int, window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float32 q/k/v over a bfloat16 cache (``kv_cache_dtype`` bfloat16 on a float32 model). Every
+    variant reads it with a float32 cache's arithmetic (the AVX-512 builds directly, at half the
+    bytes, where head_dim is a multiple of 16; the others widened per tile), so the output equals,
+    bit for bit, that of a float32 cache holding the same values; the new rows are written rounded
+    to nearest even, as torch rounds them."""
+    force(monkeypatch, variant)
+    q, k, v, k_cache, v_cache, meta = decode_case(SEQ_LENS, 9, 3, head_dim=head_dim, seed=11)
+    kc16, vc16 = k_cache.bfloat16(), v_cache.bfloat16()
+    kc32, vc32 = kc16.float(), vc16.float()
+    scale = head_dim**-0.5
+    out16 = paged_decode(q, k, v, kc16, vc16, *kernel_args(meta), scale, window)
+    out32 = paged_decode(q, k.bfloat16().float(), v.bfloat16().float(), kc32, vc32, *kernel_args(meta), scale, window)
+    assert out16 is not None and out16.dtype == torch.float32
+    assert torch.equal(out16, out32)
+    assert torch.equal(kc16.float(), kc32) and torch.equal(vc16.float(), vc32)
 
 
 def test_unsupported_inputs_return_none() -> None:

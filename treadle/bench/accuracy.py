@@ -10,6 +10,7 @@ import torch
 
 from treadle.bench.perplexity import PerplexityResult, evaluate
 from treadle.config import TreadleError
+from treadle.engine.args import KV_CACHE_DTYPES
 
 TABLE_SAMPLES = 32  # calibration windows of 256 tokens per quantized checkpoint
 CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "assets" / "text" / "calibration.txt"
@@ -63,8 +64,8 @@ def _logits_and_result(model: str, ids: list[int], quantization: str | None, win
 
     if window < 2 or not 0 < stride <= window:
         raise TreadleError("--window must be >= 2 and 0 < --stride <= --window")
-    if kv_cache_dtype not in ("auto", "int8", "fp8"):
-        raise TreadleError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of auto, int8, fp8")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise TreadleError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
     return evaluate(load_model(model, select_backend("auto", "cpu"), quantization=quantization), ids, window, stride,
                     reference, kv_cache_dtype)
 

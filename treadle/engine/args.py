@@ -18,7 +18,7 @@ from treadle.core.cost_policy import SCHEDULING_POLICIES
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8")
 
 
 def _arg(default: Any, help: str, **meta: Any) -> Any:
@@ -46,8 +46,9 @@ class EngineArgs:
     disable_hybrid_kv_cache_manager: bool = _arg(
         False, "one block table for all layers, also on models mixing sliding-window and full-attention layers "
                "(Gemma 3), whose sliding layers then keep every token's KV instead of their window's")
-    kv_cache_dtype: str = _arg("auto", "what the KV cache stores: auto (the model's dtype), int8 (symmetric, a "
-                                       "float32 scale per token and KV head) or fp8 (e4m3, scaled the same way); "
+    kv_cache_dtype: str = _arg("auto", "what the KV cache stores: auto (the model's dtype), bfloat16 (a float32 "
+                                       "model's cache at half the bytes, like llama.cpp's f16 cache), int8 (symmetric, "
+                                       "a float32 scale per token and KV head) or fp8 (e4m3, scaled the same way); "
                                        "int8/fp8 hold ~2x the tokens of bf16, ~4x of float32",
                                choices=KV_CACHE_DTYPES)
     attention_backend: str = _arg("auto", "auto: cpu on the CPU, triton on CUDA",

@@ -178,7 +178,7 @@ def _check_ranges(args: EngineArgs) -> None:
 
 
 def _kv_cache_dtype(name: str, dtype: torch.dtype, head_dim: int) -> str:
-    """``kv_cache_dtype`` resolved: auto -> the model's dtype name; int8 / fp8 kept (checked)."""
+    """``kv_cache_dtype`` resolved: auto -> the model's dtype name; bfloat16 / int8 / fp8 kept (checked)."""
     if name not in KV_CACHE_DTYPES:
         raise TreadleError(f"kv_cache_dtype {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
     if name == "auto":

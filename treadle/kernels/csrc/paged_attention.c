@@ -40,9 +40,12 @@
  * written (the same arithmetic as kv_quant.quantize: scale = amax / 127 or / 448, x / scale
  * rounded half to even), and each tile is dequantized once per KV head into a float buffer that
  * the G query heads of that KV head then read through the float code above.
- * A bfloat16 cache (TQ_KV_BF16, a bfloat16 model's) takes the same path: rows of head_dim
- * bfloat16 values, no scale, written rounded to nearest even (torch's float -> bfloat16) and
- * widened to float32 exactly per tile.
+ * A bfloat16 cache (TQ_KV_BF16: a bfloat16 model's, or a float32 model's with kv_cache_dtype
+ * bfloat16) holds rows of head_dim bfloat16 values, no scale, written rounded to nearest even
+ * (torch's float -> bfloat16). The AVX-512 builds read it directly (head_dim a multiple of 16:
+ * head_tile16 widens each load in the register, so the bytes read are half a float32 cache's);
+ * the others take the quantized caches' path, widened to float32 exactly per tile. Either way a
+ * bfloat16 cache gives the bits of a float32 cache holding the same values.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -201,15 +204,27 @@ static inline __m512 quad_sums(__m512 a, __m512 b) { /* per quarter: keys a0, a1
     return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
 }
 
-/* scale * q.k_j for the n <= 16 rows k_j = rows + j * stride (D a multiple of 16) in lane j;
- * lanes n.. are 0. Inlined with D a constant (64, 128, 256) so the 16 sums stay in registers. */
-static inline __attribute__((always_inline)) __m512 scores16(const float *q, const float *rows, int64_t stride, int n,
-                                                           const int64_t D, float scale) {
+/* 16 values of a cache row from element i: float32, or (bf16) bfloat16 widened to float32 in
+ * the register, exactly (its 16 bits on top): a bfloat16 cache is read at half the bytes, with
+ * the float32 cache's arithmetic on the same values (so the same bits as a float32 cache holding
+ * them). */
+static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t i, const int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+/* scale * q.k_j for the n <= 16 rows k_j = rows + j * stride (elements; D a multiple of 16) in
+ * lane j; lanes n.. are 0. Inlined with D a constant (64, 128, 256) so the 16 sums stay in
+ * registers. */
+static inline __attribute__((always_inline)) __m512 scores16(const float *q, const void *rows, int64_t stride, int n,
+                                                           const int64_t D, float scale, const int bf16) {
     __m512 a[16];
     for (int j = 0; j < 16; j++) {
-        const float *r = rows + (j < n ? j : 0) * stride; /* rows past n: any row, zeroed below */
-        a[j] = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(r));
-        for (int64_t d = 16; d < D; d += 16) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(r + d), a[j]);
+        const int64_t r = (j < n ? j : 0) * stride; /* rows past n: any row, zeroed below */
+        a[j] = _mm512_mul_ps(_mm512_loadu_ps(q), load16(rows, r, bf16));
+        for (int64_t d = 16; d < D; d += 16) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(rows, r + d, bf16), a[j]);
     }
     __m512 b[8], c[4];
     for (int j = 0; j < 8; j++) b[j] = pair_sums(a[2 * j], a[2 * j + 1]);
@@ -220,12 +235,13 @@ static inline __attribute__((always_inline)) __m512 scores16(const float *q, con
     return _mm512_maskz_mul_ps((__mmask16)((1u << n) - 1), sum, _mm512_set1_ps(scale));
 }
 
-/* One online-softmax step of one query head over n <= 16 keys (see head_tile). */
-static inline __attribute__((always_inline)) void head_tile16(const float *q, const float *kr, const float *vr,
+/* One online-softmax step of one query head over n <= 16 keys (see head_tile), rows of float32
+ * or (bf16) bfloat16 `stride` elements apart. */
+static inline __attribute__((always_inline)) void head_tile16(const float *q, const void *kr, const void *vr,
                                                              int64_t stride, int n, const int64_t D, float scale,
-                                                             float *m, float *l, float *acc) {
+                                                             float *m, float *l, float *acc, const int bf16) {
     const __mmask16 live = (__mmask16)((1u << n) - 1);
-    const __m512 s = scores16(q, kr, stride, n, D, scale);
+    const __m512 s = scores16(q, kr, stride, n, D, scale, bf16);
     const float tile_max = _mm512_mask_reduce_max_ps(live, s);
     const float mx = tile_max > *m ? tile_max : *m;
     const float c = expf(*m - mx); /* 0 on the first tile (m = -inf) */
@@ -241,19 +257,39 @@ static inline __attribute__((always_inline)) void head_tile16(const float *q, co
         __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 32), vc), a3 = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 48), vc);
         for (int j = 0; j < n; j++) {
             const __m512 pj = _mm512_set1_ps(ps[j]);
-            const float *v = vr + j * stride + d;
-            a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v), a0);
-            a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 16), a1);
-            a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 32), a2);
-            a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 48), a3);
+            const int64_t v = j * stride + d;
+            a0 = _mm512_fmadd_ps(pj, load16(vr, v, bf16), a0);
+            a1 = _mm512_fmadd_ps(pj, load16(vr, v + 16, bf16), a1);
+            a2 = _mm512_fmadd_ps(pj, load16(vr, v + 32, bf16), a2);
+            a3 = _mm512_fmadd_ps(pj, load16(vr, v + 48, bf16), a3);
         }
         _mm512_storeu_ps(acc + d, a0), _mm512_storeu_ps(acc + d + 16, a1);
         _mm512_storeu_ps(acc + d + 32, a2), _mm512_storeu_ps(acc + d + 48, a3);
     }
     for (; d < D; d += 16) {
         __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc + d), vc);
-        for (int j = 0; j < n; j++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(ps[j]), _mm512_loadu_ps(vr + j * stride + d), a0);
+        for (int j = 0; j < n; j++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(ps[j]), load16(vr, j * stride + d, bf16), a0);
         _mm512_storeu_ps(acc + d, a0);
+    }
+}
+#endif
+
+#if defined(TQ_AVX2) && defined(__AVX512F__)
+/* n <= TILE keys 16 at a time (D a multiple of 16; rows of float32 or, bf16, bfloat16), with D a
+ * constant for the common head sizes. */
+static inline __attribute__((always_inline)) void head_tiles16(const float *q, const void *kr, const void *vr,
+                                                              int64_t stride, int n, int64_t D, float scale, float *m,
+                                                              float *l, float *acc, const int bf16) {
+    const int64_t es = bf16 ? 2 : 4;
+    for (int j = 0; j < n; j += 16) {
+        const int w = n - j < 16 ? n - j : 16;
+        const char *k = (const char *)kr + j * stride * es, *v = (const char *)vr + j * stride * es;
+        switch (D) {
+            case 64: head_tile16(q, k, v, stride, w, 64, scale, m, l, acc, bf16); break;
+            case 128: head_tile16(q, k, v, stride, w, 128, scale, m, l, acc, bf16); break;
+            case 256: head_tile16(q, k, v, stride, w, 256, scale, m, l, acc, bf16); break;
+            default: head_tile16(q, k, v, stride, w, D, scale, m, l, acc, bf16);
+        }
     }
 }
 #endif
@@ -264,16 +300,7 @@ static inline void head_tile(const float *q, const float *kr, const float *vr, i
                              float scale, float *m, float *l, float *acc, float *s) {
 #if defined(TQ_AVX2) && defined(__AVX512F__)
     if (D % 16 == 0) {
-        for (int j = 0; j < n; j += 16) {
-            const int w = n - j < 16 ? n - j : 16;
-            const float *k = kr + j * stride, *v = vr + j * stride;
-            switch (D) { /* the common head sizes with D a constant */
-                case 64: head_tile16(q, k, v, stride, w, 64, scale, m, l, acc); break;
-                case 128: head_tile16(q, k, v, stride, w, 128, scale, m, l, acc); break;
-                case 256: head_tile16(q, k, v, stride, w, 256, scale, m, l, acc); break;
-                default: head_tile16(q, k, v, stride, w, D, scale, m, l, acc);
-            }
-        }
+        head_tiles16(q, kr, vr, stride, n, D, scale, m, l, acc, 0);
         return;
     }
 #endif
@@ -286,13 +313,13 @@ static inline void head_tile(const float *q, const float *kr, const float *vr, i
     scale_accumulate(acc, c, s, vr, stride, n, D);
 }
 
-/* Lines [from, to) (floats) of the K and V block at `at` into L2: blocks are scattered, so the
+/* Bytes [from, to) of the K and V block at byte `at` into L2: blocks are scattered, so the
  * hardware prefetchers, which stop at page edges, fetch little of one ahead of its use (1.04x at
  * batch 1 x 512 keys, 1.1x from 2,048 keys or 4 sequences on, AMD Zen 1). */
-static inline void prefetch_block(const float *k_cache, const float *v_cache, int64_t at, int64_t from, int64_t to) {
-    for (int64_t b = from; b < to; b += 16) {
-        __builtin_prefetch(k_cache + at + b, 0, 2);
-        __builtin_prefetch(v_cache + at + b, 0, 2);
+static inline void prefetch_block(const void *k_cache, const void *v_cache, int64_t at, int64_t from, int64_t to) {
+    for (int64_t b = from; b < to; b += 64) {
+        __builtin_prefetch((const char *)k_cache + at + b, 0, 2);
+        __builtin_prefetch((const char *)v_cache + at + b, 0, 2);
     }
 }
 
@@ -300,32 +327,50 @@ static inline void prefetch_block(const float *k_cache, const float *v_cache, in
  * [start, end), into m[H], l[H], acc[H * D]; query head h reads KV head h / G. The blocks AHEAD on
  * are prefetched up to the row's last key `limit`, past the range's end: a row's chunks run one
  * after another (1.25x at 16 rows x 160 keys, AMD Zen 5, cold caches). A tile is up to
- * TILE keys of one block: whole cache rows (all KV heads, `stride` floats apart), contiguous in
+ * TILE keys of one block: whole cache rows (all KV heads, `stride` elements apart), contiguous in
  * memory, read from DRAM once and then from L1 by the G heads of each KV head. An empty range
- * leaves m = -inf, l = 0, acc = 0. */
-static void attend_range(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
-                         int64_t start, int64_t end, int64_t limit, int64_t block_size, int64_t stride, int64_t H, int64_t G,
-                         int64_t D, float scale, float *m, float *l, float *acc) {
+ * leaves m = -inf, l = 0, acc = 0. The cache holds float32, or (bf16: the AVX-512 builds, D a
+ * multiple of 16) bfloat16 read directly by head_tile16. */
+static inline __attribute__((always_inline)) void attend_range_t(const float *q, const void *k_cache, const void *v_cache,
+                                                                const int32_t *table, int64_t start, int64_t end,
+                                                                int64_t limit, int64_t block_size, int64_t stride,
+                                                                int64_t H, int64_t G, int64_t D, float scale, float *m,
+                                                                float *l, float *acc, const int bf16) {
     float s[TILE];
-    const int64_t block_floats = block_size * stride, share = (block_floats / 16 + H - 1) / H * 16;
+    const int64_t es = bf16 ? 2 : 4, block_bytes = block_size * stride * es, share = (block_bytes / 64 + H - 1) / H * 64;
     for (int64_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
     for (int64_t b = 1; b < AHEAD && (start / block_size + b) * block_size < limit; b++) /* the range's first blocks */
-        prefetch_block(k_cache, v_cache, (int64_t)table[start / block_size + b] * block_floats, 0, block_floats);
+        prefetch_block(k_cache, v_cache, (int64_t)table[start / block_size + b] * block_bytes, 0, block_bytes);
     for (int64_t pos = start, n; pos < end; pos += n) {
         const int64_t off = pos % block_size;
         n = block_size - off < end - pos ? block_size - off : end - pos;
         if (n > TILE) n = TILE;
         const int64_t base = ((int64_t)table[pos / block_size] * block_size + off) * stride;
         const int64_t ahead = (pos / block_size + AHEAD) * block_size < limit
-                                  ? (int64_t)table[pos / block_size + AHEAD] * block_floats : -1;
+                                  ? (int64_t)table[pos / block_size + AHEAD] * block_bytes : -1;
         for (int64_t h = 0; h < H; h++) {
             if (ahead >= 0) /* a share before each head: all at once would stall on the fill buffers */
-                prefetch_block(k_cache, v_cache, ahead, h * share, (h + 1) * share < block_floats ? (h + 1) * share : block_floats);
-            head_tile(q + h * D, k_cache + base + h / G * D, v_cache + base + h / G * D, stride, (int)n, D, scale,
-                      m + h, l + h, acc + h * D, s);
+                prefetch_block(k_cache, v_cache, ahead, h * share, (h + 1) * share < block_bytes ? (h + 1) * share : block_bytes);
+            const char *kr = (const char *)k_cache + (base + h / G * D) * es, *vr = (const char *)v_cache + (base + h / G * D) * es;
+#if defined(TQ_AVX2) && defined(__AVX512F__)
+            if (bf16) {
+                head_tiles16(q + h * D, kr, vr, stride, (int)n, D, scale, m + h, l + h, acc + h * D, 1);
+                continue;
+            }
+#endif
+            head_tile(q + h * D, (const float *)kr, (const float *)vr, stride, (int)n, D, scale, m + h, l + h, acc + h * D, s);
         }
     }
+}
+
+static void attend_range(const float *q, const void *k_cache, const void *v_cache, const int32_t *table, int64_t start,
+                         int64_t end, int64_t limit, int64_t block_size, int64_t stride, int64_t H, int64_t G, int64_t D,
+                         float scale, int bf16, float *m, float *l, float *acc) {
+    if (bf16)
+        attend_range_t(q, k_cache, v_cache, table, start, end, limit, block_size, stride, H, G, D, scale, m, l, acc, 1);
+    else
+        attend_range_t(q, k_cache, v_cache, table, start, end, limit, block_size, stride, H, G, D, scale, m, l, acc, 0);
 }
 
 /* float -> float8 e4m3fn bits, round half to even, for |x| <= 448 (the caller clamps). */
@@ -487,6 +532,7 @@ typedef struct { /* what every work item reads */
     int64_t max_blocks, block_size, row, qrow, head_bytes, H, G, D, window;
     float scale;
     int kv_format;
+    int bf16_direct; /* a bfloat16 cache read by attend_range itself (no widened copy) */
     const float *lut;
 } paged_args;
 
@@ -496,9 +542,9 @@ static void attend_chunk(const paged_args *a, int64_t i, int64_t c, float *kbuf,
     const int64_t start = lo + c * SPLIT, end = start + SPLIT < len ? start + SPLIT : len;
     float *m = part, *l = m + a->H, *acc = l + a->H;
     const int32_t *table = a->block_tables + i * a->max_blocks;
-    if (a->kv_format == TQ_KV_FLOAT32)
+    if (a->kv_format == TQ_KV_FLOAT32 || a->bf16_direct)
         attend_range(a->q + i * a->q_stride, a->k_cache, a->v_cache, table, start, end, len, a->block_size, a->row, a->H,
-                     a->G, a->D, a->scale, m, l, acc);
+                     a->G, a->D, a->scale, a->bf16_direct, m, l, acc);
     else
         attend_range_quant(a->q + i * a->q_stride, a->k_cache, a->v_cache, table, start, end, a->block_size, a->qrow,
                            a->head_bytes, a->H, a->G, a->D, a->scale, a->kv_format, a->lut, kbuf,
@@ -581,8 +627,12 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
     threads = omp_get_max_threads();
 #endif
     const int64_t part_len = H * (D + 2); /* m[H], l[H], acc[H * D] */
+    int bf16_direct = 0;
+#if defined(TQ_AVX2) && defined(__AVX512F__)
+    bf16_direct = kv_format == TQ_KV_BF16 && D % 16 == 0;
+#endif
     const paged_args a = {q, q_stride, k_cache, v_cache, block_tables, seq_lens, max_blocks, block_size, row, qrow,
-                          head_bytes, H, G, D, window, scale, kv_format, lut};
+                          head_bytes, H, G, D, window, scale, kv_format, bf16_direct, lut};
     /* few rows: each chunk is a work item (one long context keeps every core busy); many rows: each
      * row is one, its chunks attended one after another; the same chunks and merge either way */
     const int by_chunk = num_seqs < WORK_PER_THREAD * threads && items > num_seqs;
