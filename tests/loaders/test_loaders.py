@@ -327,3 +327,29 @@ def test_gguf_pages_leave_the_resident_set_once_loaded(hf_model, tmp_path: Path)
     assert _mapped_kib(path) > 0  # the map is live and read (the check sees it)
     rest = list(stream)
     assert rest and _mapped_kib(path) == 0
+
+
+def test_metadata_reader_reads_what_the_gguf_package_reads(tmp_path: Path) -> None:
+    """Treadle's reader parses a metadata array in one step (a view of all its numbers, a slice
+    per string) and must decode every field as the gguf package's per-element parse does: arrays
+    of strings (empty strings, non-ASCII), of each number type and of arrays, scalars, and the tensors
+    after them; and the real SmolLM2 file's 49k-token vocabulary."""
+    from treadle.loaders.gguf import MetadataReader, PlainBufferReader, read_metadata
+
+    path = tmp_path / "meta.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_array("test.strings", ["", "a", "héllo", "▁the", "<0x0A>"] * 3)
+    w.add_array("test.floats", [0.5, -1.25, 3e-8])
+    w.add_array("test.ints", [1, -2, 3])
+    w.add_array("test.nested", [[1, 2], [3]])
+    w.add_uint32("test.scalar", 7)
+    w.add_string("test.string", "after the arrays")
+    w.add_tensor("t", np.arange(64, dtype=np.float32).reshape(8, 8))
+    finish(w, path)
+    for file in (path, resolve_model("smollm2-135m-instruct")):
+        plain, fast = PlainBufferReader(file, "r"), MetadataReader(file, "r")
+        assert read_metadata(fast) == read_metadata(plain)
+        assert [(t.name, t.data_offset, t.n_bytes) for t in fast.tensors] == [
+            (t.name, t.data_offset, t.n_bytes) for t in plain.tensors]
+    meta = read_metadata(MetadataReader(path, "r"))
+    assert meta["test.strings"][:5] == ["", "a", "héllo", "▁the", "<0x0A>"]

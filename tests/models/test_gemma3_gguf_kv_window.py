@@ -12,7 +12,7 @@ from engine_run import generate_stepwise
 
 from treadle import LLM, SamplingParams
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.slow  # both cores: a 270M model, prefilled 1,100 tokens at a time
 
 BLOCK, WINDOW, NEW_TOKENS = 16, 512, 8
 LONG, SHARED = 1100, 1000  # tokens: the long prompt, and the prefix a second prompt shares with it

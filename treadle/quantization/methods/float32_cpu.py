@@ -10,9 +10,12 @@ that changes logprobs, and, where two tokens are nearly tied, greedy tokens.
 buffer and the last one padded with zero rows: every matmul of a layer then has one shape, so a
 row's result does not depend on the rows beside it (checked in tests/engine/test_engine_prefix_exact.py
 and tests/test_float32_rows.py). Decode pays ROW_TILE rows of arithmetic for one (small against
-reading the weights); prefill reads the weights once per tile.
+reading the weights); prefill reads the weights once per tile. Each tile is multiplied as
+W x^T (the weight as the streamed left operand): at 8 rows MKL takes 1.5-1.8x longer for
+x W^T, which packs the [N, K] weight as the right operand (262144 x 640: 260 vs 143 ms; 2048 x
+640: 0.85 vs 0.58 ms; SPR, one thread).
 
-    x [M, K] --pad to a multiple of ROW_TILE--> tiles [ROW_TILE, K] --linear each--> cat, cut to M
+    x [M, K] --pad to a multiple of ROW_TILE--> tiles [ROW_TILE, K] --W tile^T each--> cat, cut to M (+ bias)
 """
 from __future__ import annotations
 
@@ -37,8 +40,12 @@ class Float32TiledMethod(UnquantizedLinearMethod):
         for start in range(0, m, ROW_TILE):
             tile = rows.new_zeros(ROW_TILE, rows.shape[1])  # its own buffer: one alignment for every tile
             tile[: min(ROW_TILE, m - start)] = rows[start : start + ROW_TILE]
-            tiles.append(F.linear(tile, layer.weight, layer.bias))
-        out = torch.cat(tiles)[:m] if tiles else F.linear(rows, layer.weight, layer.bias)
+            tiles.append(torch.mm(layer.weight, tile.T).T)  # W x^T: 1.5-1.8x F.linear's x W^T here
+        if not tiles:
+            return F.linear(x, layer.weight, layer.bias)
+        out = torch.cat(tiles)[:m]
+        if layer.bias is not None:
+            out = out + layer.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
