@@ -122,7 +122,7 @@ class MetadataReader(PlainBufferReader):
             return 12 + int(values.nbytes), [raw_itype, alen, values], [2], [GGUFValueType.ARRAY, itype]
         if itype != GGUFValueType.STRING:  # arrays of arrays: the package's own parse
             return super()._get_field_parts(orig_offs, raw_type)
-        buf = memoryview(np.asarray(self.data)).cast("B")
+        buf = np.asarray(self.data).data  # the bytes (uint8), as a memoryview
         strings: list[Any] = []
         for _ in range(count):
             n = int.from_bytes(buf[offs : offs + 8], "little")
