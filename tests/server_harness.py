@@ -54,7 +54,9 @@ class ServerThread:
     """uvicorn serving ``app`` on 127.0.0.1 (a port picked by the OS) in a thread."""
 
     def __init__(self, app: Any) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP;
+        # with 0, Nagle held each keep-alive response's body for the client's delayed ACK (~40 ms)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]

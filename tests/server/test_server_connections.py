@@ -36,7 +36,7 @@ class GuardedServer(ServerThread):
     """ServerThread with the `treadle serve` connection settings (uvicorn_config)."""
 
     def __init__(self, app: Any, send_buffer: int | None = None, **config: Any) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY, as ServerThread
         if send_buffer is not None:  # accepted sockets inherit it: a non-reading client backs up sooner
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         self.sock.bind(("127.0.0.1", 0))
