@@ -15,7 +15,7 @@ from treadle.layers.attention.cpu import CPUBackend
 from treadle.loaders import LoadedModel, load_model
 from treadle.loaders.resolve import resolve_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.slow  # both cores: a 270M model with a 262k-row lm_head, in float32
 
 TEXTS = ["The capital of France is", "Once upon a time, there was a little", "def fibonacci(n):"]
 NEW_TOKENS = 16

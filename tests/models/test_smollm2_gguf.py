@@ -33,7 +33,7 @@ TEXTS = [
 ]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# no one_thread fixture: a 135M model, and transformers running it beside, use both cores
 
 
 @pytest.fixture(scope="module")
