@@ -161,7 +161,7 @@ def test_unknown_kv_cache_dtype_is_one_line_error(value: str) -> None:
     from treadle.engine.resolver import resolve_config
     from treadle.loaders import open_model_source
 
-    with pytest.raises(TreadleError, match="kv_cache_dtype .* is not one of auto, int8, fp8") as info:
+    with pytest.raises(TreadleError, match="kv_cache_dtype .* is not one of auto, bfloat16, int8, fp8") as info:
         resolve_config(engine_args("stories260k", kv_cache_dtype=value, num_kv_blocks=4),
                        open_model_source("stories260k"), 1 << 34)
     assert "\n" not in str(info.value)
