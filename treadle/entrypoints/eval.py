@@ -8,6 +8,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from treadle.engine.args import KV_CACHE_DTYPES
+
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "assets" / "text" / "eval.txt"
 
 
@@ -22,7 +24,7 @@ def register(subparsers: Any) -> None:
     ppl.add_argument("--text", type=Path, default=DEFAULT_TEXT, metavar="FILE",
                      help="evaluation text (default: the bundled treadle/assets/text/eval.txt)")
     ppl.add_argument("--quantization", default=None, help="as for `treadle generate` (gguf, int8, int4-g32, ...)")
-    ppl.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8", "fp8"],
+    ppl.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                      help="the KV cache's dtype, as for `treadle serve` (the reference keeps a float cache)")
     ppl.add_argument("--reference", default=None, metavar="MODEL", help="float model to compare logits with")
     ppl.add_argument("--no-reference", action="store_true", help="perplexity only")

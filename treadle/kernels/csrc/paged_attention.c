@@ -532,9 +532,19 @@ typedef struct { /* what every work item reads */
     int64_t max_blocks, block_size, row, qrow, head_bytes, H, G, D, window;
     float scale;
     int kv_format;
-    int bf16_direct; /* a bfloat16 cache read by attend_range itself (no widened copy) */
     const float *lut;
 } paged_args;
+
+/* 1: a bfloat16 cache that attend_range reads itself (the AVX-512 builds, D a multiple of 16),
+ * with no widened copy per tile */
+static inline int bf16_direct(int kv_format, int64_t D) {
+#if defined(TQ_AVX2) && defined(__AVX512F__)
+    return kv_format == TQ_KV_BF16 && D % 16 == 0;
+#else
+    (void)kv_format, (void)D;
+    return 0;
+#endif
+}
 
 /* Chunk c of row i into part (m[H], l[H], acc[H * D]). */
 static void attend_chunk(const paged_args *a, int64_t i, int64_t c, float *kbuf, float *part) {
@@ -542,9 +552,10 @@ static void attend_chunk(const paged_args *a, int64_t i, int64_t c, float *kbuf,
     const int64_t start = lo + c * SPLIT, end = start + SPLIT < len ? start + SPLIT : len;
     float *m = part, *l = m + a->H, *acc = l + a->H;
     const int32_t *table = a->block_tables + i * a->max_blocks;
-    if (a->kv_format == TQ_KV_FLOAT32 || a->bf16_direct)
+    const int bf16 = bf16_direct(a->kv_format, a->D);
+    if (a->kv_format == TQ_KV_FLOAT32 || bf16)
         attend_range(a->q + i * a->q_stride, a->k_cache, a->v_cache, table, start, end, len, a->block_size, a->row, a->H,
-                     a->G, a->D, a->scale, a->bf16_direct, m, l, acc);
+                     a->G, a->D, a->scale, bf16, m, l, acc);
     else
         attend_range_quant(a->q + i * a->q_stride, a->k_cache, a->v_cache, table, start, end, a->block_size, a->qrow,
                            a->head_bytes, a->H, a->G, a->D, a->scale, a->kv_format, a->lut, kbuf,
@@ -627,12 +638,8 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
     threads = omp_get_max_threads();
 #endif
     const int64_t part_len = H * (D + 2); /* m[H], l[H], acc[H * D] */
-    int bf16_direct = 0;
-#if defined(TQ_AVX2) && defined(__AVX512F__)
-    bf16_direct = kv_format == TQ_KV_BF16 && D % 16 == 0;
-#endif
     const paged_args a = {q, q_stride, k_cache, v_cache, block_tables, seq_lens, max_blocks, block_size, row, qrow,
-                          head_bytes, H, G, D, window, scale, kv_format, bf16_direct, lut};
+                          head_bytes, H, G, D, window, scale, kv_format, lut};
     /* few rows: each chunk is a work item (one long context keeps every core busy); many rows: each
      * row is one, its chunks attended one after another; the same chunks and merge either way */
     const int by_chunk = num_seqs < WORK_PER_THREAD * threads && items > num_seqs;
@@ -640,8 +647,9 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
     if (part == NULL) abort();
 #pragma omp parallel if (total * H >= PARALLEL_MIN)
     {
-        float *kbuf = kv_format == TQ_KV_FLOAT32 ? NULL : malloc((size_t)(2 * TILE * D) * sizeof(float));
-        if (kv_format != TQ_KV_FLOAT32 && kbuf == NULL) abort();
+        const int widened = kv_format != TQ_KV_FLOAT32 && !bf16_direct(kv_format, D); /* tiles copied into kbuf */
+        float *kbuf = widened ? malloc((size_t)(2 * TILE * D) * sizeof(float)) : NULL;
+        if (widened && kbuf == NULL) abort();
         int tid = 0;
 #ifdef _OPENMP
         tid = omp_get_thread_num();
