@@ -10,6 +10,7 @@ leftover rows), and a row's result does not depend on the rows beside it."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -33,10 +34,14 @@ def inputs(qtype: str, k: int) -> int:
     return 768 if qtype.endswith("_K") and k % 256 else k
 
 
-def weights(qtype: str, n: int, k: int, seed: int) -> tuple[tuple[tuple[str, int], ...], torch.Tensor]:
-    """Random ``qtype`` rows as the engine holds them: Q4_0 / Q4_1 whole groups of 8 packed (as with
-    8-bit activations), the rows past them a segment of their own."""
+def weights(qtype: str, n: int, k: int, seed: int,
+            edit: Callable[[torch.Tensor], None] | None = None) -> tuple[tuple[tuple[str, int], ...], torch.Tensor]:
+    """Random ``qtype`` rows as the engine holds them: Q4_0 / Q4_1 / Q4_K / Q6_K whole groups of 8
+    packed (as with 8-bit activations), the rows past them a segment of their own; ``edit`` changes
+    the file layout's bytes before they are packed."""
     w = random_blocks(qtype, n, k, seed=seed).data.reshape(-1).clone()
+    if edit is not None:
+        edit(w)
     whole = n // 8 * 8
     if qtype not in native.PACKED.values():
         return ((qtype, n),), w
@@ -149,8 +154,8 @@ def test_strip_amx_batches_equal_the_plain_reference_bitwise(variant: str, qtype
 @VARIANTS
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_kquant_extremes_stay_exact_at_amx_batches(variant: str, qtype: str) -> None:
-    """The K-quants' largest terms against activations at +-127, at batches on both sides of the AMX
-    thresholds: Q4_K / Q5_K q = 15 / 31 with 6-bit scales and minimums 63; Q6_K q - 32 = -32 with
+    """The K-quants' largest terms against activations at +-127, at 1 and 4 rows (packed Q4_K /
+    Q6_K: q8act.c's registers) and at batches on both sides of the AMX thresholds: Q4_K / Q5_K q = 15 / 31 with 6-bit scales and minimums 63; Q6_K q - 32 = -32 with
     its int8 scales -128 (w = sc (q - 32) = 4096, the bfloat16 split's largest: hi 4096, lo 0;
     |isum| up to 32 * 4096 * 127, just under 2^24), q - 32 = 31 with scales 127 (w = 3937: hi 3904
     + lo 33), and the two mixed byte by byte. Integer sums (and Q6_K's bfloat16 float sums) stay
@@ -159,9 +164,8 @@ def test_kquant_extremes_stay_exact_at_amx_batches(variant: str, qtype: str) -> 
     k, n = 768, 40
     g = torch.Generator().manual_seed(161)
     patterns = ("top",) if qtype != "Q6_K" else ("w4096", "w3937", "mixed")
-    for pattern in patterns:
-        seg, w = weights(qtype, n, k, seed=162)
-        raw = w.view(torch.uint8)
+
+    def extremes(raw: torch.Tensor) -> None:
         if qtype == "Q4_K":
             raw.view(-1, 144)[:, 4:] = 0xFF
         elif qtype == "Q5_K":
@@ -175,7 +179,10 @@ def test_kquant_extremes_stay_exact_at_amx_batches(variant: str, qtype: str) -> 
             else:
                 blocks[:, :192] = torch.where(torch.rand(blocks.shape[0], 192, generator=g) < 0.5, 0, 0xFF).to(torch.uint8)
                 blocks[:, 192:208] = torch.where(torch.rand(blocks.shape[0], 16, generator=g) < 0.5, 0x80, 0x7F).to(torch.uint8)
-        for m in (17, 33, 64, 130):
+
+    for pattern in patterns:
+        seg, w = weights(qtype, n, k, seed=162, edit=extremes)
+        for m in (1, 4, 17, 33, 64, 130):
             for signs in ("same", "mixed"):
                 x = torch.ones(m, k)
                 if signs == "mixed":
@@ -211,20 +218,22 @@ def test_extreme_activations_and_weights_stay_exact() -> None:
     the reference's bits."""
     for qtype, rows in itertools.product(("Q4_1", "Q8_0", "Q4_K", "Q6_K"), (17, 130)):  # 130: the amx build's AMX tiles
         k = inputs(qtype, 576)
-        seg, w = weights(qtype, 32, k, seed=121)
-        raw = w.view(torch.uint8)
-        if qtype == "Q4_K":
-            raw.view(-1, 144)[:, 4:] = 0xFF
-        elif qtype == "Q6_K":
-            blocks = raw.view(-1, 210)
-            blocks[:, :192] = 0  # ql, qh: q = 0, read as 0 - 32
-            blocks[:, 192:208] = 0x80  # the 16 int8 scales: -128
-        elif qtype == "Q8_0":
-            blocks = raw.view(-1, 34)
-            blocks[:, 2:18] = 0x80  # -128
-            blocks[:, 18:] = 0x7F
-        else:
-            nib = raw.view(-1, 20 * 8)  # packed: 8 rows' d, m, then 128 nibble bytes per block
+
+        def extremes(raw: torch.Tensor, qtype: str = qtype) -> None:  # the file layout's bytes, before packing
+            if qtype == "Q4_K":
+                raw.view(-1, 144)[:, 4:] = 0xFF
+            elif qtype == "Q6_K":
+                blocks = raw.view(-1, 210)
+                blocks[:, :192] = 0  # ql, qh: q = 0, read as 0 - 32
+                blocks[:, 192:208] = 0x80  # the 16 int8 scales: -128
+            elif qtype == "Q8_0":
+                blocks = raw.view(-1, 34)
+                blocks[:, 2:18] = 0x80  # -128
+                blocks[:, 18:] = 0x7F
+
+        seg, w = weights(qtype, 32, k, seed=121, edit=extremes)
+        if qtype == "Q4_1":
+            nib = w.view(-1, 20 * 8)  # packed: 8 rows' d, m, then 128 nibble bytes per block
             nib[:, 32:] = 0xFF
         x = torch.ones(rows, k) * torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)
         y = native.qmatmul(seg, w, x, act_bits=8)

@@ -2,8 +2,8 @@
 every runnable SIMD variant equals the plain-C reference bit for bit (exact integer sums, one
 fixed float order), equals the dequantized weights times the int8-rounded activations up to
 float32 summation, and a row's result does not depend on its batch; for the legacy types and
-Q4_K, Q5_K, Q6_K. Q2_K / Q3_K segments of the same weight keep 16-bit activations. Q4_0 / Q4_1
-rows packed 8 at a time at load give the same bits as the file's layout."""
+Q4_K, Q5_K, Q6_K. Q2_K / Q3_K segments of the same weight keep 16-bit activations. Q4_0 / Q4_1 /
+Q4_K / Q6_K rows packed 8 at a time at load give the same bits as the file's layout."""
 from __future__ import annotations
 
 import pytest
@@ -110,13 +110,13 @@ def test_bad_activation_bits_is_one_clear_error(monkeypatch: pytest.MonkeyPatch)
 
 
 @VARIANTS
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_packed_rows_give_the_file_layouts_bits(variant: str, qtype: str) -> None:
     """``native.pack_rows`` (8 rows at a time, in place): the same bits as the file's layout
     for batches on both packed paths (registers up to 4 rows, the panel beyond), in every build;
     packed rows take 8-bit activations whatever is asked; lookups read the file's values back."""
     runnable(variant)
-    n = 40
+    n, K = 40, inputs(qtype)
     blocks = random_blocks(qtype, n, K, seed=61)
     w = blocks.data.reshape(-1)
     packed = w.clone()

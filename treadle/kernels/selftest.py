@@ -5,7 +5,8 @@ tests/kernels/test_kernel_variants.py, test_q8_activations.py and test_bf16_matm
     check                    contract
     w8a8 int8 x int8         bit-exact (exact int32 sums, the same float scaling)
     Q8_0 / Q4_1 / Q4_K /     bit-exact (exact int32 sums per block, the same float order), packed
-    Q6_K, 8-bit acts         Q4_1 rows at 64 activation rows too (the batched int8 path)
+    Q6_K, 8-bit acts         Q4_1 rows at 64 activation rows too (the batched int8 path), packed
+                             Q4_K / Q6_K rows at 1 (q8act.c's registers)
     Q4_1 / Q6_K, 16-bit acts float32 sums of exact block products in another order: |err| <= 1e-5 max|y|
     bfloat16 weights         bit-exact (the same FMAs in the same order), except a variant that rounds
                              activations to bfloat16 (``native.rounds_activations_to_bf16``):
@@ -86,14 +87,15 @@ def _blocks_check(variant: str, qtype: str, act_bits: int) -> Check:
     return _check(variant, f"{qtype}, {act_bits}-bit activations", got, ref, act_bits == 8)
 
 
-def _packed(variant: str) -> Check:
-    """Q4_1 rows packed 8 at a time (the layout is the same in every build), 64 activation rows:
-    the batched 8-bit path where the build has one (csrc/q8batch.c; q8amx.c from 64 rows)."""
+def _packed(variant: str, qtype: str, rows: int) -> Check:
+    """``qtype`` rows packed 8 at a time (the layout is the same in every build): at 64 activation
+    rows the batched 8-bit path where the build has one (csrc/q8batch.c; q8amx.c from 64 rows), at
+    1 row q8act.c's registers."""
     n = 32
-    w, x = _blocks("Q4_1", seed=9, n=n).clone(), _rand(64, K, seed=10)
-    seg = ((native.pack_rows("Q4_1", w, n, K), n),)
+    w, x = _blocks(qtype, seed=9, n=n).clone(), _rand(rows, K, seed=10)
+    seg = ((native.pack_rows(qtype, w, n, K), n),)
     got = native.qmatmul(seg, w, x, variant=variant, act_bits=8)
-    return _check(variant, "Q4_1 packed x8, 8-bit activations, 64 rows", got,
+    return _check(variant, f"{qtype} packed x8, 8-bit activations, {rows} row{'s' * (rows > 1)}", got,
                   native.qmatmul(seg, w, x, plain=True, act_bits=8), True)
 
 
@@ -110,7 +112,8 @@ def _bf16(variant: str) -> Check:
 def run(variant: str) -> list[Check]:
     """Every check of ``variant`` (one this CPU runs) against the plain-C build."""
     return [_w8a8(variant), _blocks_check(variant, "Q8_0", 8), _blocks_check(variant, "Q4_1", 8),
-            _blocks_check(variant, "Q4_K", 8), _blocks_check(variant, "Q6_K", 8), _packed(variant),
+            _blocks_check(variant, "Q4_K", 8), _blocks_check(variant, "Q6_K", 8), _packed(variant, "Q4_1", 64),
+            _packed(variant, "Q4_K", 1), _packed(variant, "Q6_K", 1),
             _blocks_check(variant, "Q4_1", 16), _blocks_check(variant, "Q6_K", 16), _bf16(variant)]
 
 

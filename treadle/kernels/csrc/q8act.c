@@ -67,7 +67,7 @@
 
 int tq_q8_type(int t) {
     return t == TQ_Q4_0 || t == TQ_Q4_1 || t == TQ_Q5_0 || t == TQ_Q5_1 || t == TQ_Q8_0 || t == TQ_Q4_K ||
-           t == TQ_Q5_K || t == TQ_Q6_K || packed_type(t);
+           t == TQ_Q5_K || t == TQ_Q6_K || packed_type(t) || packed_k(t);
 }
 
 tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
@@ -157,6 +157,35 @@ static inline float block_min(int t, const uint8_t *u) {
  * Same bytes per row as the file; a weight's rows are packed only when they fill whole groups. */
 static inline int scale_bytes(int t) { return base_type(t) == TQ_Q4_1 ? 4 * GR : 2 * GR; }
 
+/* Packed Q4_K / Q6_K (TQ_PACKED + t): a group's super-block su is one run of 8 * unit_bytes at
+ * group + 8 su * unit_bytes, its 8 units transposed by dwords:
+ *
+ *   dword c (c < unit_bytes / 4) of row j at 32 c + 4 j        (Q6_K: then the 8 rows' d, 2 bytes each)
+ *
+ * so a 32-byte load is lane j = row j's dword c: Q4_K's d | dmin, its scale bytes 0-3, 4-7, 8-11
+ * (c = 0..3), then qs run p's step s (c = 4 + 8 p + s); Q6_K's ql run c's step s (8 c + s), qh
+ * run h's (32 + 8 h + s), its int8 scales 4i .. 4i+3 (48 + i). What unpack_kgroup builds with
+ * transposes on every call is then a load. */
+static inline int kwords(int t) { return unit_bytes(t) / 4; }
+
+static void pack_kgroup(int t, uint8_t *rows, const uint8_t *copy, int64_t rbytes, int64_t nsu) {
+    const int ub = unit_bytes(t), c4 = kwords(t), tail = ub % 4;
+    for (int64_t su = 0; su < nsu; su++) {
+        uint8_t *p = rows + su * GR * ub;
+        for (int j = 0; j < GR; j++) {
+            const uint8_t *u = copy + j * rbytes + su * ub;
+            for (int c = 0; c < c4; c++) memcpy(p + 32 * c + 4 * j, u + 4 * c, 4);
+            memcpy(p + 32 * c4 + tail * j, u + 4 * c4, (size_t)tail);
+        }
+    }
+}
+
+static void unpack_kunit(int t, const uint8_t *p, int j, uint8_t *u) { /* row j's unit of packed super-block p */
+    const int c4 = kwords(t), tail = unit_bytes(t) % 4;
+    for (int c = 0; c < c4; c++) memcpy(u + 4 * c, p + 32 * c + 4 * j, 4);
+    memcpy(u + 4 * c4, p + 32 * c4 + tail * j, (size_t)tail);
+}
+
 void tq_q8_pack(int t, uint8_t *w, int64_t N, int64_t K) {
     const int64_t nb = K / QK, rbytes = row_bytes(t, K);
     const int ub = unit_bytes(t), sb = scale_bytes(t);
@@ -165,6 +194,11 @@ void tq_q8_pack(int t, uint8_t *w, int64_t N, int64_t K) {
         uint8_t *rows = w + g * GR * rbytes, *copy = (uint8_t *)malloc((size_t)(GR * rbytes));
         if (copy == NULL) abort();
         memcpy(copy, rows, (size_t)(GR * rbytes));
+        if (is_k_quant(t)) {
+            pack_kgroup(t, rows, copy, rbytes, nb / 8);
+            free(copy);
+            continue;
+        }
         for (int64_t b = 0; b < nb; b++)
             for (int j = 0; j < GR; j++) {
                 const uint8_t *u = copy + j * rbytes + b * ub;
@@ -182,6 +216,10 @@ void tq_q8_unpack_row(int pt, const uint8_t *w, int64_t n, int64_t K, uint8_t *o
     const int t = base_type(pt), ub = unit_bytes(t), sb = scale_bytes(t), j = (int)(n % GR);
     const int64_t rbytes = row_bytes(t, K);
     const uint8_t *rows = w + n / GR * GR * rbytes;
+    if (packed_k(pt)) {
+        for (int64_t su = 0; su < K / (8 * QK); su++) unpack_kunit(t, rows + su * GR * ub, j, out + su * ub);
+        return;
+    }
     for (int64_t b = 0; b < K / QK; b++) {
         const uint8_t *p = rows + b * GR * ub;
         uint8_t *u = out + b * ub;
@@ -265,6 +303,45 @@ static inline __attribute__((always_inline)) void transpose8(const __m256i r[GR]
 }
 #endif
 
+#ifdef TQ_AVX2
+/* Q4_K / Q5_K scales of 8 rows in lanes (lane j = row j): a[0] = d | dmin, a[1..3] = the 12 scale
+ * bytes, decoded to block b's d sc_b (k4_d) and -dmin mn_b (k4_m), k4_scale_vectors' values. */
+typedef struct {
+    __m256 dv, nmv;
+    __m256i v[4]; /* byte b % 4 of v[b / 4]: sc_b; of v[2 + b / 4]: mn_b */
+} k4_lanes;
+
+static inline __attribute__((always_inline)) k4_lanes k4_decode(const __m256i a[4]) {
+    const __m256i halves = _mm256_permute4x64_epi64(
+        _mm256_shuffle_epi8(a[0], _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5,
+                                                   8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)),
+        0xd8); /* d0..d7 | dmin0..dmin7 */
+    const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x30303030);
+    const k4_lanes k = {
+        _mm256_cvtph_ps(_mm256_castsi256_si128(halves)),
+        _mm256_xor_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)), _mm256_set1_ps(-0.0f)),
+        {_mm256_and_si256(a[1], m6),
+         _mm256_or_si256(_mm256_and_si256(a[3], m4), _mm256_and_si256(_mm256_srli_epi32(a[1], 2), m2)),
+         _mm256_and_si256(a[2], m6),
+         _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(a[3], 4), m4), _mm256_and_si256(_mm256_srli_epi32(a[2], 2), m2))}};
+    return k;
+}
+static inline __attribute__((always_inline)) __m256 k4_d(const k4_lanes k, int b) {
+    return _mm256_mul_ps(k.dv, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(k.v[b / 4], 8 * (b % 4)), _mm256_set1_epi32(0xff))));
+}
+static inline __attribute__((always_inline)) __m256 k4_m(const k4_lanes k, int b) {
+    return _mm256_mul_ps(k.nmv, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(k.v[2 + b / 4], 8 * (b % 4)), _mm256_set1_epi32(0xff))));
+}
+
+/* Packed Q6_K scale dword vector v (lane j = row j's int8 scales 4i .. 4i+3) -> block 2i + hi's pair
+ * sc0 | sc1 << 16 (each sign-extended to int16), unpack_kgroup's transposed cvtepi8_epi16 values. */
+static inline __attribute__((always_inline)) __m256i q6_scale_pair(__m256i v, int hi) {
+    const __m256i lo16 = _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 16 * hi), 24);
+    const __m256i hi16 = _mm256_srai_epi32(_mm256_slli_epi32(v, 16 - 16 * hi), 24);
+    return _mm256_or_si256(_mm256_and_si256(lo16, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(hi16, 16));
+}
+#endif
+
 /* K-quant rows n0 .. n0 + 7 unpacked into panel[nb], a super-block (8 blocks) at a time: block
  * b's step s at panel[b].q + 32 s (KQ), its d[8] (KD), m[8] / Q6_K's sc[8] (KM). AVX2: each
  * 32-byte run of the 8 rows (qs, qh, ql) is transposed once (transpose8: vector s = the rows'
@@ -275,23 +352,31 @@ static inline __attribute__((always_inline)) void transpose8(const __m256i r[GR]
 #define KD(b) ((uint8_t *)(o + (b))->d)
 #define KM(b) ((uint8_t *)(o + (b))->m)
 static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gblock *panel) {
-    const int ub = unit_bytes(t);
+    const int pk = packed_k(t), bt = base_type(t), ub = unit_bytes(t);
     const uint8_t *next = w + GR * rbytes;
     for (int64_t su = 0; su < nb / 8; su++) {
         gblock *o = panel + 8 * su;
         for (int64_t off = su * GR * ub; off < (su + 1) * GR * ub; off += 64) __builtin_prefetch(next + off);
 #ifdef TQ_AVX2
-        const uint8_t *u[GR];
+        const uint8_t *u[GR], *pw = w + su * GR * ub; /* pw: the packed super-block */
         for (int j = 0; j < GR; j++) u[j] = w + j * rbytes + su * ub;
         __m256i r[GR], tr[GR];
         const __m256i mask = _mm256_set1_epi8(15);
-        if (t == TQ_Q6_K) {
+        if (bt == TQ_Q6_K) {
             uint16_t hd[GR];
-            for (int j = 0; j < GR; j++) {
-                memcpy(hd + j, u[j] + 208, 2);
-                r[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u[j] + 192))); /* dword b: sc 2b, 2b+1 */
+            if (pk) {
+                memcpy(hd, pw + 32 * kwords(bt), sizeof(hd));
+                for (int i = 0; i < 4; i++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(pw + 32 * (48 + i)));
+                    tr[2 * i] = q6_scale_pair(v, 0), tr[2 * i + 1] = q6_scale_pair(v, 1);
+                }
+            } else {
+                for (int j = 0; j < GR; j++) {
+                    memcpy(hd + j, u[j] + 208, 2);
+                    r[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u[j] + 192))); /* dword b: sc 2b, 2b+1 */
+                }
+                transpose8(r, tr);
             }
-            transpose8(r, tr);
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hd));
             for (int b = 0; b < 8; b++) {
                 _mm256_store_ps((float *)KD(b), dv);
@@ -299,14 +384,22 @@ static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, g
             }
             __m256i qh[2][GR];
             for (int h = 0; h < 2; h++) {
-                for (int j = 0; j < GR; j++) r[j] = _mm256_loadu_si256((const __m256i *)(u[j] + 128 + 32 * h));
-                transpose8(r, qh[h]);
+                if (pk) {
+                    for (int s = 0; s < 8; s++) qh[h][s] = _mm256_loadu_si256((const __m256i *)(pw + 32 * (32 + 8 * h + s)));
+                } else {
+                    for (int j = 0; j < GR; j++) r[j] = _mm256_loadu_si256((const __m256i *)(u[j] + 128 + 32 * h));
+                    transpose8(r, qh[h]);
+                }
             }
             const __m256i three = _mm256_set1_epi8(3);
             for (int c = 0; c < 4; c++) { /* ql run c: low nibbles block 4h + c % 2, high block 4h + 2 + c % 2 */
                 const int h = c / 2, b0 = 4 * h + c % 2, r0 = c % 2;
-                for (int j = 0; j < GR; j++) r[j] = _mm256_loadu_si256((const __m256i *)(u[j] + 32 * c));
-                transpose8(r, tr);
+                if (pk) {
+                    for (int s = 0; s < 8; s++) tr[s] = _mm256_loadu_si256((const __m256i *)(pw + 32 * (8 * c + s)));
+                } else {
+                    for (int j = 0; j < GR; j++) r[j] = _mm256_loadu_si256((const __m256i *)(u[j] + 32 * c));
+                    transpose8(r, tr);
+                }
                 for (int s = 0; s < 8; s++) {
                     const __m256i hi0 = _mm256_and_si256(_mm256_srl_epi16(qh[h][s], _mm_cvtsi32_si128(2 * r0)), three);
                     const __m256i hi1 = _mm256_and_si256(_mm256_srl_epi16(qh[h][s], _mm_cvtsi32_si128(2 * r0 + 4)), three);
@@ -318,33 +411,23 @@ static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, g
             continue;
         }
         { /* the rows' first 16 bytes (d | dmin, then the 12 scale bytes a0 a1 a2) as 4 dword vectors, lane
-             j = row j (a 4 x 4 dword transpose per 128-bit half), then k4_scales_mins in lanes: the
-             same d sc_b and -dmin mn_b as k4_scale_vectors */
-            __m256i h[4];
-            for (int i = 0; i < 4; i++)
-                h[i] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)u[i + 4]), _mm_loadu_si128((const __m128i *)u[i]));
-            const __m256i t0 = _mm256_unpacklo_epi32(h[0], h[1]), t1 = _mm256_unpackhi_epi32(h[0], h[1]);
-            const __m256i t2 = _mm256_unpacklo_epi32(h[2], h[3]), t3 = _mm256_unpackhi_epi32(h[2], h[3]);
-            const __m256i dd = _mm256_unpacklo_epi64(t0, t2), a0 = _mm256_unpackhi_epi64(t0, t2);
-            const __m256i a1 = _mm256_unpacklo_epi64(t1, t3), a2 = _mm256_unpackhi_epi64(t1, t3);
-            const __m256i halves = _mm256_permute4x64_epi64(
-                _mm256_shuffle_epi8(dd, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5,
-                                                         8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)),
-                0xd8); /* d0..d7 | dmin0..dmin7 */
-            const __m256 dv = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
-            const __m256 nmv = _mm256_xor_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)), _mm256_set1_ps(-0.0f));
-            const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x30303030);
-            const __m256i v[4] = {_mm256_and_si256(a0, m6),
-                                  _mm256_or_si256(_mm256_and_si256(a2, m4), _mm256_and_si256(_mm256_srli_epi32(a0, 2), m2)),
-                                  _mm256_and_si256(a1, m6),
-                                  _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(a2, 4), m4),
-                                                  _mm256_and_si256(_mm256_srli_epi32(a1, 2), m2))};
-            const __m256i ff = _mm256_set1_epi32(0xff);
-            for (int b = 0; b < 8; b++) { /* byte b % 4 of v[b / 4] (scales) and v[2 + b / 4] (minimums) */
-                const __m256i sc = _mm256_and_si256(_mm256_srli_epi32(v[b / 4], 8 * (b % 4)), ff);
-                const __m256i mn = _mm256_and_si256(_mm256_srli_epi32(v[2 + b / 4], 8 * (b % 4)), ff);
-                _mm256_store_ps((float *)KD(b), _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sc)));
-                _mm256_store_ps((float *)KM(b), _mm256_mul_ps(nmv, _mm256_cvtepi32_ps(mn)));
+             j = row j (packed: 4 loads; else a 4 x 4 dword transpose per 128-bit half), then decoded in lanes */
+            __m256i a[4];
+            if (pk) {
+                for (int i = 0; i < 4; i++) a[i] = _mm256_loadu_si256((const __m256i *)(pw + 32 * i));
+            } else {
+                __m256i h[4];
+                for (int i = 0; i < 4; i++)
+                    h[i] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)u[i + 4]), _mm_loadu_si128((const __m128i *)u[i]));
+                const __m256i t0 = _mm256_unpacklo_epi32(h[0], h[1]), t1 = _mm256_unpackhi_epi32(h[0], h[1]);
+                const __m256i t2 = _mm256_unpacklo_epi32(h[2], h[3]), t3 = _mm256_unpackhi_epi32(h[2], h[3]);
+                a[0] = _mm256_unpacklo_epi64(t0, t2), a[1] = _mm256_unpackhi_epi64(t0, t2);
+                a[2] = _mm256_unpacklo_epi64(t1, t3), a[3] = _mm256_unpackhi_epi64(t1, t3);
+            }
+            const k4_lanes kl = k4_decode(a);
+            for (int b = 0; b < 8; b++) {
+                _mm256_store_ps((float *)KD(b), k4_d(kl, b));
+                _mm256_store_ps((float *)KM(b), k4_m(kl, b));
             }
         }
         __m256i qh[GR];
@@ -354,8 +437,12 @@ static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, g
         }
         const int qoff = t == TQ_Q4_K ? 16 : 48;
         for (int p = 0; p < 4; p++) { /* qs run p: low nibbles block 2p, high block 2p + 1 */
-            for (int j = 0; j < GR; j++) r[j] = _mm256_loadu_si256((const __m256i *)(u[j] + qoff + 32 * p));
-            transpose8(r, tr);
+            if (pk) {
+                for (int s = 0; s < 8; s++) tr[s] = _mm256_loadu_si256((const __m256i *)(pw + 32 * (4 + 8 * p + s)));
+            } else {
+                for (int j = 0; j < GR; j++) r[j] = _mm256_loadu_si256((const __m256i *)(u[j] + qoff + 32 * p));
+                transpose8(r, tr);
+            }
             for (int s = 0; s < 8; s++) {
                 __m256i lo = _mm256_and_si256(tr[s], mask), hn = _mm256_and_si256(_mm256_srli_epi16(tr[s], 4), mask);
                 if (t == TQ_Q5_K) { /* bit b of qh[l] is bit 4 of block b's element l */
@@ -371,13 +458,14 @@ static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, g
 #else
         for (int b = 0; b < 8; b++)
             for (int j = 0; j < GR; j++) {
-                uint8_t q[QK];
+                uint8_t q[QK], unit[256];
                 float d, m;
                 int32_t sc;
-                kquant_block(t, w + j * rbytes + su * ub, b, q, &d, &m, &sc);
+                if (pk) unpack_kunit(bt, w + su * GR * ub, j, unit);
+                kquant_block(bt, pk ? unit : w + j * rbytes + su * ub, b, q, &d, &m, &sc);
                 for (int k = 0; k < QK; k++) KQ(b, k / 4)[4 * j + k % 4] = q[k];
                 memcpy(KD(b) + 4 * j, &d, 4);
-                if (t == TQ_Q6_K)
+                if (bt == TQ_Q6_K)
                     memcpy(KM(b) + 4 * j, &sc, 4);
                 else
                     memcpy(KM(b) + 4 * j, &m, 4);
@@ -714,9 +802,141 @@ static inline __attribute__((always_inline)) void packed_direct(const int t, con
     }
 }
 
+/* Packed Q4_K / Q6_K, NX (<= MRG) activation rows: a group's super-block straight from its packed
+ * dwords into registers, no panel: the panel's values (k4_decode, q6_scale_pair), the same exact
+ * block integers and the same float operations per block in order as group_tile, so the same bits.
+ * Q4_K takes a qs run's two blocks (low and high nibbles) together; Q6_K a block at a time (its
+ * blocks 2h .. take ql runs 0, 1, 0, 1 and qh bits 0, 2, 4, 6 of run h). */
+static inline __attribute__((always_inline)) void packed_k_direct(const int t, const uint8_t *w, int64_t nb,
+                                                                  tq_q8acts x, int64_t K, const int NX,
+                                                                  const float *bias, float *out, int64_t ostride) {
+    const __m256i mask = _mm256_set1_epi8(15);
+    const int ub = unit_bytes(t);
+    const uint8_t *next = w + GR * nb / 8 * ub;
+    __m256 acc[MRG];
+    for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t su = 0; su < nb / 8; su++) {
+        const uint8_t *p = w + su * GR * ub;
+        for (int off = 0; off < GR * ub; off += 64) __builtin_prefetch(next + su * GR * ub + off);
+        if (base_type(t) == TQ_Q4_K) {
+            __m256i a[4];
+            for (int i = 0; i < 4; i++) a[i] = _mm256_loadu_si256((const __m256i *)(p + 32 * i));
+            const k4_lanes kl = k4_decode(a);
+            for (int r = 0; r < 4; r++) { /* qs run r: blocks 2r (low nibbles), 2r + 1 (high) */
+                const int64_t b = 8 * su + 2 * r;
+                __m256i lo16[MRG], hi16[MRG];
+                for (int i = 0; i < NX; i++) lo16[i] = hi16[i] = _mm256_setzero_si256();
+                for (int s = 0; s < 8; s++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * (4 + 8 * r + s)));
+                    const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                    for (int i = 0; i < NX; i++) {
+                        const int8_t *xb = x.q + i * K + b * QK;
+                        int32_t xl, xh;
+                        memcpy(&xl, xb + 4 * s, 4);
+                        memcpy(&xh, xb + QK + 4 * s, 4);
+                        lo16[i] = step16(lo16[i], lo, _mm256_set1_epi32(xl));
+                        hi16[i] = step16(hi16[i], hi, _mm256_set1_epi32(xh));
+                    }
+                }
+                for (int h = 0; h < 2; h++) {
+                    const __m256 dw = k4_d(kl, 2 * r + h), mw = k4_m(kl, 2 * r + h);
+                    for (int i = 0; i < NX; i++) {
+                        const __m256 isum = _mm256_cvtepi32_ps(widen16(h ? hi16[i] : lo16[i]));
+                        acc[i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + i * nb + b + h)), acc[i]);
+                        acc[i] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(x.s + i * nb + b + h), acc[i]);
+                    }
+                }
+            }
+        } else if (NX <= 2) { /* Q6_K: ql run c = 2h + r gives blocks 4h + r (low nibbles) and 4h + 2 + r
+                                 (high), both from one load of ql and of qh; each block's exact
+                                 integer is kept until its turn (blocks 4h .. 4h+3 in order) */
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 * kwords(t))));
+            const __m256i three = _mm256_set1_epi8(3);
+            for (int h = 0; h < 2; h++) {
+                __m256i isum[4][2]; /* [block 4h + i][row] */
+#pragma GCC unroll 2
+                for (int r = 0; r < 2; r++) {
+                    __m256i dot[2][2][2]; /* [low / high nibble block][half][row] */
+                    for (int e = 0; e < 2; e++)
+                        for (int i = 0; i < NX; i++) dot[e][0][i] = dot[e][1][i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                    for (int s = 0; s < 8; s++) {
+                        const __m256i ql = _mm256_loadu_si256((const __m256i *)(p + 32 * (8 * (2 * h + r) + s)));
+                        const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 32 * (32 + 8 * h + s)));
+                        const __m256i q0 = _mm256_or_si256(_mm256_and_si256(ql, mask),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * r), three), 4));
+                        const __m256i q1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), mask),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * r + 4), three), 4));
+                        for (int i = 0; i < NX; i++) {
+                            const int8_t *xb = x.q + i * K + (8 * su + 4 * h + r) * QK + 4 * s;
+                            int32_t x0, x1;
+                            memcpy(&x0, xb, 4);
+                            memcpy(&x1, xb + 2 * QK, 4);
+                            dot[0][s / 4][i] = step32(dot[0][s / 4][i], q0, _mm256_set1_epi32(x0));
+                            dot[1][s / 4][i] = step32(dot[1][s / 4][i], q1, _mm256_set1_epi32(x1));
+                        }
+                    }
+                    for (int e = 0; e < 2; e++) { /* block 4h + r + 2e: q6_fold in lanes */
+                        const int sb = 4 * h + r + 2 * e;
+                        const __m256i sc = q6_scale_pair(_mm256_loadu_si256((const __m256i *)(p + 32 * (48 + sb / 2))), sb % 2);
+                        const __m256i sc0 = _mm256_srai_epi32(_mm256_slli_epi32(sc, 16), 16), sc1 = _mm256_srai_epi32(sc, 16);
+                        for (int i = 0; i < NX; i++) {
+                            const int32_t *xh = x.h + 2 * (i * nb + 8 * su + sb);
+                            const __m256i e0 = _mm256_sub_epi32(dot[e][0][i], _mm256_set1_epi32(32 * xh[0]));
+                            const __m256i e1 = _mm256_sub_epi32(dot[e][1][i], _mm256_set1_epi32(32 * xh[1]));
+                            isum[r + 2 * e][i] = _mm256_add_epi32(_mm256_mullo_epi32(e0, sc0), _mm256_mullo_epi32(e1, sc1));
+                        }
+                    }
+                }
+                for (int sb = 0; sb < 4; sb++)
+                    for (int i = 0; i < NX; i++)
+                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[sb][i]),
+                                                 _mm256_mul_ps(dv, _mm256_broadcast_ss(x.d + i * nb + 8 * su + 4 * h + sb)), acc[i]);
+            }
+        } else { /* Q6_K, 3-4 rows: a block at a time (fewer live sums) */
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 * kwords(t))));
+            const __m256i three = _mm256_set1_epi8(3);
+            for (int sb = 0; sb < 8; sb++) {
+                const int h = sb / 4, c = 2 * h + sb % 2, shift = 2 * (sb % 2) + 4 * (sb % 4 / 2);
+                const int64_t b = 8 * su + sb;
+                const __m256i sc = q6_scale_pair(_mm256_loadu_si256((const __m256i *)(p + 32 * (48 + sb / 2))), sb % 2);
+                const __m256i sc0 = _mm256_srai_epi32(_mm256_slli_epi32(sc, 16), 16), sc1 = _mm256_srai_epi32(sc, 16);
+                __m256i d0[MRG], d1[MRG];
+                for (int i = 0; i < NX; i++) d0[i] = d1[i] = _mm256_setzero_si256();
+                for (int s = 0; s < 8; s++) {
+                    const __m256i ql = _mm256_loadu_si256((const __m256i *)(p + 32 * (8 * c + s)));
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 32 * (32 + 8 * h + s)));
+                    const __m256i nib = sb % 4 < 2 ? _mm256_and_si256(ql, mask) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), mask);
+                    const __m256i q = _mm256_or_si256(nib, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, shift), three), 4));
+                    for (int i = 0; i < NX; i++) {
+                        int32_t xv;
+                        memcpy(&xv, x.q + i * K + b * QK + 4 * s, 4);
+                        if (s < 4)
+                            d0[i] = step32(d0[i], q, _mm256_set1_epi32(xv));
+                        else
+                            d1[i] = step32(d1[i], q, _mm256_set1_epi32(xv));
+                    }
+                }
+                for (int i = 0; i < NX; i++) { /* q6_fold in lanes */
+                    const int32_t *xh = x.h + 2 * (i * nb + b);
+                    const __m256i e0 = _mm256_sub_epi32(d0[i], _mm256_set1_epi32(32 * xh[0]));
+                    const __m256i e1 = _mm256_sub_epi32(d1[i], _mm256_set1_epi32(32 * xh[1]));
+                    const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_mullo_epi32(e0, sc0), _mm256_mullo_epi32(e1, sc1)));
+                    acc[i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dv, _mm256_broadcast_ss(x.d + i * nb + b)), acc[i]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NX; i++) {
+        __m256 o = acc[i];
+        if (bias) o = _mm256_add_ps(o, _mm256_loadu_ps(bias));
+        _mm256_storeu_ps(out + i * ostride, o);
+    }
+}
+
 #endif
 
-#define GTILE(NG, NX) group_tile(t, panel, nb, xm, K, NG, NX, bn, out, ldy)
+#define GTILE(NG, NX) group_tile(base_type(t), panel, nb, xm, K, NG, NX, bn, out, ldy)
 
 /* Groups g and, when pair, g + 1 (weight rows 8g .. 8g+15) times every activation row; t a
  * constant after inlining. */
@@ -728,7 +948,7 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
 #ifdef TQ_AVX2
     /* few rows: registers beat the panel (packed Q4: 1.5x at M = 1, ~1.05x at 4; Q8_0: 1.25x at 1,
      * 1.13x at 2 and 3; the same along k for unpacked Q4 measured 0.91-0.94x the panel: not taken) */
-    if ((t == TQ_Q8_0 && M <= Q8_0_DIRECT) || (packed_type(t) && M <= MRG)) {
+    if ((t == TQ_Q8_0 && M <= Q8_0_DIRECT) || ((packed_type(t) || packed_k(t)) && M <= MRG)) {
         for (int h = 0; h <= pair; h++) {
             const uint8_t *wg = w + (g + h) * GR * rbytes;
             const float *bh = bn ? bn + GR * h : NULL;
@@ -738,6 +958,13 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
                     case 1: q8_0_direct(wg, rbytes, nb, x, K, 1, bh, yh, ldy); break;
                     case 2: q8_0_direct(wg, rbytes, nb, x, K, 2, bh, yh, ldy); break;
                     default: q8_0_direct(wg, rbytes, nb, x, K, 3, bh, yh, ldy); break;
+                }
+            } else if (packed_k(t)) {
+                switch (M) {
+                    case 1: packed_k_direct(t, wg, nb, x, K, 1, bh, yh, ldy); break;
+                    case 2: packed_k_direct(t, wg, nb, x, K, 2, bh, yh, ldy); break;
+                    case 3: packed_k_direct(t, wg, nb, x, K, 3, bh, yh, ldy); break;
+                    default: packed_k_direct(t, wg, nb, x, K, MRG, bh, yh, ldy); break;
                 }
             } else {
                 switch (M) {
@@ -797,6 +1024,8 @@ static void group_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t l
                 case TQ_Q4_K: group_work(TQ_Q4_K, w, x, y, ldy, bias, M, K, g, pair, panel); break;
                 case TQ_Q5_K: group_work(TQ_Q5_K, w, x, y, ldy, bias, M, K, g, pair, panel); break;
                 case TQ_Q6_K: group_work(TQ_Q6_K, w, x, y, ldy, bias, M, K, g, pair, panel); break;
+                case TQ_PACKED + TQ_Q4_K: group_work(TQ_PACKED + TQ_Q4_K, w, x, y, ldy, bias, M, K, g, pair, panel); break;
+                case TQ_PACKED + TQ_Q6_K: group_work(TQ_PACKED + TQ_Q6_K, w, x, y, ldy, bias, M, K, g, pair, panel); break;
                 default: group_work(TQ_Q8_0, w, x, y, ldy, bias, M, K, g, pair, panel); break;
             }
         }

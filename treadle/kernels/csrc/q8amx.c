@@ -378,7 +378,7 @@ static void ktile_rows(int q6, const void *pn, int ns, int64_t nb, ktile_x x, in
 static int64_t strip_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
                            int64_t N, int64_t K) {
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
-    const int q6 = t == TQ_Q6_K;
+    const int q6 = base_type(t) == TQ_Q6_K;
     const int64_t fit = PASS_BYTES / (nb * (int64_t)(q6 ? sizeof(kb16) : sizeof(sblock)));
     const int ks = fit < 1 ? 1 : fit > KS ? KS : (int)fit; /* strips per pass */
     const int64_t passes = (strips + ks - 1) / ks, tiles = (M + 15) / 16, rem = M % 16;
@@ -426,7 +426,7 @@ static int64_t strip_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, in
                 const int lone = g + 1 >= groups;
                 if (lone) last = 8;
                 if (q6) {
-                    unpack_q6k_strip(w + g * 8 * rbytes, rbytes, lone, nb, tmp, 1);
+                    unpack_q6k_strip(t, w + g * 8 * rbytes, rbytes, lone, nb, tmp, 1);
                     q6k_bf16_panel(tmp, nb, (kb16 *)pn + h * nb);
                 } else if (packed_type(t)) {
                     unpack_packed(t, w + g * 8 * rbytes, lone ? NULL : w + (g + 1) * 8 * rbytes, nb, (sblock *)pn + h * nb);
@@ -453,9 +453,9 @@ static int64_t strip_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, in
 
 int64_t tq_q8_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
                        int64_t N, int64_t K) {
-    const int q8_0 = t == TQ_Q8_0, kq = t == TQ_Q4_K || t == TQ_Q5_K || t == TQ_Q6_K;
+    const int q8_0 = t == TQ_Q8_0, kq = is_k_quant(t) && tq_q8_type(t);
     if (kq || packed_type(t)) {
-        const int64_t from = t == TQ_Q6_K ? AMX_MIN_Q6K : kq ? AMX_MIN_K : AMX_MIN_ROWS;
+        const int64_t from = base_type(t) == TQ_Q6_K ? AMX_MIN_Q6K : kq ? AMX_MIN_K : AMX_MIN_ROWS;
         return M >= from && amx_allowed() ? strip_amx_rows(t, w, x, y, ldy, bias, M, N, K) : 0;
     }
     if (!q8_0 || M < AMX_MIN_ROWS || !amx_allowed()) return 0;

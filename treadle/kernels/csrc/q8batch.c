@@ -48,7 +48,7 @@
 enum { MODE_MIN, MODE_Q8_0, MODE_Q6_K }; /* strip_tile: q - minimum terms; Q8_0's offset; Q6_K's two halves */
 
 #ifdef TQ_ZMM
-static inline int kquant8(int t) { return t == TQ_Q4_K || t == TQ_Q5_K || t == TQ_Q6_K; }
+static inline int kquant8(int t) { return base_type(t) == TQ_Q4_K || base_type(t) == TQ_Q5_K || base_type(t) == TQ_Q6_K; }
 
 /* NX activation rows times one strip: out[i * ostride + j], j < 16 (8 when lone). The pf bytes (the
  * next strip's rows, or none) are prefetched a share per block, so the memory reads run beside
@@ -317,7 +317,7 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
     if (!(packed_type(t) || q8_0 || kq) || (q8_0 && M < BATCH_MIN_Q8_0) || (kq && M < BATCH_MIN_K)) return 0;
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
     const int direct = (packed_type(t) && M <= DIRECT_MAX_Q4) || (q8_0 && M <= DIRECT_MAX_Q8_0);
-    const int mode = q8_0 ? MODE_Q8_0 : t == TQ_Q6_K ? MODE_Q6_K : MODE_MIN;
+    const int mode = q8_0 ? MODE_Q8_0 : base_type(t) == TQ_Q6_K ? MODE_Q6_K : MODE_MIN;
 #pragma omp parallel
     {
         sblock *panel = direct ? NULL : (sblock *)aligned_alloc(64, (size_t)nb * sizeof(sblock));
@@ -344,10 +344,10 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
             }
             if (q8_0)
                 unpack_q8_0(wg, rbytes, lone ? 8 : SGR, nb, panel);
-            else if (t == TQ_Q4_K || t == TQ_Q5_K)
+            else if (base_type(t) == TQ_Q4_K || t == TQ_Q5_K)
                 unpack_k4_strip(t, wg, rbytes, lone, nb, panel);
-            else if (t == TQ_Q6_K)
-                unpack_q6k_strip(wg, rbytes, lone, nb, panel, 0);
+            else if (base_type(t) == TQ_Q6_K)
+                unpack_q6k_strip(t, wg, rbytes, lone, nb, panel, 0);
             else
                 unpack_packed(t, wg, lone ? NULL : wg + 8 * rbytes, nb, panel);
             strip_rows(mode, panel, x, y + g * 8, ldy, bs, M, K, store, g + 3 < groups ? wg + SGR * rbytes : NULL,

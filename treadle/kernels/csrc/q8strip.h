@@ -126,12 +126,20 @@ static inline __m512i two_rows(const uint8_t *w, int64_t rbytes, int j, int64_t 
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
+/* Packed K-quant rows (q8act.c tq_q8_pack): dword c of the two groups' super-block at p (rows 0..7)
+ * and p + 8 rbytes (rows 8..15, zero when lone) in one register, lane j = row j. */
+static inline __m512i packed_dwords(const uint8_t *p, int64_t rbytes, int c, int lone) {
+    const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + 32 * c));
+    const __m256i hi = lone ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(p + 8 * rbytes + 32 * c));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
 /* Q4_K / Q5_K strips (16 rows, or 8 when lone: rows 8..15 zero) straight into 16-lane blocks, the
  * same values as q8act.c's unpack_kgroup (d sc_b, -dmin mn_b exact; the same q bytes) with half
  * the shuffles: the 16 rows' scale bytes decoded in lanes, each 32-byte qs run of 16 rows
- * transposed once. */
+ * transposed once (packed Q4_K: loaded, no transposes). */
 static inline void unpack_k4_strip(int t, const uint8_t *w, int64_t rbytes, int lone, int64_t nb, sblock *panel) {
-    const int ub = unit_bytes(t), qoff = t == TQ_Q4_K ? 16 : 48;
+    const int pk = packed_k(t), ub = unit_bytes(t), qoff = base_type(t) == TQ_Q4_K ? 16 : 48;
     const __m512i mask = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16), ff = _mm512_set1_epi32(0xff);
     const __m512i m6 = _mm512_set1_epi32(0x3f3f3f3f), m4 = _mm512_set1_epi32(0x0f0f0f0f), m2 = _mm512_set1_epi32(0x30303030);
     const uint8_t *next = w + SGR * rbytes;
@@ -139,23 +147,29 @@ static inline void unpack_k4_strip(int t, const uint8_t *w, int64_t rbytes, int 
         const uint8_t *u = w + su * ub;
         sblock *g = panel + 8 * su;
         for (int64_t off = su * SGR * ub; off < (su + 1) * SGR * ub; off += 64) __builtin_prefetch(next + off);
-        /* h[i]: 128-bit lane L = row i + 4 L's first 16 bytes; a 4 x 4 dword transpose per lane -> lane j = row j */
-        __m512i h[4];
-        for (int i = 0; i < 4; i++) {
-            __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(u + i * rbytes)));
-            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(u + (i + 4) * rbytes)), 1);
-            if (!lone) {
-                v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(u + (i + 8) * rbytes)), 2);
-                v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(u + (i + 12) * rbytes)), 3);
-            } else {
-                v = _mm512_maskz_mov_epi64(0x0f, v);
+        const uint8_t *pw = w + su * 8 * ub; /* packed: the first group's super-block */
+        __m512i dd, a0, a1, a2;
+        if (pk) {
+            dd = packed_dwords(pw, rbytes, 0, lone), a0 = packed_dwords(pw, rbytes, 1, lone);
+            a1 = packed_dwords(pw, rbytes, 2, lone), a2 = packed_dwords(pw, rbytes, 3, lone);
+        } else { /* h[i]: 128-bit lane L = row i + 4 L's first 16 bytes; a 4 x 4 dword transpose per lane -> lane j = row j */
+            __m512i h[4];
+            for (int i = 0; i < 4; i++) {
+                __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(u + i * rbytes)));
+                v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(u + (i + 4) * rbytes)), 1);
+                if (!lone) {
+                    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(u + (i + 8) * rbytes)), 2);
+                    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(u + (i + 12) * rbytes)), 3);
+                } else {
+                    v = _mm512_maskz_mov_epi64(0x0f, v);
+                }
+                h[i] = v;
             }
-            h[i] = v;
+            const __m512i t0 = _mm512_unpacklo_epi32(h[0], h[1]), t1 = _mm512_unpackhi_epi32(h[0], h[1]);
+            const __m512i t2 = _mm512_unpacklo_epi32(h[2], h[3]), t3 = _mm512_unpackhi_epi32(h[2], h[3]);
+            dd = _mm512_unpacklo_epi64(t0, t2), a0 = _mm512_unpackhi_epi64(t0, t2);
+            a1 = _mm512_unpacklo_epi64(t1, t3), a2 = _mm512_unpackhi_epi64(t1, t3);
         }
-        const __m512i t0 = _mm512_unpacklo_epi32(h[0], h[1]), t1 = _mm512_unpackhi_epi32(h[0], h[1]);
-        const __m512i t2 = _mm512_unpacklo_epi32(h[2], h[3]), t3 = _mm512_unpackhi_epi32(h[2], h[3]);
-        const __m512i dd = _mm512_unpacklo_epi64(t0, t2), a0 = _mm512_unpackhi_epi64(t0, t2);
-        const __m512i a1 = _mm512_unpacklo_epi64(t1, t3), a2 = _mm512_unpackhi_epi64(t1, t3);
         const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
         const __m512 nmv = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)))),
                                                                 _mm512_set1_epi32((int)0x80000000u)));
@@ -175,8 +189,12 @@ static inline void unpack_k4_strip(int t, const uint8_t *w, int64_t rbytes, int 
             transpose16(r, qh);
         }
         for (int p = 0; p < 4; p++) { /* qs run p: low nibbles block 2p, high block 2p + 1 */
-            for (int j = 0; j < 8; j++) r[j] = two_rows(u, rbytes, j, qoff + 32 * p, lone);
-            transpose16(r, tr);
+            if (pk) {
+                for (int s = 0; s < 8; s++) tr[s] = packed_dwords(pw, rbytes, 4 + 8 * p + s, lone);
+            } else {
+                for (int j = 0; j < 8; j++) r[j] = two_rows(u, rbytes, j, qoff + 32 * p, lone);
+                transpose16(r, tr);
+            }
             for (int s = 0; s < 8; s++) {
                 __m512i lo = _mm512_and_si512(tr[s], mask), hn = _mm512_and_si512(_mm512_srli_epi16(tr[s], 4), mask);
                 if (t == TQ_Q5_K) {
@@ -194,8 +212,9 @@ static inline void unpack_k4_strip(int t, const uint8_t *w, int64_t rbytes, int 
 /* Q6_K strips likewise: unpack_kgroup's values (q + 32, the super-block's d, the halves' scales
  * sc0 | sc1 << 16) for 16 rows at a time, each 32-byte ql / qh run transposed once. is_signed: q
  * itself (q + 32 - 32, int8 -32..31; q8amx.c's tdpbssd) in place of q + 32. */
-static inline void unpack_q6k_strip(const uint8_t *w, int64_t rbytes, int lone, int64_t nb, sblock *panel, int is_signed) {
-    const int ub = unit_bytes(TQ_Q6_K);
+static inline void unpack_q6k_strip(int t, const uint8_t *w, int64_t rbytes, int lone, int64_t nb, sblock *panel,
+                                    int is_signed) {
+    const int pk = packed_k(t), ub = unit_bytes(TQ_Q6_K);
     const __m512i mask = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3);
     const __m512i bias = _mm512_set1_epi8(is_signed ? 32 : 0);
     const uint8_t *next = w + SGR * rbytes;
@@ -203,29 +222,51 @@ static inline void unpack_q6k_strip(const uint8_t *w, int64_t rbytes, int lone, 
         const uint8_t *u = w + su * ub;
         sblock *g = panel + 8 * su;
         for (int64_t off = su * SGR * ub; off < (su + 1) * SGR * ub; off += 64) __builtin_prefetch(next + off);
+        const uint8_t *pw = w + su * 8 * ub; /* packed: the first group's super-block */
         uint16_t hd[SGR] = {0};
         __m512i r[8], tr[8], qh[2][8];
-        for (int j = 0; j < 8; j++) { /* dword b of row j: its scales 2b, 2b + 1 as int16 */
-            const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u + j * rbytes + 192)));
-            const __m256i hi = lone ? _mm256_setzero_si256()
-                                    : _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u + (j + 8) * rbytes + 192)));
-            r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        if (pk) { /* scale dword i, lane j = row j's int8 scales 4i .. 4i+3 -> blocks 2i, 2i + 1's pairs */
+            memcpy(hd, pw + 1664, 16);
+            if (!lone) memcpy(hd + 8, pw + 8 * rbytes + 1664, 16);
+            for (int i = 0; i < 4; i++) {
+                const __m512i v = packed_dwords(pw, rbytes, 48 + i, lone);
+                for (int hi = 0; hi < 2; hi++) {
+                    const __m512i s0 = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 16 * hi), 24);
+                    const __m512i s1 = _mm512_srai_epi32(_mm512_slli_epi32(v, 16 - 16 * hi), 24);
+                    tr[2 * i + hi] = _mm512_or_si512(_mm512_and_si512(s0, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(s1, 16));
+                }
+            }
+        } else {
+            for (int j = 0; j < 8; j++) { /* dword b of row j: its scales 2b, 2b + 1 as int16 */
+                const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u + j * rbytes + 192)));
+                const __m256i hi = lone ? _mm256_setzero_si256()
+                                        : _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(u + (j + 8) * rbytes + 192)));
+                r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            }
+            for (int j = 0; j < (lone ? 8 : SGR); j++) memcpy(hd + j, u + j * rbytes + 208, 2);
+            transpose16(r, tr);
         }
-        for (int j = 0; j < (lone ? 8 : SGR); j++) memcpy(hd + j, u + j * rbytes + 208, 2);
-        transpose16(r, tr);
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hd));
         for (int b = 0; b < 8; b++) {
             _mm512_store_ps(g[b].d, dv);
             _mm512_store_si512(g[b].sc, tr[b]);
         }
         for (int h = 0; h < 2; h++) {
-            for (int j = 0; j < 8; j++) r[j] = two_rows(u, rbytes, j, 128 + 32 * h, lone);
-            transpose16(r, qh[h]);
+            if (pk) {
+                for (int s = 0; s < 8; s++) qh[h][s] = packed_dwords(pw, rbytes, 32 + 8 * h + s, lone);
+            } else {
+                for (int j = 0; j < 8; j++) r[j] = two_rows(u, rbytes, j, 128 + 32 * h, lone);
+                transpose16(r, qh[h]);
+            }
         }
         for (int c = 0; c < 4; c++) { /* ql run c: low nibbles block 4h + c % 2, high block 4h + 2 + c % 2 */
             const int h = c / 2, b0 = 4 * h + c % 2, r0 = c % 2;
-            for (int j = 0; j < 8; j++) r[j] = two_rows(u, rbytes, j, 32 * c, lone);
-            transpose16(r, tr);
+            if (pk) {
+                for (int s = 0; s < 8; s++) tr[s] = packed_dwords(pw, rbytes, 8 * c + s, lone);
+            } else {
+                for (int j = 0; j < 8; j++) r[j] = two_rows(u, rbytes, j, 32 * c, lone);
+                transpose16(r, tr);
+            }
             for (int s = 0; s < 8; s++) {
                 const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(qh[h][s], 2 * r0), three);
                 const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(qh[h][s], 2 * r0 + 4), three);

@@ -7,7 +7,7 @@ against (``dequantize_blocks``).
 
 A layer keeps its rows exactly as the file has them (fused q/k/v or gate/up shards are
 stacked row-wise), so resident memory is the file's size; with 8-bit activations at load, its
-Q4_0 / Q4_1 rows are repacked in place 8 at a time (same bytes: ``process_weights_after_loading``). A fused layer whose shards differ
+Q4_0 / Q4_1 / Q4_K / Q6_K rows are repacked in place 8 at a time (same bytes: ``process_weights_after_loading``). A fused layer whose shards differ
 in type -- llama.cpp's K-quant mixes give ``attn_v`` more bits than ``attn_q`` -- keeps each
 shard's rows in its own type, as runs of rows ("segments") multiplied in one call.
 Activations are rounded per block of 32 inside the kernel, to 16 bits (the default, and always
@@ -135,9 +135,9 @@ class GGUFBlockMethod(LinearMethod):
         layer.weight.data[offset : offset + blocks.data.numel()] = blocks.data.reshape(-1)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        """With 8-bit activations (``TREADLE_ACTIVATION_BITS=8`` at load), Q4_0 / Q4_1 segments of
-        whole groups of 8 rows are repacked in place (``native.pack_rows``: same bytes, so
-        resident memory is unchanged), so the kernel reads a group's block with loads and
+        """With 8-bit activations (``TREADLE_ACTIVATION_BITS=8`` at load), Q4_0 / Q4_1 / Q4_K / Q6_K
+        segments of whole groups of 8 rows are repacked in place (``native.pack_rows``: same bytes,
+        so resident memory is unchanged), so the kernel reads a group's block with loads and
         masks instead of transposing 8 rows on every call. Packed rows always take 8-bit
         activations; embedding lookups read them back as the file had them."""
         if envs.activation_bits() != 8 or not native.available():
