@@ -4,6 +4,11 @@ cannot run are skipped with the features it lacks; every variant must at least c
 A row's result must not depend on its batch: bit for bit at batch 1 and batch 16."""
 from __future__ import annotations
 
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,6 +35,25 @@ def q16(x: torch.Tensor) -> torch.Tensor:
 def test_every_variant_compiles(variant: str) -> None:
     """Built even where the CPU cannot run it (nothing of it is called then)."""
     assert native.build_variant(variant) is not None
+
+
+def test_processes_building_one_variant_at_once_build_it_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Two builders of the same variant on a cold cache (the ranks of a multi-process engine's
+    first start): one compiles, the other waits for its library and loads it."""
+    built = native.build_variant("plain")
+    assert built is not None
+    calls: list[Path] = []
+
+    def slow_build(compiler: str, flags: tuple[str, ...], sources: list[Path], target: Path) -> None:
+        calls.append(target)
+        time.sleep(0.5)  # the other builder arrives meanwhile
+        shutil.copy(built._name, target)
+
+    monkeypatch.setenv("TREADLE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_build", slow_build)
+    with ThreadPoolExecutor(2) as pool:
+        libs = list(pool.map(lambda _: native.build_variant.__wrapped__("plain"), range(2)))
+    assert len(calls) == 1 and all(lib is not None for lib in libs)
 
 
 def test_the_best_runnable_variant_is_selected_and_described(monkeypatch: pytest.MonkeyPatch) -> None:

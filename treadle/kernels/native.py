@@ -1,10 +1,11 @@
 """Build and load Treadle's C kernels (``csrc/*.c``, one shared library) with ctypes.
 
-The C sources include no torch or Python headers, so the first build takes a few
-seconds (``gcc -O3 -fopenmp`` and the variant's flags; most of it the matmul specialized per GGUF
-block type); the library is cached under
+The C sources include no torch or Python headers; the first build takes ~20 s on 2 cores
+(``gcc -O3 -fopenmp`` and the variant's flags, one process per file; most of it the matmuls
+specialized per GGUF block type); the library is cached under
 ``$TREADLE_CACHE_DIR`` (default ``~/.cache/treadle``) by a hash of the source, the
-flags and the CPU, and written atomically, so concurrent processes are safe. OpenMP
+flags and the CPU, and written atomically under a file lock, so concurrent processes are safe and
+build each library once (the others wait for it). OpenMP
 resolves to the ``libgomp.so.1`` torch already loaded, so the kernels share torch's
 threads and ``torch.set_num_threads``.
 
@@ -24,6 +25,7 @@ even where the machine has the SIMD ones; a variant the CPU lacks is never built
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -154,7 +156,13 @@ def build_variant(name: str) -> ctypes.CDLL | None:
     target = _cache_dir() / f"treadle_kernels_{name}_{digest.hexdigest()[:16]}.so"
     try:
         if not target.exists():
-            _build(compiler, flags, sources, target)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # one build per variant at a time: the ranks of a multi-process engine started on a cold
+            # cache wait for the first one's build instead of each compiling the same library
+            with open(target.with_suffix(".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not target.exists():
+                    _build(compiler, flags, sources, target)
         return ctypes.CDLL(str(target))
     except (OSError, RuntimeError) as exc:
         logger.warning("Treadle's CPU kernels (%s) could not be built: %s", name, exc)
