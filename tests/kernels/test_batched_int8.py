@@ -3,8 +3,8 @@ once per call and reused by every activation row). Its contract is q8act.c's: ex
 sums and one fixed float order, so every variant equals the plain-C reference bit for bit at every
 batch (packed Q4 up to 16 rows on the AVX-512 builds: strip_direct's tiles of 8 rows straight from
 the packed bytes, 2 and 7 its ragged tiles; Q8_0 up to 8 rows: q8batch.c's zmm direct strips
-(the AVX2 builds: q8act.c's direct path up to 3 rows), above: the vpdpbusd panel; 64 and up on the amx build: AMX tiles; Q4_K / Q5_K / Q6_K at 1 row: q8act.c's
-panel, above: the vpdpbusd strips, and on the amx build from its thresholds AMX tiles (q8amx.c:
+(the AVX2 builds: q8act.c's direct path up to 3 rows), above: the vpdpbusd panel; 64 and up on the amx build: AMX tiles; Q4_K / Q6_K
+packed as a load packs them, at 1 row q8act.c's registers (the AVX2 builds: 1-4 rows; Q5_K: the panel), above: the vpdpbusd strips, and on the amx build from its thresholds AMX tiles (q8amx.c:
 Q4_K / Q5_K int8, Q6_K bfloat16); ragged last tiles, a lone last group of 8 weight rows, N % 8
 leftover rows), and a row's result does not depend on the rows beside it."""
 from __future__ import annotations
