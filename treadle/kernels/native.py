@@ -120,8 +120,8 @@ def _run(cmd: list[str]) -> None:
 
 def _build(compiler: str, flags: tuple[str, ...], sources: list[Path], target: Path) -> None:
     """Each source compiled on its own, as many at once as there are CPUs (the three matmul files
-    take ~10 s each at -O3; one serial gcc call took ~40 s for an AVX-512 variant), then linked."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    take ~10 s each at -O3; one serial gcc call took ~40 s for an AVX-512 variant), then linked
+    into ``target`` (its folder exists: build_variant made it for the lock)."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     with tempfile.TemporaryDirectory(dir=target.parent) as objdir:

@@ -66,8 +66,7 @@
 #include "qblocks.h"
 
 int tq_q8_type(int t) {
-    return t == TQ_Q4_0 || t == TQ_Q4_1 || t == TQ_Q5_0 || t == TQ_Q5_1 || t == TQ_Q8_0 || t == TQ_Q4_K ||
-           t == TQ_Q5_K || t == TQ_Q6_K || packed_type(t) || packed_k(t);
+    return t == TQ_Q4_0 || t == TQ_Q4_1 || t == TQ_Q5_0 || t == TQ_Q5_1 || t == TQ_Q8_0 || q8_kquant(t) || packed_type(t);
 }
 
 tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
@@ -125,6 +124,7 @@ void tq_q8_free(tq_q8acts a) {
 #define MRG 4 /* activation rows per pass over a group's panel */
 #define Q8_0_DIRECT 3 /* Q8_0 up to this many activation rows skips the panel (4: 0.99x, its sums spill); AVX2 / AVX-VNNI builds only */
 #define MR2 2 /* activation rows per pass over two groups' panels (3 spilled: 0.98x) */
+#define Q6K_DIRECT 2 /* packed Q6_K up to this many activation rows skips the panel (its 4 blocks' sums in registers) */
 
 typedef struct { /* one block of a group, unpacked */
     uint8_t q[8 * 32]; /* step s at 32 s: lane j's 4 bytes at 4 j */
@@ -165,8 +165,7 @@ static inline int scale_bytes(int t) { return base_type(t) == TQ_Q4_1 ? 4 * GR :
  * so a 32-byte load is lane j = row j's dword c: Q4_K's d | dmin, its scale bytes 0-3, 4-7, 8-11
  * (c = 0..3), then qs run p's step s (c = 4 + 8 p + s); Q6_K's ql run c's step s (8 c + s), qh
  * run h's (32 + 8 h + s), its int8 scales 4i .. 4i+3 (48 + i). What unpack_kgroup builds with
- * transposes on every call is then a load. */
-static inline int kwords(int t) { return unit_bytes(t) / 4; }
+ * transposes on every call is then a load (kwords: qblocks.h). */
 
 static void pack_kgroup(int t, uint8_t *rows, const uint8_t *copy, int64_t rbytes, int64_t nsu) {
     const int ub = unit_bytes(t), c4 = kwords(t), tail = ub % 4;
@@ -333,12 +332,26 @@ static inline __attribute__((always_inline)) __m256 k4_m(const k4_lanes k, int b
     return _mm256_mul_ps(k.nmv, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(k.v[2 + b / 4], 8 * (b % 4)), _mm256_set1_epi32(0xff))));
 }
 
-/* Packed Q6_K scale dword vector v (lane j = row j's int8 scales 4i .. 4i+3) -> block 2i + hi's pair
- * sc0 | sc1 << 16 (each sign-extended to int16), unpack_kgroup's transposed cvtepi8_epi16 values. */
+/* Packed Q6_K scale dword vector v (lane j = row j's int8 scales 4i .. 4i+3) -> block 2i + hi's two
+ * half scales, sign-extended in int32 lanes (q6_scales), or as the panel's pair sc0 | sc1 << 16
+ * (q6_scale_pair: unpack_kgroup's transposed cvtepi8_epi16 values). */
+static inline __attribute__((always_inline)) void q6_scales(__m256i v, int hi, __m256i *sc0, __m256i *sc1) {
+    *sc0 = _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 16 * hi), 24);
+    *sc1 = _mm256_srai_epi32(_mm256_slli_epi32(v, 16 - 16 * hi), 24);
+}
 static inline __attribute__((always_inline)) __m256i q6_scale_pair(__m256i v, int hi) {
-    const __m256i lo16 = _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 16 * hi), 24);
-    const __m256i hi16 = _mm256_srai_epi32(_mm256_slli_epi32(v, 16 - 16 * hi), 24);
-    return _mm256_or_si256(_mm256_and_si256(lo16, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(hi16, 16));
+    __m256i sc0, sc1;
+    q6_scales(v, hi, &sc0, &sc1);
+    return _mm256_or_si256(_mm256_and_si256(sc0, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(sc1, 16));
+}
+
+/* Q6_K's exact block integers of 8 weight rows in lanes (q6_fold's): the halves' dots of q + 32
+ * and x, the int8 half scales, the activation block's two half sums xh. */
+static inline __attribute__((always_inline)) __m256i q6_fold_lanes(__m256i dot0, __m256i dot1, __m256i sc0, __m256i sc1,
+                                                                   const int32_t *xh) {
+    const __m256i e0 = _mm256_sub_epi32(dot0, _mm256_set1_epi32(32 * xh[0]));
+    const __m256i e1 = _mm256_sub_epi32(dot1, _mm256_set1_epi32(32 * xh[1]));
+    return _mm256_add_epi32(_mm256_mullo_epi32(e0, sc0), _mm256_mullo_epi32(e1, sc1));
 }
 #endif
 
@@ -456,12 +469,13 @@ static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, g
             }
         }
 #else
-        for (int b = 0; b < 8; b++)
-            for (int j = 0; j < GR; j++) {
-                uint8_t q[QK], unit[256];
+        for (int j = 0; j < GR; j++) {
+            uint8_t unit[256];
+            if (pk) unpack_kunit(bt, w + su * GR * ub, j, unit);
+            for (int b = 0; b < 8; b++) {
+                uint8_t q[QK];
                 float d, m;
                 int32_t sc;
-                if (pk) unpack_kunit(bt, w + su * GR * ub, j, unit);
                 kquant_block(bt, pk ? unit : w + j * rbytes + su * ub, b, q, &d, &m, &sc);
                 for (int k = 0; k < QK; k++) KQ(b, k / 4)[4 * j + k % 4] = q[k];
                 memcpy(KD(b) + 4 * j, &d, 4);
@@ -470,6 +484,7 @@ static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, g
                 else
                     memcpy(KM(b) + 4 * j, &m, 4);
             }
+        }
 #endif
     }
 }
@@ -638,11 +653,8 @@ static inline __attribute__((always_inline)) void group_tile(const int t, const 
 #pragma GCC unroll 4
             for (int i = 0; i < NX; i++) {
                 __m256 isum;
-                if (t == TQ_Q6_K) { /* q6_fold in lanes */
-                    const int32_t *xh = x.h + 2 * (i * nb + b);
-                    const __m256i d0 = _mm256_sub_epi32(w5[h][i], _mm256_set1_epi32(32 * xh[0]));
-                    const __m256i d1 = _mm256_sub_epi32(p[h][i], _mm256_set1_epi32(32 * xh[1]));
-                    isum = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_mullo_epi32(d0, sc0), _mm256_mullo_epi32(d1, sc1)));
+                if (t == TQ_Q6_K) {
+                    isum = _mm256_cvtepi32_ps(q6_fold_lanes(w5[h][i], p[h][i], sc0, sc1, x.h + 2 * (i * nb + b)));
                 } else {
                     const __m256i wide = t == TQ_Q8_0 ? p[h][i] : widen16(p[h][i]);
                     isum = _mm256_cvtepi32_ps(five_bit(t) ? _mm256_add_epi32(w5[h][i], wide) : wide);
@@ -805,8 +817,8 @@ static inline __attribute__((always_inline)) void packed_direct(const int t, con
 /* Packed Q4_K / Q6_K, NX (<= MRG) activation rows: a group's super-block straight from its packed
  * dwords into registers, no panel: the panel's values (k4_decode, q6_scale_pair), the same exact
  * block integers and the same float operations per block in order as group_tile, so the same bits.
- * Q4_K takes a qs run's two blocks (low and high nibbles) together; Q6_K a block at a time (its
- * blocks 2h .. take ql runs 0, 1, 0, 1 and qh bits 0, 2, 4, 6 of run h). */
+ * Q4_K takes a qs run's two blocks (low and high nibbles) together, and so does Q6_K (up to
+ * Q6K_DIRECT rows: its sums for 4 blocks stay live; more rows take the panel). */
 static inline __attribute__((always_inline)) void packed_k_direct(const int t, const uint8_t *w, int64_t nb,
                                                                   tq_q8acts x, int64_t K, const int NX,
                                                                   const float *bias, float *out, int64_t ostride) {
@@ -847,16 +859,16 @@ static inline __attribute__((always_inline)) void packed_k_direct(const int t, c
                     }
                 }
             }
-        } else if (NX <= 2) { /* Q6_K: ql run c = 2h + r gives blocks 4h + r (low nibbles) and 4h + 2 + r
+        } else { /* Q6_K (1-2 rows: Q6K_DIRECT): ql run c = 2h + r gives blocks 4h + r (low nibbles) and 4h + 2 + r
                                  (high), both from one load of ql and of qh; each block's exact
                                  integer is kept until its turn (blocks 4h .. 4h+3 in order) */
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 * kwords(t))));
             const __m256i three = _mm256_set1_epi8(3);
             for (int h = 0; h < 2; h++) {
-                __m256i isum[4][2]; /* [block 4h + i][row] */
+                __m256i isum[4][MRG]; /* [block 4h + i][row] */
 #pragma GCC unroll 2
                 for (int r = 0; r < 2; r++) {
-                    __m256i dot[2][2][2]; /* [low / high nibble block][half][row] */
+                    __m256i dot[2][2][MRG]; /* [low / high nibble block][half][row] */
                     for (int e = 0; e < 2; e++)
                         for (int i = 0; i < NX; i++) dot[e][0][i] = dot[e][1][i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -878,52 +890,16 @@ static inline __attribute__((always_inline)) void packed_k_direct(const int t, c
                     }
                     for (int e = 0; e < 2; e++) { /* block 4h + r + 2e: q6_fold in lanes */
                         const int sb = 4 * h + r + 2 * e;
-                        const __m256i sc = q6_scale_pair(_mm256_loadu_si256((const __m256i *)(p + 32 * (48 + sb / 2))), sb % 2);
-                        const __m256i sc0 = _mm256_srai_epi32(_mm256_slli_epi32(sc, 16), 16), sc1 = _mm256_srai_epi32(sc, 16);
-                        for (int i = 0; i < NX; i++) {
-                            const int32_t *xh = x.h + 2 * (i * nb + 8 * su + sb);
-                            const __m256i e0 = _mm256_sub_epi32(dot[e][0][i], _mm256_set1_epi32(32 * xh[0]));
-                            const __m256i e1 = _mm256_sub_epi32(dot[e][1][i], _mm256_set1_epi32(32 * xh[1]));
-                            isum[r + 2 * e][i] = _mm256_add_epi32(_mm256_mullo_epi32(e0, sc0), _mm256_mullo_epi32(e1, sc1));
-                        }
+                        __m256i sc0, sc1;
+                        q6_scales(_mm256_loadu_si256((const __m256i *)(p + 32 * (48 + sb / 2))), sb % 2, &sc0, &sc1);
+                        for (int i = 0; i < NX; i++)
+                            isum[r + 2 * e][i] = q6_fold_lanes(dot[e][0][i], dot[e][1][i], sc0, sc1, x.h + 2 * (i * nb + 8 * su + sb));
                     }
                 }
                 for (int sb = 0; sb < 4; sb++)
                     for (int i = 0; i < NX; i++)
                         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[sb][i]),
                                                  _mm256_mul_ps(dv, _mm256_broadcast_ss(x.d + i * nb + 8 * su + 4 * h + sb)), acc[i]);
-            }
-        } else { /* Q6_K, 3-4 rows: a block at a time (fewer live sums) */
-            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 * kwords(t))));
-            const __m256i three = _mm256_set1_epi8(3);
-            for (int sb = 0; sb < 8; sb++) {
-                const int h = sb / 4, c = 2 * h + sb % 2, shift = 2 * (sb % 2) + 4 * (sb % 4 / 2);
-                const int64_t b = 8 * su + sb;
-                const __m256i sc = q6_scale_pair(_mm256_loadu_si256((const __m256i *)(p + 32 * (48 + sb / 2))), sb % 2);
-                const __m256i sc0 = _mm256_srai_epi32(_mm256_slli_epi32(sc, 16), 16), sc1 = _mm256_srai_epi32(sc, 16);
-                __m256i d0[MRG], d1[MRG];
-                for (int i = 0; i < NX; i++) d0[i] = d1[i] = _mm256_setzero_si256();
-                for (int s = 0; s < 8; s++) {
-                    const __m256i ql = _mm256_loadu_si256((const __m256i *)(p + 32 * (8 * c + s)));
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 32 * (32 + 8 * h + s)));
-                    const __m256i nib = sb % 4 < 2 ? _mm256_and_si256(ql, mask) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), mask);
-                    const __m256i q = _mm256_or_si256(nib, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, shift), three), 4));
-                    for (int i = 0; i < NX; i++) {
-                        int32_t xv;
-                        memcpy(&xv, x.q + i * K + b * QK + 4 * s, 4);
-                        if (s < 4)
-                            d0[i] = step32(d0[i], q, _mm256_set1_epi32(xv));
-                        else
-                            d1[i] = step32(d1[i], q, _mm256_set1_epi32(xv));
-                    }
-                }
-                for (int i = 0; i < NX; i++) { /* q6_fold in lanes */
-                    const int32_t *xh = x.h + 2 * (i * nb + b);
-                    const __m256i e0 = _mm256_sub_epi32(d0[i], _mm256_set1_epi32(32 * xh[0]));
-                    const __m256i e1 = _mm256_sub_epi32(d1[i], _mm256_set1_epi32(32 * xh[1]));
-                    const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_mullo_epi32(e0, sc0), _mm256_mullo_epi32(e1, sc1)));
-                    acc[i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dv, _mm256_broadcast_ss(x.d + i * nb + b)), acc[i]);
-                }
             }
         }
     }
@@ -948,7 +924,7 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
 #ifdef TQ_AVX2
     /* few rows: registers beat the panel (packed Q4: 1.5x at M = 1, ~1.05x at 4; Q8_0: 1.25x at 1,
      * 1.13x at 2 and 3; the same along k for unpacked Q4 measured 0.91-0.94x the panel: not taken) */
-    if ((t == TQ_Q8_0 && M <= Q8_0_DIRECT) || ((packed_type(t) || packed_k(t)) && M <= MRG)) {
+    if ((t == TQ_Q8_0 && M <= Q8_0_DIRECT) || (is_packed(t) && M <= (base_type(t) == TQ_Q6_K ? Q6K_DIRECT : MRG))) {
         for (int h = 0; h <= pair; h++) {
             const uint8_t *wg = w + (g + h) * GR * rbytes;
             const float *bh = bn ? bn + GR * h : NULL;

@@ -453,7 +453,7 @@ static int64_t strip_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, in
 
 int64_t tq_q8_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
                        int64_t N, int64_t K) {
-    const int q8_0 = t == TQ_Q8_0, kq = is_k_quant(t) && tq_q8_type(t);
+    const int q8_0 = t == TQ_Q8_0, kq = q8_kquant(t);
     if (kq || packed_type(t)) {
         const int64_t from = base_type(t) == TQ_Q6_K ? AMX_MIN_Q6K : kq ? AMX_MIN_K : AMX_MIN_ROWS;
         return M >= from && amx_allowed() ? strip_amx_rows(t, w, x, y, ldy, bias, M, N, K) : 0;

@@ -48,8 +48,6 @@
 enum { MODE_MIN, MODE_Q8_0, MODE_Q6_K }; /* strip_tile: q - minimum terms; Q8_0's offset; Q6_K's two halves */
 
 #ifdef TQ_ZMM
-static inline int kquant8(int t) { return base_type(t) == TQ_Q4_K || base_type(t) == TQ_Q5_K || base_type(t) == TQ_Q6_K; }
-
 /* NX activation rows times one strip: out[i * ostride + j], j < 16 (8 when lone). The pf bytes (the
  * next strip's rows, or none) are prefetched a share per block, so the memory reads run beside
  * the arithmetic rather than in a burst while the panel is filled. */
@@ -313,7 +311,7 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
 #ifdef TQ_ZMM
     const int64_t amx = tq_q8_amx_rows(t, w, x, y, ldy, bias, M, N, K); /* q8amx.c, the amx build */
     if (amx) return amx;
-    const int q8_0 = t == TQ_Q8_0, kq = kquant8(t);
+    const int q8_0 = t == TQ_Q8_0, kq = q8_kquant(t);
     if (!(packed_type(t) || q8_0 || kq) || (q8_0 && M < BATCH_MIN_Q8_0) || (kq && M < BATCH_MIN_K)) return 0;
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
     const int direct = (packed_type(t) && M <= DIRECT_MAX_Q4) || (q8_0 && M <= DIRECT_MAX_Q8_0);

@@ -226,8 +226,8 @@ static inline void unpack_q6k_strip(int t, const uint8_t *w, int64_t rbytes, int
         uint16_t hd[SGR] = {0};
         __m512i r[8], tr[8], qh[2][8];
         if (pk) { /* scale dword i, lane j = row j's int8 scales 4i .. 4i+3 -> blocks 2i, 2i + 1's pairs */
-            memcpy(hd, pw + 1664, 16);
-            if (!lone) memcpy(hd + 8, pw + 8 * rbytes + 1664, 16);
+            memcpy(hd, pw + 32 * kwords(TQ_Q6_K), 16);
+            if (!lone) memcpy(hd + 8, pw + 8 * rbytes + 32 * kwords(TQ_Q6_K), 16);
             for (int i = 0; i < 4; i++) {
                 const __m512i v = packed_dwords(pw, rbytes, 48 + i, lone);
                 for (int hi = 0; hi < 2; hi++) {

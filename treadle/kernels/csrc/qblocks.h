@@ -51,10 +51,13 @@ enum { TQ_Q4_0 = 2, TQ_Q4_1 = 3, TQ_Q5_0 = 6, TQ_Q5_1 = 7, TQ_Q8_0 = 8,
 #define TQ_PACKED 100
 TQ_INLINE int packed_type(int t) { return t == TQ_PACKED + TQ_Q4_0 || t == TQ_PACKED + TQ_Q4_1; }
 TQ_INLINE int packed_k(int t) { return t == TQ_PACKED + TQ_Q4_K || t == TQ_PACKED + TQ_Q6_K; }
-TQ_INLINE int base_type(int t) { return packed_type(t) || packed_k(t) ? t - TQ_PACKED : t; }
+TQ_INLINE int is_packed(int t) { return packed_type(t) || packed_k(t); }
+TQ_INLINE int base_type(int t) { return is_packed(t) ? t - TQ_PACKED : t; }
 
 TQ_INLINE int is_k_quant(int t) { return base_type(t) >= TQ_Q2_K && base_type(t) <= TQ_Q6_K; }
 TQ_INLINE int unit_blocks(int t) { return is_k_quant(t) ? 8 : 1; } /* blocks of 32 per unit */
+/* the K-quants with an 8-bit activation path (q8act.c, q8batch.c, q8amx.c), packed or not */
+TQ_INLINE int q8_kquant(int t) { return base_type(t) == TQ_Q4_K || base_type(t) == TQ_Q5_K || base_type(t) == TQ_Q6_K; }
 
 TQ_INLINE int unit_bytes(int t) {
     switch (base_type(t)) {
@@ -71,6 +74,8 @@ TQ_INLINE int unit_bytes(int t) {
     }
 }
 
+/* a packed K-quant super-block's whole dwords per row (q8act.c tq_q8_pack); Q6_K's 8 d follow them */
+TQ_INLINE int kwords(int t) { return unit_bytes(t) / 4; }
 TQ_INLINE int64_t row_bytes(int t, int64_t K) { return K / (QK * unit_blocks(t)) * unit_bytes(t); }
 TQ_INLINE int split_scales(int t) { return t == TQ_Q2_K || t == TQ_Q3_K || t == TQ_Q6_K; } /* dh per 16 */
 TQ_INLINE int min_per_block(int t) { return t == TQ_Q4_1 || t == TQ_Q5_1 || t == TQ_Q4_K || t == TQ_Q5_K; }

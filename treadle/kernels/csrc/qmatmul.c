@@ -401,8 +401,7 @@ void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float 
     int use8[TQ_MAX_SEGMENTS] = {0}, any16 = 0, any8 = 0;
     for (int s = 0; s < layout->count; s++) {
         if (layout->qtype[s] == TQ_W_BF16) continue; /* takes x as it is */
-        use8[s] = tq_q8_type(layout->qtype[s]) &&
-                  (layout->act_bits == 8 || packed_type(layout->qtype[s]) || packed_k(layout->qtype[s]));
+        use8[s] = tq_q8_type(layout->qtype[s]) && (layout->act_bits == 8 || is_packed(layout->qtype[s]));
         any8 |= use8[s];
         any16 |= !use8[s];
     }
@@ -462,7 +461,7 @@ static void dequant_row(int qtype, const uint8_t *row, float *out, int64_t K) {
 /* Row n of W dequantized; packed rows (q8act.c) are first put back as the file has them. */
 static void file_row(int qtype, const uint8_t *w, int64_t n, int64_t K, float *out) {
     const int64_t rbytes = row_bytes(qtype, K);
-    if (!packed_type(qtype) && !packed_k(qtype)) {
+    if (!is_packed(qtype)) {
         dequant_row(qtype, w + n * rbytes, out, K);
         return;
     }
