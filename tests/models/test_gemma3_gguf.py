@@ -22,19 +22,24 @@ NEW_TOKENS = 16
 
 
 @torch.no_grad()
-def greedy_last_rows(lm: LoadedModel, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens through the paged cache, taking logits of each step's last row only (the
-    prompt's other rows over a 262k vocabulary would cost more than the model)."""
-    session, new, out = PagedSession(lm, 1, len(prompt) + n, block_size=16), prompt, []
+def greedy_last_rows(lm: LoadedModel, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy tokens of a batch of prompts decoded together through the paged cache, taking logits
+    of each sequence's last row only at each step (the prompts' other rows over a 262k vocabulary
+    would cost more than the model; one step serves every prompt, as the engine batches them)."""
+    session = PagedSession(lm, len(prompts), max(map(len, prompts)) + n, block_size=16)
+    new, outs = prompts, [[] for _ in prompts]
     for _ in range(n):
-        seq_len = session.lens[0] + len(new)
-        positions, meta = session.inputs.build([len(new)], [seq_len], session.tables)
+        query_lens = [len(t) for t in new]
+        seq_lens = [done + q for done, q in zip(session.lens, query_lens)]
+        positions, meta = session.inputs.build(query_lens, seq_lens, session.tables)
         meta.plan = lm.model.backend.plan(meta)
-        hidden = lm.model(torch.tensor(new), positions, session.caches, meta)
-        session.lens = [seq_len]
-        new = [int(lm.model.compute_logits(hidden[-1:])[0].argmax())]
-        out += new
-    return out
+        hidden = lm.model(torch.tensor([t for toks in new for t in toks]), positions, session.caches, meta)
+        session.lens = seq_lens
+        last = torch.tensor(query_lens).cumsum(0) - 1
+        new = [[int(i)] for i in lm.model.compute_logits(hidden[last]).argmax(-1)]
+        for out, token in zip(outs, new):
+            out += token
+    return outs
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +57,12 @@ def prompts(float_lm: LoadedModel) -> list[list[int]]:
     return [tok.encode(t) for t in TEXTS] + [long]
 
 
+@pytest.fixture(scope="module")
+def greedy_tokens(float_lm: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's NEW_TOKENS greedy tokens from the dequantized model (read-only: both tests below use them)."""
+    return greedy_last_rows(float_lm, prompts, NEW_TOKENS)
+
+
 def test_config_and_tokenizer_from_the_file(float_lm: LoadedModel) -> None:
     cfg, tok = float_lm.config, float_lm.tokenizer
     assert cfg.architecture == "Gemma3ForCausalLM" and (cfg.head_dim, cfg.num_kv_heads, cfg.vocab_size) == (256, 1, 262144)
@@ -65,28 +76,31 @@ def test_config_and_tokenizer_from_the_file(float_lm: LoadedModel) -> None:
     assert ids[:2] == [2, 105] and ids.count(2) == 1 and ids.count(106) == 1  # <bos>, turn markers as single ids
 
 
-def test_dequantized_greedy_matches_transformers(float_lm: LoadedModel, prompts: list[list[int]]) -> None:
+def test_dequantized_greedy_matches_transformers(prompts: list[list[int]], greedy_tokens: list[list[int]]) -> None:
+    """Transformers' greedy tokens, read off one causal forward over prompt + our tokens (teacher
+    forcing): its argmax after prompt + got[:i] must be got[i] for every i, which holds exactly
+    when its own greedy decoding would give got (and costs one pass, not a generate loop)."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model("gemma-3-270m")
     with fast_gguf_parsing():
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                   attn_implementation="eager").eval()
-    for prompt in prompts:
-        got = greedy_last_rows(float_lm, prompt, NEW_TOKENS)
-        with torch.no_grad():
-            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        assert got == expected[0, len(prompt):].tolist()
+    for prompt, got in zip(prompts, greedy_tokens):
+        with torch.no_grad():  # logits of the last NEW_TOKENS positions only (the 262k-row lm_head)
+            logits = hf(torch.tensor([prompt + got[:-1]]), logits_to_keep=NEW_TOKENS).logits[0]
+        assert got == logits.argmax(-1).tolist()
 
 
-def test_native_gguf_path_close_to_dequantized(float_lm: LoadedModel, prompts: list[list[int]]) -> None:
+def test_native_gguf_path_close_to_dequantized(float_lm: LoadedModel, prompts: list[list[int]],
+                                               greedy_tokens: list[list[int]]) -> None:
     """Teacher-forced on the dequantized model's greedy tokens (the short prompts): the quantized path (activations
     rounded to 16 bits per block inside the kernels) picks the same token wherever the
     dequantized model's top two are 0.1 logit apart or more, and its log-probabilities of the
     chosen tokens are within 0.02 on average."""
     native = load_model("gemma-3-270m", CPUBackend(), quantization="gguf")
     assert type(native.model.embed_tokens.method).__name__ == "GGUFBlockMethod"  # the tied lm_head stays Q8_0
-    seqs = [p + greedy_last_rows(float_lm, p, NEW_TOKENS) for p in prompts[:len(TEXTS)]]
+    seqs = [p + g for p, g in zip(prompts[:len(TEXTS)], greedy_tokens)]
     diffs = []
     for seq in seqs:
         logits = []
