@@ -103,18 +103,20 @@ def finish(w: GGUFWriter, path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def fast_gguf_parsing() -> Iterator[None]:
+def fast_gguf_parsing(parsed: dict[tuple[str, str], object] | None = None) -> Iterator[None]:
     """While transformers loads a GGUF (``from_pretrained(..., gguf_file=)``): it parses the file
     with the gguf package's ``GGUFReader`` twice (config, then weights), and that reader's
     per-slice ``np.memmap`` bookkeeping makes a large vocabulary's ~10^6 small slices slow
     (Gemma 3's 262k tokens: 17.6 s CPU a parse). Treadle's reader subclass parses the same bytes
     with the same code over a plain view of the map (4.4 s), and one parse per file serves both
-    reads (the reader is read-only); swapped in only for the duration."""
+    reads (the reader is read-only); swapped in only for the duration. ``parsed``: a dict kept by
+    the caller, to share the parses with later loads of the same file (a model, then its tokenizer)."""
     import gguf
 
     from treadle.loaders.gguf import PlainBufferReader
 
-    parsed: dict[tuple[str, str], PlainBufferReader] = {}
+    if parsed is None:
+        parsed = {}
 
     def reader(path: str | Path, mode: str = "r") -> PlainBufferReader:
         key = (str(path), mode)

@@ -37,19 +37,25 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
+def hf_parsed() -> dict:
+    """The GGUF parsed once for transformers' model and its tokenizer (read-only readers), for this module only."""
+    return {}
+
+
+@pytest.fixture(scope="module")
 def ours() -> LoadedModel:
     return load_model("smollm2-135m-instruct", ReferenceBackend())
 
 
 @pytest.fixture(scope="module")
-def hf() -> torch.nn.Module:
-    with fast_gguf_parsing():
+def hf(hf_parsed: dict) -> torch.nn.Module:
+    with fast_gguf_parsing(hf_parsed):
         return AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
-def hf_tok():
-    with fast_gguf_parsing():
+def hf_tok(hf_parsed: dict):
+    with fast_gguf_parsing(hf_parsed):
         return AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
 
 
