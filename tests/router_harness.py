@@ -100,6 +100,16 @@ def running(*procs: Proc) -> Iterator[tuple[Proc, ...]]:
             p.kill()
 
 
+def wait_in_rotation(router_url: str, *instances: Proc, timeout: float = 30) -> None:
+    """Wait until the router's health checks have found each of ``instances`` healthy (a
+    router started together with its instances counted their start-up as failures)."""
+    def ready() -> bool:
+        resp = httpx.get(router_url + "/health", timeout=5)
+        return resp.status_code == 200 and all(resp.json()["instances"][i.url]["healthy"] for i in instances)
+
+    wait_until(ready, timeout, f"{router_url} to take {[i.url for i in instances]} into rotation")
+
+
 def upstream_count(router_url: str, instance_url: str, outcome: str = "ok") -> float:
     """Requests the router sent to ``instance_url`` with this outcome."""
     m = metric_values(router_url)

@@ -33,6 +33,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("TREADLE_PP_BATCH_QUEUE", "1", "0: under pipeline parallelism keep one step in flight, not one per "
                                           "stage (for comparisons)"),
     EnvVar("TREADLE_WORKER_START_TIMEOUT_S", "600", "mp executor: seconds workers may take to load the model"),
+    EnvVar("TREADLE_WORKER_STOP_GRACE_S", "5", "mp executor: seconds stopping workers may take at shutdown before "
+                                           "they are killed"),
     EnvVar("TREADLE_LLAMACPP_BIN", None, "benchmarks: the folder of the llama.cpp peer's binaries (default: "
                                         "what tools/build_llamacpp.sh built for this CPU, in the cache)"),
     EnvVar("TREADLE_LLAMACPP_ARGS", None, "benchmarks: more arguments for the llama-server peer, e.g. "
@@ -106,3 +108,7 @@ def execute_timeout_s() -> float:
 
 def worker_start_timeout_s() -> float:
     return get_seconds("TREADLE_WORKER_START_TIMEOUT_S")
+
+
+def worker_stop_grace_s() -> float:
+    return get_seconds("TREADLE_WORKER_STOP_GRACE_S")

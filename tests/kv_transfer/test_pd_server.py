@@ -64,9 +64,9 @@ def instances(model_dir: Path, *kvs: dict[str, Any] | None,
             raise next(f.exception() for f in futures if f.exception() is not None)  # type: ignore[misc]
         with contextlib.ExitStack() as stack:
             yield [stack.enter_context(ServerThread(build_app(llm, MODEL_NAME))).url for llm in llms]
-    finally:
-        for llm in llms:
-            llm.shutdown()
+    finally:  # side by side too: each engine process takes a second or two to stop
+        with ThreadPoolExecutor(max(len(llms), 1)) as pool:
+            list(pool.map(lambda llm: llm.shutdown(), llms))
 
 
 @pytest.fixture(scope="module")

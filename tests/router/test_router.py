@@ -9,7 +9,7 @@ import json
 import httpx
 import openai
 import pytest
-from router_harness import instance, router, router_metric, running, upstream_count
+from router_harness import instance, router, router_metric, running, upstream_count, wait_in_rotation
 from server_harness import engine_idle, metric_values, stories_with_chat_template, wait_until
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]  # three servers to start: about a minute on a quiet 2-core machine
@@ -20,14 +20,18 @@ STEP_DELAY = 0.01  # each engine step sleeps this long, so long requests stay in
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    """Two instances and a router polling them every 0.2 s."""
+    """Two instances and a router polling them every 0.2 s (started with them), and a second
+    router that polls them once, when they are up, and then not for an hour (for the test
+    of a router that has not noticed a dead instance yet)."""
     tmp = tmp_path_factory.mktemp("router")
     model = str(stories_with_chat_template(tmp / "model"))
     a, b = instance(tmp, "a", STEP_DELAY, model), instance(tmp, "b", STEP_DELAY, model)
     r = router(tmp, "router", "--backend", a.url, b.url, "--poll-interval", "0.2")
-    with running(a, b):
-        with running(r):
-            yield a, b, r, model
+    slow_poll = router(tmp, "slow-poll", "--backend", a.url, b.url, "--poll-interval", "3600")
+    with running(a, b, r):
+        wait_in_rotation(r.url, a, b)
+        with running(slow_poll):
+            yield a, b, r, slow_poll, model
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -51,7 +55,7 @@ def _chat(url: str, model: str, prompt: str, stream: bool) -> str:
 
 @pytest.mark.parametrize("call", [_complete, _chat], ids=["completions", "chat"])
 def test_outputs_match_one_instance_and_both_instances_serve(pool, call):
-    a, b, r, model = pool
+    a, b, r, _, model = pool
     before = {i.url: upstream_count(r.url, i.url) for i in (a, b)}
     expected = [call(a.url, model, p, False) for p in PROMPTS]
     jobs = [(p, stream) for p in PROMPTS for stream in (False, True)]
@@ -65,7 +69,7 @@ def test_outputs_match_one_instance_and_both_instances_serve(pool, call):
 
 def test_less_loaded_instance_is_preferred(pool):
     """Two long requests sent straight to A keep it busy; the router's next requests go to B."""
-    a, b, r, model = pool
+    a, b, r, _, model = pool
     long = {"model": model, "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", a.url + "/v1/completions", json=long, timeout=60) as s1, \
             httpx.stream("POST", a.url + "/v1/completions", json=long, timeout=60) as s2:
@@ -83,7 +87,7 @@ def test_less_loaded_instance_is_preferred(pool):
 
 
 def test_prompts_sharing_a_prefix_go_to_the_instance_that_has_it(pool):
-    a, b, r, model = pool
+    a, b, r, _, model = pool
     system = "Lily and Ben were best friends who lived next to a big green park with tall trees. " * 2
     counts = [upstream_count(r.url, i.url) for i in (a, b)]
     affinity = router_metric(r.url, "treadle:router_routing_decisions_total", reason="affinity")
@@ -96,7 +100,7 @@ def test_prompts_sharing_a_prefix_go_to_the_instance_that_has_it(pool):
 
 
 def test_bad_input_gets_an_openai_400(pool):
-    _, _, r, model = pool
+    _, _, r, _, model = pool
     url = r.url + "/v1/completions"
     for raw in (b'{"prompt": ', b"[1, 2]", b"\xff\xfe"):
         resp = httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=10)
@@ -108,7 +112,7 @@ def test_bad_input_gets_an_openai_400(pool):
 
 
 def test_client_disconnect_aborts_on_the_instance(pool):
-    a, b, r, model = pool
+    a, b, r, _, model = pool
     body = {"model": model, "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", r.url + "/v1/completions", json=body, timeout=60) as resp:
         lines = resp.iter_lines()
@@ -119,28 +123,26 @@ def test_client_disconnect_aborts_on_the_instance(pool):
     wait_until(lambda: router_metric(r.url, "treadle:router_instance_in_flight") == 0, 10, "router in-flight 0")
 
 
-def test_dead_instance_leaves_rotation_requests_retry_and_it_comes_back(pool, tmp_path):
+def test_dead_instance_leaves_rotation_requests_retry_and_it_comes_back(pool):
     """A killed instance: its stream ends with an error event; requests still succeed (a
     router that has not noticed yet retries them); it is back in rotation once restarted."""
-    a, b, r, model = pool
-    slow_poll = router(tmp_path, "slow-poll", "--backend", a.url, b.url, "--poll-interval", "600")
-    with running(slow_poll):
-        body = {"model": model, "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", r.url + "/v1/completions", json=body, timeout=60) as resp:
-            lines = (ln for ln in resp.iter_lines() if ln)
-            assert next(lines).startswith("data: {")
-            victim = next(i for i in (a, b) if metric_values(i.url)["treadle:num_requests_open"] == 1)
-            victim.kill()
-            rest = list(lines)  # the stream ends: no hang
-        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["error"]["code"] == "upstream_error"
-        survivor = b if victim is a else a
-        for url in (r.url, slow_poll.url):
-            texts = [_complete(url, model, p, False) for p in PROMPTS]
-            assert texts == [_complete(survivor.url, model, p, False) for p in PROMPTS]
-        assert router_metric(slow_poll.url, "treadle:router_retries_total") >= 1
-        healthy = metric_values(r.url)
-        assert healthy[f"treadle:router_instance_healthy{{instance={victim.url},role=backend}}"] == 0
-        assert httpx.get(r.url + "/health").status_code == 200  # one instance is enough
+    a, b, r, slow_poll, model = pool
+    body = {"model": model, "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", r.url + "/v1/completions", json=body, timeout=60) as resp:
+        lines = (ln for ln in resp.iter_lines() if ln)
+        assert next(lines).startswith("data: {")
+        victim = next(i for i in (a, b) if metric_values(i.url)["treadle:num_requests_open"] == 1)
+        victim.kill()
+        rest = list(lines)  # the stream ends: no hang
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["error"]["code"] == "upstream_error"
+    survivor = b if victim is a else a
+    expected = [_complete(survivor.url, model, p, False) for p in PROMPTS]
+    for url in (r.url, slow_poll.url):
+        assert [_complete(url, model, p, False) for p in PROMPTS] == expected
+    assert router_metric(slow_poll.url, "treadle:router_retries_total") >= 1
+    healthy = metric_values(r.url)
+    assert healthy[f"treadle:router_instance_healthy{{instance={victim.url},role=backend}}"] == 0
+    assert httpx.get(r.url + "/health").status_code == 200  # one instance is enough
     victim.start().wait_healthy()
     wait_until(lambda: metric_values(r.url)[f"treadle:router_instance_healthy{{instance={victim.url},role=backend}}"]
                == 1, 10, "the instance back in rotation")

@@ -8,7 +8,7 @@ import json
 
 import openai
 import pytest
-from router_harness import instance, router, router_metric, running, upstream_count
+from router_harness import instance, router, router_metric, running, upstream_count, wait_in_rotation
 from server_harness import engine_idle, metric_values, stories_with_chat_template, wait_until
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]  # four servers to start
@@ -30,9 +30,9 @@ def pd(tmp_path_factory):
     producer = instance(tmp, "producer", STEP_DELAY, model, *_kv("kv_producer"))
     consumer = instance(tmp, "consumer", STEP_DELAY, model, *_kv("kv_consumer"))
     front = router(tmp, "router", "--prefill", producer.url, "--decode", consumer.url, "--poll-interval", "0.2")
-    with running(colocated, producer, consumer):
-        with running(front):
-            yield colocated, producer, consumer, front, model
+    with running(colocated, producer, consumer, front):  # the router starts with the instances
+        wait_in_rotation(front.url, producer, consumer)
+        yield colocated, producer, consumer, front, model
 
 
 def _client(url: str) -> openai.OpenAI:

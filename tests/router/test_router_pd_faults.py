@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from router_harness import free_port, health, instance, router, router_metric, running
+from router_harness import free_port, health, instance, router, router_metric, running, wait_in_rotation
 from server_harness import engine_idle, metric_values, wait_until
 
 pytestmark = pytest.mark.server
@@ -38,8 +38,17 @@ def pd(tmp_path_factory):
                         *_kv("kv_producer", producer_block_timeout_s=PRODUCER_TIMEOUT_S))
     consumer = instance(tmp, "consumer", 0.02, "stories260k", *_kv("kv_consumer"))
     front = router(tmp, "router", "--prefill", producer.url, "--decode", consumer.url, *BACKOFF)
-    with running(producer, consumer), running(front):
-        yield producer, consumer, front
+    # the router of test_a_dead_decode_instance_...: started here, so that its decode
+    # instance's back-off window runs out while the other tests run
+    dead = f"http://127.0.0.1:{free_port()}"
+    dead_front = router(tmp, "router-dead", "--prefill", producer.url, "--decode", dead, *BACKOFF)
+    with running(producer, consumer, front):  # the router starts with the instances
+        wait_in_rotation(front.url, producer, consumer)
+        try:
+            dead_front.start()  # after the producer is up: its first health check finds it healthy
+            yield producer, consumer, front, (dead, dead_front)
+        finally:
+            dead_front.kill()
 
 
 def _held(url: str) -> float:
@@ -65,7 +74,7 @@ def _leave_after(url: str, body: dict, seconds: float) -> None:
 
 
 def test_clients_leaving_during_the_prefill_call_leave_nothing_held(pd):
-    producer, consumer, front = pd
+    producer, consumer, front, _ = pd
     t0 = time.monotonic()
     httpx.post(producer.url + "/v1/completions", json=_body(PROMPTS[0], max_tokens=1), timeout=30)
     prefill_s = time.monotonic() - t0  # about one prefill call, idle producer
@@ -113,7 +122,7 @@ def test_freezing_the_only_decode_instance_costs_no_request_a_503(pd):
     """SIGSTOP on the decode instance (its server and engine) for 3 s while requests arrive:
     the router's health check fails (the instance backs off), and every request is answered
     once it is resumed, with the output it gives when nothing goes wrong."""
-    producer, consumer, front = pd
+    producer, consumer, front, _ = pd
     want = {p: _post(consumer.url, _body(p))[1] for p in PROMPTS}
     jobs = [_body(PROMPTS[i % len(PROMPTS)], stream=i % 2 == 1) for i in range(14)]
     noticed = []
@@ -139,25 +148,19 @@ def test_freezing_the_only_decode_instance_costs_no_request_a_503(pd):
     wait_until(lambda: _held(producer.url) == 0 and engine_idle(consumer.url), 20, "every KV pulled, consumer idle")
 
 
-@pytest.mark.slow  # the whole back-off window (14 s) and a router start
-def test_a_dead_decode_instance_is_taken_out_and_requests_fail_clearly(pd, tmp_path):
+@pytest.mark.slow  # the whole back-off window (14 s; its router starts with the module's instances)
+def test_a_dead_decode_instance_is_taken_out_and_requests_fail_clearly(pd):
     """A decode URL nobody listens on: it backs off, then leaves rotation after --max-failures;
     requests then get a 503 at once naming it, and the producer frees the prompts it computed."""
-    producer, _, _ = pd
-    dead = f"http://127.0.0.1:{free_port()}"
-    front = router(tmp_path, "router-dead", "--prefill", producer.url, "--decode", dead, *BACKOFF)
-    try:
-        front.start()
-        wait_until(lambda: front.exited() or health(front.url) is not None, 120, "the router to start")
-        assert not front.exited(), front.log.read_text()[-3000:]
-        wait_until(lambda: health(front.url) == 503, 40, "the router to give the dead instance up")
-        released = _counter(producer.url, "released")
-        for stream in (False, True):
-            t0 = time.monotonic()
-            status, message = _post(front.url, _body(PROMPTS[0], stream=stream))
-            assert status == 503 and time.monotonic() - t0 < 5
-            assert f"{dead} is out of rotation after 4 consecutive failures" in message, message
-        wait_until(lambda: _counter(producer.url, "released") == released + 2, 10, "the prefilled KV released")
-        assert _held(producer.url) == 0
-    finally:
-        front.kill()
+    producer, _, _, (dead, front) = pd
+    wait_until(lambda: front.exited() or health(front.url) is not None, 120, "the router to start")
+    assert not front.exited(), front.log.read_text()[-3000:]
+    wait_until(lambda: health(front.url) == 503, 40, "the router to give the dead instance up")
+    released = _counter(producer.url, "released")
+    for stream in (False, True):
+        t0 = time.monotonic()
+        status, message = _post(front.url, _body(PROMPTS[0], stream=stream))
+        assert status == 503 and time.monotonic() - t0 < 5
+        assert f"{dead} is out of rotation after 4 consecutive failures" in message, message
+    wait_until(lambda: _counter(producer.url, "released") == released + 2, 10, "the prefilled KV released")
+    assert _held(producer.url) == 0

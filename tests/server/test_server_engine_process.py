@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -104,11 +105,18 @@ def test_shutdown_after_the_engine_process_died_neither_warns_nor_signals(caplog
 
     from treadle.loaders.resolve import resolve_model
 
-    for _ in range(3):
-        client = start_engine(resolve_model("stories260k"))
-        os.kill(client.engine_pid, signal.SIGKILL)
-        t = time.monotonic()
-        with caplog.at_level("WARNING", logger="treadle"):
-            client.shutdown()
-        assert time.monotonic() - t < 5
-        assert not [r for r in caplog.records if "did not stop" in r.getMessage()]
+    with ThreadPoolExecutor(3) as pool:  # the three engines start side by side
+        futures = [pool.submit(start_engine, resolve_model("stories260k")) for _ in range(3)]
+    clients = [f.result() for f in futures if f.exception() is None]
+    try:
+        assert len(clients) == 3, [f.exception() for f in futures]
+        for client in clients:  # one at a time: killed, then shut down
+            os.kill(client.engine_pid, signal.SIGKILL)
+            t = time.monotonic()
+            with caplog.at_level("WARNING", logger="treadle"):
+                client.shutdown()
+            assert time.monotonic() - t < 5
+            assert not [r for r in caplog.records if "did not stop" in r.getMessage()]
+    finally:
+        for client in clients:
+            client.shutdown()  # (a no-op for those already shut down)

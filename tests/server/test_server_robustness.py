@@ -13,8 +13,10 @@ from server_harness import (
     ENGINE_KW,
     MODEL_NAME,
     ServerThread,
+    StepControl,
     engine_idle,
     serve,
+    start_engine,
     stories_with_chat_template,
     wait_until,
 )
@@ -132,10 +134,13 @@ def test_unhealthy_engine_refuses_new_requests_at_once():
 
 
 def test_max_waiting_counts_sequences():
-    llm = AsyncLLM.from_args(str(resolve_model("stories260k")), **{**ENGINE_KW, "max_num_seqs": 1})
+    # steps slowed while the queue is checked (the running sequence holds its slot for 7.5 s or
+    # more, however loaded the machine), then at full speed for the rest of the generation
+    control = StepControl(step_delay=0.05)
+    llm = start_engine(resolve_model("stories260k"), control=control, in_process=True, max_num_seqs=1)
     try:
         with ServerThread(build_app(llm, MODEL_NAME, limits=ServerLimits(max_waiting=8))) as srv:
-            body = {"prompt": "Once", "max_tokens": 450, "ignore_eos": True}
+            body = {"prompt": "Once", "max_tokens": 150, "ignore_eos": True}
             done: list[httpx.Response] = []
             occupants = [threading.Thread(target=lambda: done.append(httpx.post(srv.url + CMPL, json=body,
                                                                                  timeout=60)))
@@ -146,6 +151,7 @@ def test_max_waiting_counts_sequences():
             r = httpx.post(srv.url + CMPL, json={"prompt": "Once", "max_tokens": 2, "n": 8}, timeout=30)
             assert_error(r, 503, "queue_full")  # 3 waiting + 8 > 8, though only 3 < 8 requests wait
             assert int(r.headers["retry-after"]) >= 1
+            control.set_step_delay(0.0)
             r = httpx.post(srv.url + CMPL, json={"prompt": "Once", "max_tokens": 2, "n": 2}, timeout=30)
             assert r.status_code == 200 and len(r.json()["choices"]) == 2  # at most 3 + 2: fits
             for t in occupants:

@@ -62,10 +62,11 @@ def test_workers_compile_a_grammar_ahead_and_no_step_stalls(executor: str) -> No
         engine.shutdown()
 
 
-def test_shutdown_while_the_workers_compile_ends_the_wait() -> None:
+def test_shutdown_while_the_workers_compile_ends_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     """A grammar still compiling in the workers does not hold the engine's shutdown: the wait
     for their answers ends with EngineDeadError and the workers are stopped (killed after the
     grace period when a compile of minutes holds them)."""
+    monkeypatch.setenv("TREADLE_WORKER_STOP_GRACE_S", "1")  # not the default 5 s: the kill comes sooner
     llm = LLM("stories260k", distributed_executor_backend="mp", **ENGINE_KW)
     engine = llm.engine
     errors: list[BaseException] = []

@@ -36,7 +36,6 @@ from treadle.sampling_params import STRUCTURED_PARAM, StructuredOutputsParams
 logger = logging.getLogger("treadle")
 
 _POLL_MS = 100
-_STOP_GRACE_S = 5.0
 _REAP_TIMEOUT_S = 1.0  # how long to wait for a dead worker to be reaped before reading its exit code
 _LOOPBACK = "tcp://127.0.0.1"
 
@@ -292,7 +291,7 @@ def _teardown(procs: list[Any], inputs: list[zmq.Socket], results: zmq.Socket, g
                 sock.send_multipart([STOP, b""], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-    deadline = time.monotonic() + _STOP_GRACE_S
+    deadline = time.monotonic() + envs.worker_stop_grace_s()
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
