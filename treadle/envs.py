@@ -24,7 +24,8 @@ VARIABLES: tuple[EnvVar, ...] = (
                                        "avx512-bf16, amx); refused when the CPU lacks its features; unset or auto: "
                                        "the best"),
     EnvVar("TREADLE_ACTIVATION_BITS", "16", "8 or 16: how the C kernels round activations for GGUF Q4_0/Q4_1/Q5_0/"
-                                           "Q5_1/Q8_0 weights (int8 or int16 per block of 32; K-quants: 16)"),
+                                           "Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights (int8 or int16 per block of 32); with 8, "
+                                           "a load repacks Q4_0/Q4_1/Q4_K/Q6_K rows 8 at a time"),
     EnvVar("CC", None, "the C compiler for Treadle's kernels (default: gcc, else cc)"),
     EnvVar("TREADLE_FUSED_OPS", "1", "0: RMSNorm+residual and RoPE run as separate torch ops, not fused"),
     EnvVar("TREADLE_API_KEY", None, "default for `treadle serve --api-key`"),

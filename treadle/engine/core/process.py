@@ -46,6 +46,7 @@ from treadle.engine.core.messages import (
 )
 from treadle.engine.llm_engine import LLMEngine
 from treadle.engine.outputs import RequestOutput
+from treadle.executor.worker_proc import exit_at_once
 
 logger = logging.getLogger("treadle")
 
@@ -54,7 +55,8 @@ LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 def run_engine_core(engine_factory: Callable[[], LLMEngine], input_addr: str, output_addr: str,
                     threads: int, log_level: int) -> None:
-    """Process entry point: build the engine, say Ready, loop until Shutdown or orphaned."""
+    """Process entry point: build the engine, say Ready, loop until Shutdown or orphaned; then
+    exit at once (``exit_at_once``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
@@ -87,6 +89,7 @@ def run_engine_core(engine_factory: Callable[[], LLMEngine], input_addr: str, ou
         inp.close(linger=0)
         out.close()
         ctx.term()
+    exit_at_once()
 
 
 class ZmqCoreTransport(CoreTransport):
