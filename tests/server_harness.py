@@ -26,7 +26,7 @@ from treadle.engine.client.in_process import AsyncLLM
 from treadle.engine.client.multi_process import EngineCoreClient
 from treadle.engine.llm_engine import LLMEngine
 from treadle.loaders.resolve import resolve_model
-from treadle.server import build_app
+from treadle.server.app import build_app
 
 MODEL_NAME = "tiny"
 # the same engine settings for the server and the offline reference

@@ -26,7 +26,7 @@ from treadle.engine.resolver import create_engine_config
 from treadle.executor.messages import Codec
 from treadle.executor.multiproc import MultiprocExecutor
 from treadle.loaders.resolve import resolve_model
-from treadle.server import build_app
+from treadle.server.app import build_app
 
 pytestmark = [pytest.mark.server, pytest.mark.usefixtures("one_thread")]
 

@@ -35,7 +35,7 @@ from treadle.kv_transfer.options import free_ports
 from treadle.kv_transfer.wire import PullRequest, TransferError
 from treadle.kv_transfer.worker import KVConnectorWorker
 from treadle.sampling_params import SamplingParams
-from treadle.server import build_app
+from treadle.server.app import build_app
 
 pytestmark = pytest.mark.server  # starts processes (servers, workers)
 

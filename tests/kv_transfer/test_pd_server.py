@@ -34,7 +34,7 @@ from server_harness import (
 
 from treadle.engine.client.multi_process import EngineCoreClient
 from treadle.engine.llm_engine import LLMEngine
-from treadle.server import build_app
+from treadle.server.app import build_app
 
 pytestmark = pytest.mark.server  # starts processes (servers, workers)
 

@@ -23,7 +23,7 @@ from server_harness import ENGINE_KW, MODEL_NAME, ServerThread, engine, engine_i
 
 from treadle.engine.client.engine_client import EngineClient
 from treadle.loaders.resolve import resolve_model
-from treadle.server import build_app
+from treadle.server.app import build_app
 from treadle.server.connections import IDLE_GRACE_S, uvicorn_config
 from treadle.server.state import ServerLimits
 

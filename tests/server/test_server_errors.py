@@ -8,7 +8,7 @@ import httpx
 import pytest
 from server_harness import ENGINE_KW, MODEL_NAME, ServerThread, engine, stories_with_chat_template
 
-from treadle.server import build_app
+from treadle.server.app import build_app
 
 pytestmark = pytest.mark.server  # starts processes (servers, workers)
 

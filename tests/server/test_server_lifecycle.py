@@ -17,7 +17,7 @@ import uvicorn
 from server_harness import StepControl, engine, metric_values, serve, wait_until
 
 from treadle.loaders.resolve import resolve_model
-from treadle.server import build_app
+from treadle.server.app import build_app
 from treadle.server.lifecycle import DrainingServer
 
 pytestmark = pytest.mark.server  # starts processes (servers, workers)

@@ -25,7 +25,7 @@ from tiny_models import make_tiny_model
 from treadle.engine.client.in_process import AsyncLLM
 from treadle.engine.outputs import Logprob
 from treadle.loaders.resolve import resolve_model
-from treadle.server import build_app
+from treadle.server.app import build_app
 from treadle.server.completions import legacy_logprobs
 from treadle.server.state import ServerLimits
 

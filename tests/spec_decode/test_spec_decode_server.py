@@ -8,7 +8,7 @@ from server_harness import ENGINE_KW, MODEL_NAME, ServerThread, engine_idle, met
 
 from treadle import LLM, SamplingParams
 from treadle.engine.client.in_process import AsyncLLM
-from treadle.server import build_app
+from treadle.server.app import build_app
 
 pytestmark = pytest.mark.server  # starts processes (servers, workers)
 

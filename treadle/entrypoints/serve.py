@@ -88,7 +88,7 @@ def start_engine(args: argparse.Namespace, engine_factory: Callable[..., LLMEngi
 
 def run_serve(args: argparse.Namespace, engine_factory: Callable[..., LLMEngine] | None = None) -> int:
     from treadle.config import TreadleError
-    from treadle.server import build_app
+    from treadle.server.app import build_app
     from treadle.server.connections import uvicorn_config
     from treadle.server.lifecycle import DrainingServer
 
