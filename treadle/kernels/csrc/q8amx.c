@@ -304,13 +304,13 @@ static inline __attribute__((always_inline)) void ktile(const int q6, const int 
         if (b < nb) {
             void *c = (int32_t *)ring + (b & 1) * KS * 256;
             if (q6) {
-                _tile_loadd(4, x.b + b * QK, 2 * K);
+                _tile_loadd(4, x.b + b * 16 * QK, 2 * QK);
                 BF16_STRIP(0, 0);
                 if (NS > 1) BF16_STRIP(1, 1);
                 if (NS > 2) BF16_STRIP(2, 2);
                 if (NS > 3) BF16_STRIP(3, 3);
             } else {
-                _tile_loadd(4, x.q + b * QK, K);
+                _tile_loadd(4, x.q + b * 16 * QK, QK);
                 INT8_STRIP(0, 6, 0);
                 if (NS > 1) INT8_STRIP(1, 7, 1);
                 if (NS > 2) INT8_STRIP(2, 6, 2);
@@ -382,28 +382,37 @@ static int64_t strip_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, in
     const int64_t fit = PASS_BYTES / (nb * (int64_t)(q6 ? sizeof(kb16) : sizeof(sblock)));
     const int ks = fit < 1 ? 1 : fit > KS ? KS : (int)fit; /* strips per pass */
     const int64_t passes = (strips + ks - 1) / ks, tiles = (M + 15) / 16, rem = M % 16;
-    /* Q4_K / Q5_K: the last, partial activation tile's rows zero-padded to 16; Q6_K: every row
-     * as bfloat16 (exact), padded alike */
-    int8_t *tq = NULL;
-    uint16_t *xb = NULL;
+    /* The activations in tile order, [tile][block][16 rows][32 k]: each A tile is one contiguous
+     * 512 (int8) or 1024 (Q6_K: bfloat16, exact) bytes; rows past M zero. Q4_K / Q5_K's last,
+     * partial tile's scales zero-padded to 16 rows (Q6_K: every tile's, padded alike). */
+    const int64_t es = q6 ? 2 : 1;
+    uint8_t *xa = (uint8_t *)aligned_alloc(64, (size_t)(tiles * nb * 16 * QK * es));
     float *tf = NULL;
-    if (q6) {
-        xb = (uint16_t *)aligned_alloc(64, (size_t)(tiles * 16 * K) * sizeof(uint16_t));
-        tf = (float *)calloc((size_t)(tiles * 16 * nb), sizeof(float));
-        if (xb == NULL || tf == NULL) abort();
-        memset(xb + M * K, 0, (size_t)((tiles * 16 - M) * K) * sizeof(uint16_t));
-        memcpy(tf, x.d, (size_t)(M * nb) * sizeof(float));
+    if (xa == NULL) abort();
+    memset(xa + (M / 16) * nb * 16 * QK * es, 0, (size_t)((tiles - M / 16) * nb * 16 * QK * es));
 #pragma omp parallel for schedule(static) if (M >= 64)
-        for (int64_t i = 0; i < M * K / 16; i++) { /* 64 x as bfloat16, exact: the float's top half */
-            const __m512i v = _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x.q + 16 * i))), 6);
-            const __m512i f = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(v)), 16);
-            _mm256_storeu_si256((__m256i *)(xb + 16 * i), _mm512_cvtepi32_epi16(f));
+    for (int64_t m = 0; m < M; m++) {
+        uint8_t *dst = xa + ((m / 16) * nb * 16 + m % 16) * QK * es;
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *src = x.q + m * K + b * QK;
+            if (q6) { /* 64 x as bfloat16, exact: the float's top half */
+                for (int hh = 0; hh < 2; hh++) {
+                    const __m512i v = _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16 * hh))), 6);
+                    const __m512i f = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(v)), 16);
+                    _mm256_store_si256((__m256i *)(dst + b * 16 * QK * es + 32 * hh), _mm512_cvtepi32_epi16(f));
+                }
+            } else {
+                _mm256_store_si256((__m256i *)(dst + b * 16 * QK), _mm256_loadu_si256((const __m256i *)src));
+            }
         }
+    }
+    if (q6) {
+        tf = (float *)calloc((size_t)(tiles * 16 * nb), sizeof(float));
+        if (tf == NULL) abort();
+        memcpy(tf, x.d, (size_t)(M * nb) * sizeof(float));
     } else if (rem) {
-        tq = (int8_t *)calloc((size_t)(16 * K), 1);
         tf = (float *)calloc((size_t)(32 * nb), sizeof(float));
-        if (tq == NULL || tf == NULL) abort();
-        memcpy(tq, x.q + (M - rem) * K, (size_t)(rem * K));
+        if (tf == NULL) abort();
         memcpy(tf, x.d + (M - rem) * nb, (size_t)(rem * nb) * sizeof(float));
         memcpy(tf + 16 * nb, x.s + (M - rem) * nb, (size_t)(rem * nb) * sizeof(float));
     }
@@ -436,18 +445,19 @@ static int64_t strip_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, in
             }
             for (int64_t tt = 0; tt < tiles; tt++) {
                 const int partial = rem && tt == tiles - 1;
-                ktile_x xt = {x.q + tt * 16 * K, NULL, x.d + tt * 16 * nb, x.s + tt * 16 * nb};
+                const uint8_t *xat = xa + tt * nb * 16 * QK * es;
+                ktile_x xt = {(const int8_t *)xat, NULL, x.d + tt * 16 * nb, x.s + tt * 16 * nb};
                 if (q6)
-                    xt = (ktile_x){NULL, xb + tt * 16 * K, tf + tt * 16 * nb, NULL};
+                    xt = (ktile_x){NULL, (const uint16_t *)xat, tf + tt * 16 * nb, NULL};
                 else if (partial)
-                    xt = (ktile_x){tq, NULL, tf, tf + 16 * nb};
+                    xt = (ktile_x){(const int8_t *)xat, NULL, tf, tf + 16 * nb};
                 ktile_rows(q6, pn, ns, nb, xt, partial ? (int)rem : 16, K, bias ? bias + s0 * 16 : NULL,
                            y + tt * 16 * ldy + s0 * 16, ldy, last, ring, acc);
             }
         }
         free(pn), free(tmp), free(ring), free(acc);
     }
-    free(tq), free(xb), free(tf);
+    free(xa), free(tf);
     return groups * 8;
 }
 
