@@ -16,6 +16,21 @@ class EngineDeadError(TreadleError):
     executor when a worker is lost, so layers above it need not know executors."""
 
 
+class QueueFullError(TreadleError):
+    """More requests are waiting than the caller allowed (backpressure)."""
+
+
+class StepFailedError(TreadleError):
+    """A step raised; ``request_ids`` (parent ids) were aborted with it, the engine goes on.
+    ``cause``: the exception, or its repr when it happened in an engine-core process."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException | str) -> None:
+        what = cause if isinstance(cause, str) else repr(cause)
+        super().__init__(f"the engine step failed ({what}); {len(request_ids)} request(s) aborted")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
 class InvalidRequestError(TreadleError):
     """The engine refuses one request. ``param`` names the offending field (``prompt``,
     ``max_tokens``, ...) and ``code`` is an OpenAI error code (``context_length_exceeded``,

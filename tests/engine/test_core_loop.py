@@ -16,9 +16,17 @@ import pytest
 from treadle import LLM, SamplingParams
 from treadle.config import EngineDeadError, TreadleError
 from treadle.engine.client.in_process import AsyncLLM
-from treadle.engine.core.engine_core import EngineCore, EngineSnapshot, StepResult
+from treadle.engine.core.engine_core import EngineCore
 from treadle.engine.core.loop import CoreLoop, CoreTransport
-from treadle.engine.core.messages import AbortRequests, AddRequest, Shutdown, ToCore, UtilityCall
+from treadle.engine.core.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineSnapshot,
+    Shutdown,
+    StepResult,
+    ToCore,
+    UtilityCall,
+)
 from treadle.engine.llm_engine import LLMEngine
 from treadle.engine.outputs import RequestOutput
 from treadle.structured import StructuredOutputsParams

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from treadle import LLM, SamplingParams
-from treadle.engine.llm_engine import StepFailedError
+from treadle.config import StepFailedError
 
 LONG = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
 BIG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)  # 24 + 200 tokens: 14 blocks each

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from treadle import LLM, SamplingParams
-from treadle.config import TreadleError
-from treadle.engine.llm_engine import StepFailedError
+from treadle.config import StepFailedError, TreadleError
 from treadle.sampling_params import SamplingParamsError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -116,7 +116,7 @@ def test_shutdown_fails_open_requests_instead_of_hanging(in_process):
 def test_failed_step_fails_only_its_requests_and_the_loop_goes_on(in_process):
     """The model raises inside a step: that step's requests get StepFailedError (in the
     engine process too, through RequestsFailed), the engine stays alive and serves on."""
-    from treadle.engine.llm_engine import StepFailedError
+    from treadle.config import StepFailedError
 
     control = StepControl()
     with engine(resolve_model("stories260k"), control=control, in_process=in_process) as llm:

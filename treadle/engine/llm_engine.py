@@ -19,7 +19,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from treadle.config import EngineConfig, EngineDeadError, InvalidRequestError, TreadleError
+from treadle.config import EngineConfig, EngineDeadError, InvalidRequestError, StepFailedError, TreadleError
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.kv_groups import kv_groups
 from treadle.core.request import Request, RequestStatus
@@ -27,6 +27,7 @@ from treadle.core.scheduler import Scheduler
 from treadle.core.spec_fallback import FallbackController
 from treadle.core.step_data import ModelRunnerOutput, SchedulerOutput
 from treadle.engine.args import EngineArgs, engine_args
+from treadle.engine.inputs import PromptType
 from treadle.engine.memory import fmt_bytes
 from treadle.engine.output_processor import OutputProcessor
 from treadle.engine.outputs import RequestOutput
@@ -45,8 +46,6 @@ if TYPE_CHECKING:
     from treadle.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("treadle")
-
-PromptType = str | list[int] | dict[str, Any]
 
 
 class LLMEngine:
@@ -357,13 +356,3 @@ class _HeldInterrupt:
         if self.held and kind is None:
             raise KeyboardInterrupt
 
-
-class StepFailedError(TreadleError):
-    """A step raised; ``request_ids`` (parent ids) were aborted with it, the engine goes on.
-    ``cause``: the exception, or its repr when it happened in an engine-core process."""
-
-    def __init__(self, request_ids: list[str], cause: BaseException | str) -> None:
-        what = cause if isinstance(cause, str) else repr(cause)
-        super().__init__(f"the engine step failed ({what}); {len(request_ids)} request(s) aborted")
-        self.request_ids = request_ids
-        self.cause = cause

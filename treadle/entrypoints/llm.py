@@ -10,7 +10,8 @@ from tqdm.auto import tqdm
 
 from treadle.config import TreadleError
 from treadle.engine.args import EngineArgs
-from treadle.engine.llm_engine import LLMEngine, PromptType
+from treadle.engine.inputs import PromptType
+from treadle.engine.llm_engine import LLMEngine
 from treadle.engine.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams
 

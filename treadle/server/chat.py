@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from treadle.config import TreadleError
-from treadle.engine.llm_engine import PromptType
+from treadle.engine.inputs import PromptType
 from treadle.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from treadle.sampling_params import SamplingParams
 from treadle.server.errors import APIError

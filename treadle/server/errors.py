@@ -14,8 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from treadle.config import EngineDeadError, InvalidRequestError, TreadleError
-from treadle.engine.core.engine_core import QueueFullError
+from treadle.config import EngineDeadError, InvalidRequestError, QueueFullError, TreadleError
 
 logger = logging.getLogger("treadle")
 

@@ -24,9 +24,9 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response
 
 from treadle.asgi.disconnect import until_disconnect
-from treadle.config import EngineDeadError, InvalidRequestError, TreadleError
+from treadle.config import EngineDeadError, InvalidRequestError, StepFailedError, TreadleError
 from treadle.engine.client.engine_client import OutputGroup
-from treadle.engine.llm_engine import PromptType, StepFailedError
+from treadle.engine.inputs import PromptType
 from treadle.engine.outputs import CompletionOutput, RequestOutput
 from treadle.sampling_params import SamplingParams
 from treadle.server.backpressure import bounded_outputs, check_logprob_budget

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from treadle.config import EngineDeadError, ModelConfig
-from treadle.engine.core.engine_core import EngineSnapshot
-from treadle.engine.llm_engine import PromptType
+from treadle.engine.core.messages import EngineSnapshot
+from treadle.engine.inputs import PromptType
 from treadle.engine.outputs import RequestOutput
 from treadle.predict.model import LengthPredictor
 from treadle.sampling_params import SamplingParams, StructuredOutputsParams

@@ -36,10 +36,19 @@ import torch
 from treadle.config import EngineDeadError, TreadleError
 from treadle.engine.args import EngineArgs
 from treadle.engine.client.engine_client import EngineClient, Sink, post_by_loop, settle
-from treadle.engine.core.engine_core import EngineCore, EngineSnapshot, StepResult
+from treadle.engine.core.engine_core import EngineCore
 from treadle.engine.core.loop import CoreLoop, CoreTransport
-from treadle.engine.core.messages import AbortRequests, AddRequest, Shutdown, ToCore, UtilityCall
-from treadle.engine.llm_engine import LLMEngine, PromptType
+from treadle.engine.core.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineSnapshot,
+    Shutdown,
+    StepResult,
+    ToCore,
+    UtilityCall,
+)
+from treadle.engine.inputs import PromptType
+from treadle.engine.llm_engine import LLMEngine
 from treadle.engine.outputs import RequestOutput
 from treadle.sampling_params import SamplingParams
 from treadle.structured import StructuredOutputsParams

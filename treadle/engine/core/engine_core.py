@@ -7,48 +7,17 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
 
-from treadle.config import TreadleError
+from treadle.config import QueueFullError, StepFailedError, TreadleError
 from treadle.core.cost_policy import predicted_remaining
-from treadle.engine.llm_engine import LLMEngine, PromptType, StepFailedError
+from treadle.engine.core.messages import EngineSnapshot, StepResult
+from treadle.engine.inputs import PromptType
+from treadle.engine.llm_engine import LLMEngine
 from treadle.engine.outputs import RequestOutput
 from treadle.kv_transfer.scheduler import KVTransferScheduler
 from treadle.sampling_params import SamplingParams
 
 logger = logging.getLogger("treadle")
-
-
-class QueueFullError(TreadleError):
-    """More requests are waiting than the caller allowed (backpressure)."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine gauges and counters, refreshed by the step loop on every iteration."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    num_generated_tokens: int = 0
-    num_computed_tokens: int = 0  # run through the model: prompt, recompute and decode tokens
-    spec_decode: dict[str, Any] | None = None  # SpecDecodeStats.as_dict(), when speculating
-    num_waiting_prompt_tokens: int = 0  # prompt tokens not yet computed (waiting and running requests)
-    kv_transfer: dict[str, Any] | None = None  # KVTransferStats.as_dict(), with kv_transfer_config
-    predicted_remaining_tokens: int | None = None  # sum of predicted output tokens left; None: no length predictor
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What a step produced: outputs, or the StepFailedError naming the requests it failed."""
-
-    outputs: list[RequestOutput]
-    failed: StepFailedError | None = None
 
 
 class EngineCore:

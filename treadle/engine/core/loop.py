@@ -29,12 +29,22 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from treadle.config import TreadleError
-from treadle.engine.core.engine_core import EngineCore, EngineSnapshot, StepResult
-from treadle.engine.core.messages import AbortRequests, AddRequest, Shutdown, ToCore, UtilityCall
+from treadle.engine.core.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineSnapshot,
+    Shutdown,
+    StepResult,
+    ToCore,
+    UtilityCall,
+)
 from treadle.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:  # the loop is handed its core: this module stays torch-free (the API process imports it)
+    from treadle.engine.core.engine_core import EngineCore
 
 logger = logging.getLogger("treadle")
 

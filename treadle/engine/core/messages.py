@@ -9,19 +9,53 @@ one per msgpack frame, on two ZeroMQ PUSH/PULL pipes.
 Outputs travel as deltas (``WireOutput``): the client already knows the prompt it
 sent and keeps the token ids and logprobs it has received, so a step costs the new
 tokens, not the whole history. ``StepReport`` is sent every loop iteration (each
-step, or every idle wait), so it doubles as the heartbeat and carries the gauges.
-The ``ToCore`` commands are also what AsyncLLM puts, unencoded, on its in-process queue.
+step, or every idle wait), so it doubles as the heartbeat and carries the gauges
+(``EngineSnapshot``, which AsyncLLM's transport hands over as it is). The ``ToCore`` commands are also what AsyncLLM puts, unencoded, on its in-process queue.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from treadle.config import EngineDeadError, InvalidRequestError, TreadleError
-from treadle.engine.core.engine_core import EngineSnapshot, QueueFullError
-from treadle.engine.outputs import Logprob, RequestMetrics
+from treadle.config import (
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+    StepFailedError,
+    TreadleError,
+)
+from treadle.engine.outputs import Logprob, RequestMetrics, RequestOutput
 from treadle.sampling_params import SamplingParams, SamplingParamsError
+
+
+# -- what the step loop reports, through either transport (AsyncLLM's: unencoded) ---------------
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine gauges and counters, refreshed by the step loop on every iteration."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_computed_tokens: int = 0  # run through the model: prompt, recompute and decode tokens
+    spec_decode: dict[str, Any] | None = None  # SpecDecodeStats.as_dict(), when speculating
+    num_waiting_prompt_tokens: int = 0  # prompt tokens not yet computed (waiting and running requests)
+    kv_transfer: dict[str, Any] | None = None  # KVTransferStats.as_dict(), with kv_transfer_config
+    predicted_remaining_tokens: int | None = None  # sum of predicted output tokens left; None: no length predictor
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a step produced: outputs, or the StepFailedError naming the requests it failed."""
+
+    outputs: list[RequestOutput]
+    failed: StepFailedError | None = None
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
