@@ -167,8 +167,7 @@ def start_engine(model_dir: Path, heartbeat_timeout: float = 60.0, control: Step
     kw = {**ENGINE_KW, **engine_kw}
     if in_process:
         return AsyncLLM(factory(str(model_dir), **kw), heartbeat_timeout)
-    return EngineCoreClient(str(model_dir), functools.partial(factory, str(model_dir), **kw), heartbeat_timeout,
-                            skip_tokenizer_init=bool(kw.get("skip_tokenizer_init", False)))
+    return EngineCoreClient(functools.partial(factory, str(model_dir), **kw), heartbeat_timeout)
 
 
 @contextlib.contextmanager

@@ -190,6 +190,24 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise TreadleError(f"chat template failed: {e}") from None
 
+    # -- to another process ------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """This tokenizer as plain data (``from_dict`` rebuilds it): the backend's own JSON,
+        whose post-processor already holds the BOS/EOS rule, and what is kept beside it. The
+        engine process sends it to the API process, which then need not open the checkpoint."""
+        return {"backend": self.backend.to_str(), "bos_token": self.bos_token, "eos_token": self.eos_token,
+                "eos_token_ids": list(self.eos_token_ids), "chat_template": self.chat_template}
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> Tokenizer:
+        """The tokenizer ``to_dict`` described (a malformed ``data`` is a TreadleError)."""
+        try:
+            backend = BackendTokenizer.from_str(data["backend"])
+            return Tokenizer(backend, data["bos_token"], data["eos_token"], data["chat_template"],
+                             extra_eos_token_ids=data["eos_token_ids"])
+        except Exception as e:  # the library raises bare Exceptions on malformed JSON
+            raise TreadleError(f"not a serialized tokenizer ({e!r})") from None
+
     # -- constructors --------------------------------------------------------------------
     @staticmethod
     def from_hf_dir(path: str | Path, extra_eos_token_ids: Iterable[int] = ()) -> Tokenizer:

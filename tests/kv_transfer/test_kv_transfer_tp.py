@@ -352,7 +352,7 @@ def test_http_producer_tp2_consumer_tp1_equals_colocated(tmp_path: Path) -> None
     def start(tp: int, role: str) -> EngineCoreClient:
         make = functools.partial(LLMEngine.from_args, str(model), tensor_parallel_size=tp, **kw,
                                  kv_transfer_config={"kv_connector": "tcp", "kv_role": role})
-        return EngineCoreClient(str(model), make, threads=1)
+        return EngineCoreClient(make, threads=1)
 
     with ThreadPoolExecutor(2) as pool:  # started side by side
         futures = [pool.submit(start, 2, "kv_producer"), pool.submit(start, 1, "kv_consumer")]

@@ -47,7 +47,7 @@ def start(model_dir: Path, kv: dict[str, Any] | None, control: StepControl | Non
     """An engine-core process (one torch thread) for ``model_dir``; ``control``: its steps can be slowed."""
     kw = {**ENGINE_KW, "kv_transfer_config": kv, **engine_kw}
     factory = LLMEngine.from_args if control is None else HookedEngineFactory(control)
-    return EngineCoreClient(str(model_dir), functools.partial(factory, str(model_dir), **kw), threads=1)
+    return EngineCoreClient(functools.partial(factory, str(model_dir), **kw), threads=1)
 
 
 @contextlib.contextmanager

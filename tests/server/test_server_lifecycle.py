@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -208,6 +209,7 @@ def test_second_sigterm_ends_streams_with_an_error_and_exits_at_once():
         for c in clients:  # one slot: one runs, five queue
             c.start()
         wait_until(lambda: _open_requests(url) == 6, 10, "six requests in flight")
+        assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()  # the API process serves without torch
         proc.send_signal(signal.SIGTERM)
         wait_until(lambda: _health(url) == 503, 10, "draining")
         proc.send_signal(signal.SIGTERM)

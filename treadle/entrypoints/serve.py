@@ -1,8 +1,9 @@
 """`treadle serve [MODEL]`: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 By default the engine's step loop runs in its own process (``EngineCoreClient``), so
-HTTP, tokenization and the step loop never contend for one GIL; ``--engine-in-process``
-keeps it in a thread of the server process (``AsyncLLM``).
+HTTP, tokenization and the step loop never contend for one GIL, and the server process
+imports no torch (it starts faster and stays small); ``--engine-in-process`` keeps the
+engine in a thread of the server process (``AsyncLLM``).
 """
 from __future__ import annotations
 
@@ -69,21 +70,21 @@ def start_engine(args: argparse.Namespace, engine_factory: Callable[..., LLMEngi
     **engine_kwargs)`` builds the engine (default ``LLMEngine.from_args``; picklable, as
     it runs in the engine process). Without ``--threads`` an engine process gets one
     thread fewer than the cores, so the API process is not starved: OpenMP workers that
-    lose their core stall every parallel region (measured on 2 cores: 66 vs 675 tok/s)."""
-    import torch
-
-    from treadle.engine.client.in_process import AsyncLLM
-    from treadle.engine.client.multi_process import EngineCoreClient
-    from treadle.engine.llm_engine import LLMEngine
-
+    lose their core stall every parallel region (measured on 2 cores: 66 vs 675 tok/s).
+    Only ``--engine-in-process`` imports the engine (and torch) into this process."""
     kw = engine_kwargs(args)
     model = kw.pop("model")
-    build = functools.partial(engine_factory or LLMEngine.from_args, model, **kw)
     if args.engine_in_process:
-        return AsyncLLM(build(), args.heartbeat_timeout), model
-    threads = args.threads or max(1, torch.get_num_threads() - 1)
-    return EngineCoreClient(model, build, args.heartbeat_timeout, threads,
-                            skip_tokenizer_init=bool(kw.get("skip_tokenizer_init", False))), model
+        from treadle.engine.client.in_process import AsyncLLM
+        from treadle.engine.llm_engine import LLMEngine
+
+        return AsyncLLM((engine_factory or LLMEngine.from_args)(model, **kw), args.heartbeat_timeout), model
+    from treadle.engine.client.multi_process import EngineCoreClient, default_threads
+    from treadle.engine.core.process import engine_from_args
+
+    build = functools.partial(engine_factory or engine_from_args, model, **kw)
+    threads = args.threads or max(1, default_threads() - 1)
+    return EngineCoreClient(build, args.heartbeat_timeout, threads), model
 
 
 def run_serve(args: argparse.Namespace, engine_factory: Callable[..., LLMEngine] | None = None) -> int:

@@ -18,6 +18,11 @@ with a ZeroMQ transport. Two ZeroMQ pipes on ipc:// sockets join them (messages 
 The reader thread notices the engine process's death at once (its sentinel is in the
 poll): every open request then fails with EngineDeadError and health reports it.
 The engine process exits by itself if this process dies.
+
+This process never opens the checkpoint and imports no torch (a test checks it): the engine's
+``Ready`` brings the model's config and tokenizer, the engine is built from a factory that only
+the engine process calls, and the engine's thread count defaults to torch's default, worked out
+here without it (``default_threads``).
 """
 from __future__ import annotations
 
@@ -29,26 +34,26 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.util
+import os
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import zmq
 
-from treadle.config import EngineDeadError, InvalidRequestError, TreadleError
+from treadle.config import EngineDeadError, InvalidRequestError, StepFailedError, TreadleError
 from treadle.engine.client.engine_client import EngineClient, Sink, post_by_loop, settle
-from treadle.engine.core.engine_core import EngineSnapshot
 from treadle.engine.core.loop import IDLE_WAIT_S
 from treadle.engine.core.messages import (
     AbortRequests,
     AddRequest,
     Admitted,
     EngineDead,
+    EngineSnapshot,
     FromCore,
     Ready,
     RequestsFailed,
@@ -62,16 +67,42 @@ from treadle.engine.core.messages import (
     from_core_decoder,
     from_wire,
 )
-from treadle.engine.core.process import run_engine_core
-from treadle.engine.llm_engine import LLMEngine, PromptType, StepFailedError
+from treadle.engine.core.process import engine_from_args, run_engine_core
+from treadle.engine.inputs import PromptType
 from treadle.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from treadle.loaders import open_model_source
 from treadle.predict.model import LengthPredictor
 from treadle.sampling_params import SamplingParams, StructuredOutputsParams
+from treadle.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from treadle.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("treadle")
 
 IDLE_WAIT_MS = int(IDLE_WAIT_S * 1000)  # how often the reader thread looks at the engine process
+
+
+def default_threads() -> int:
+    """The intra-op thread count torch picks in a fresh process, worked out without torch (this
+    process must not import it). torch's x86 builds (MKL and OpenMP) take ``mkl_get_max_threads()``:
+    ``MKL_NUM_THREADS``, else ``OMP_NUM_THREADS`` (a positive integer), capped at the physical cores
+    this process may run on (its affinity mask; hyperthread siblings count once). A CPU whose
+    topology cannot be read counts as a core."""
+    cpus = os.sched_getaffinity(0)
+    cores = {_core_of(cpu) for cpu in cpus}
+    for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return min(int(value), len(cores))
+    return len(cores)
+
+
+def _core_of(cpu: int) -> tuple[str, ...]:
+    topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+    try:
+        return tuple((topology / name).read_text().strip() for name in ("physical_package_id", "core_id"))
+    except OSError:
+        return ("cpu", str(cpu))
 
 
 class _Stream:
@@ -101,15 +132,13 @@ class _Stream:
 
 
 class EngineCoreClient(EngineClient):
-    def __init__(self, model: str, engine_factory: Callable[[], LLMEngine], heartbeat_timeout: float = 60.0,
-                 threads: int | None = None, startup_timeout: float = 1800.0, skip_tokenizer_init: bool = False) -> None:
+    def __init__(self, engine_factory: Callable[[], LLMEngine], heartbeat_timeout: float = 60.0,
+                 threads: int | None = None, startup_timeout: float = 1800.0) -> None:
         """Start an engine process running ``engine_factory()`` (picklable: it travels to a
-        spawned process) for ``model``, whose tokenizer this process loads; returns once
-        the engine is ready, or raises TreadleError (with the engine's own error).
-        ``threads``: the engine process's torch threads (default: this process's).
-        ``skip_tokenizer_init``: as the engine's (this process loads no tokenizer either)."""
-        source = open_model_source(model, skip_tokenizer_init)  # tokenizer and config; weights stay unread
-        self.tokenizer, self.model_config = source.tokenizer, source.config
+        spawned process); returns once the engine is ready, with its model config and its
+        tokenizer (None under skip_tokenizer_init), or raises TreadleError (with the engine's
+        own error). ``threads``: the engine process's torch threads (default: torch's
+        default, ``default_threads()``)."""
         self.heartbeat_timeout = heartbeat_timeout
         self.dead_error: BaseException | None = None
         self.snapshot = EngineSnapshot()
@@ -135,7 +164,7 @@ class EngineCoreClient(EngineClient):
         self._proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, name="treadle-engine-core",
             args=(engine_factory, f"ipc://{self._dir}/input", f"ipc://{self._dir}/output",
-                  threads or torch.get_num_threads(), log_level))
+                  threads or default_threads(), log_level))
         self._proc.start()
         self._reap_lock = threading.Lock()  # one thread at a time waits on the process (see _reap)
         # if this client is never shut down, still reap the engine before multiprocessing joins it at exit
@@ -151,8 +180,7 @@ class EngineCoreClient(EngineClient):
     @classmethod
     def from_args(cls, model: str, heartbeat_timeout: float = 60.0, threads: int | None = None,
                   **engine_kwargs: Any) -> EngineCoreClient:
-        return cls(model, functools.partial(LLMEngine.from_args, model, **engine_kwargs), heartbeat_timeout, threads,
-                   skip_tokenizer_init=bool(engine_kwargs.get("skip_tokenizer_init", False)))
+        return cls(functools.partial(engine_from_args, model, **engine_kwargs), heartbeat_timeout, threads)
 
     @property
     def engine_pid(self) -> int | None:
@@ -293,7 +321,8 @@ class EngineCoreClient(EngineClient):
                     raise from_wire(msg.error)
                 if isinstance(msg, Ready):
                     self.snapshot, self._heartbeat = msg.snapshot, time.monotonic()
-                    self.max_num_seqs = msg.max_num_seqs
+                    self.model_config, self.max_num_seqs = msg.model_config, msg.max_num_seqs
+                    self.tokenizer = None if msg.tokenizer is None else Tokenizer.from_dict(msg.tokenizer)
                     self.length_predictor = None if msg.length_predictor is None else \
                         LengthPredictor.load(msg.length_predictor)
                     return msg.max_model_len

@@ -22,6 +22,7 @@ import msgspec
 from treadle.config import (
     EngineDeadError,
     InvalidRequestError,
+    ModelConfig,
     QueueFullError,
     StepFailedError,
     TreadleError,
@@ -95,10 +96,15 @@ class WireError(msgspec.Struct, array_like=True):
 
 
 class Ready(_Msg):
+    """The engine is built. It also hands over what the API process needs of the checkpoint,
+    so that process never opens it (nor imports torch): the model's config and tokenizer."""
+
     max_model_len: int
     snapshot: EngineSnapshot
+    model_config: ModelConfig
     max_num_seqs: int = 0
     length_predictor: str | None = None  # the engine's predictor directory, loaded by the client too (/tokenize)
+    tokenizer: dict[str, Any] | None = None  # the engine's, as Tokenizer.to_dict(); None: skip_tokenizer_init
 
 
 class StartupFailed(_Msg):

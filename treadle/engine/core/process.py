@@ -12,6 +12,10 @@ bound; ``ZmqCoreTransport`` is the loop's end of them (messages in ``messages.py
 SIGINT and SIGTERM are ignored: a Ctrl-C or a SIGTERM sent to the whole process group must
 not kill the engine under the API server's graceful drain; the client's Shutdown (or the
 parent's death) ends it.
+
+The API process imports this module to name the spawn target (``run_engine_core``) and the
+default engine factory (``engine_from_args``), so the module itself imports no torch and no
+engine: those are imported by the two functions, which only the engine process runs.
 """
 from __future__ import annotations
 
@@ -20,22 +24,22 @@ import multiprocessing
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
 import zmq
 
 from treadle.config import TreadleError
-from treadle.engine.core.engine_core import EngineCore, EngineSnapshot, StepResult
 from treadle.engine.core.loop import CoreLoop, CoreTransport
 from treadle.engine.core.messages import (
     Admitted,
     EngineDead,
+    EngineSnapshot,
     Ready,
     RequestsFailed,
     StartupFailed,
     StepReport,
+    StepResult,
     ToCore,
     UtilityResult,
     WireCompletion,
@@ -44,19 +48,32 @@ from treadle.engine.core.messages import (
     to_core_decoder,
     wire_error,
 )
-from treadle.engine.llm_engine import LLMEngine
 from treadle.engine.outputs import RequestOutput
-from treadle.executor.worker_proc import exit_at_once
+
+if TYPE_CHECKING:
+    from treadle.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("treadle")
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 
+def engine_from_args(model: str, **engine_kwargs: Any) -> LLMEngine:
+    """The default engine factory (picklable by name): ``LLMEngine.from_args``, in the engine process."""
+    from treadle.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_args(model, **engine_kwargs)
+
+
 def run_engine_core(engine_factory: Callable[[], LLMEngine], input_addr: str, output_addr: str,
                     threads: int, log_level: int) -> None:
     """Process entry point: build the engine, say Ready, loop until Shutdown or orphaned; then
     exit at once (``exit_at_once``)."""
+    import torch
+
+    from treadle.engine.core.engine_core import EngineCore
+    from treadle.executor.worker_proc import exit_at_once
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
@@ -79,9 +96,9 @@ def run_engine_core(engine_factory: Callable[[], LLMEngine], input_addr: str, ou
             return
         core = EngineCore(engine)
         try:
-            sched = engine.scheduler_config
-            out.send(enc.encode(Ready(sched.max_model_len, core.snapshot(), sched.max_num_seqs,
-                                      sched.length_predictor)))
+            sched, tokenizer = engine.scheduler_config, engine.tokenizer
+            out.send(enc.encode(Ready(sched.max_model_len, core.snapshot(), engine.model_config, sched.max_num_seqs,
+                                      sched.length_predictor, None if tokenizer is None else tokenizer.to_dict())))
             CoreLoop(core, ZmqCoreTransport(inp, out)).run()
         finally:
             core.shutdown()  # the executor's workers go with the engine
