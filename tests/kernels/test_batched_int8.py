@@ -114,7 +114,7 @@ def test_q8_0_extreme_bytes_stay_exact_at_every_direct_batch(variant: str) -> No
         assert torch.isfinite(y).all()
 
 
-# batches around and above the amx build's AMX thresholds (q8amx.c AMX_MIN_K, AMX_MIN_ROWS,
+# batches around and above the amx build's AMX thresholds (q8amx.c AMX_MIN_K, AMX_MIN_PACKED,
 # AMX_MIN_Q6K): one row short of a tile, whole tiles, a ragged last tile (M % 16)
 KQUANT_AMX_BATCHES = (15, 16, 31, 32, 33, 47, 64, 100, 127, 128, 130)
 # (K, N): passes of 4, 4 and 2 strips, the last a lone group, then 5 rows alone; 3 strips in one
@@ -133,11 +133,11 @@ def plain_reference(seg: tuple[tuple[str, int], ...], w: torch.Tensor, x: torch.
 
 
 @VARIANTS
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_strip_amx_batches_equal_the_plain_reference_bitwise(variant: str, qtype: str) -> None:
-    """Q4_K / Q5_K / Q6_K and packed Q4_0 / Q4_1 at batches around and above the AMX thresholds: on
-    the amx build q8amx.c's strip_amx_rows (16 activation rows times passes of 1-4 strips of 16
-    weight rows; Q6_K's halves folded into bfloat16 weights), elsewhere the vpdpbusd strips; ragged
+    """Q4_K / Q5_K / Q6_K, packed Q4_0 / Q4_1 and Q8_0 at batches around and above the AMX thresholds:
+    on the amx build q8amx.c's strip_amx_rows (16 activation rows times passes of 1-4 strips of 16
+    weight rows; Q6_K's halves folded into bfloat16 weights; Q8_0's +128 offset taken off C), elsewhere the vpdpbusd strips; ragged
     last tiles, lone last groups, N % 8 rows alone, with and without a bias: the plain-C
     reference's bits."""
     runnable(variant)

@@ -44,7 +44,7 @@ def test_variant_equals_reference_bitwise_and_the_oracle(variant: str, qtype: st
     w, seg = blocks.data.reshape(-1), ((qtype, N),)
     bias = rand(N, seed=22)
     # 1-3: Q8_0 straight from the rows; 5, 16: the panel; AVX-512 K-quants: strips from 2; 48, 130: the
-    # amx build's AMX tiles (Q4_K / Q5_K from AMX_MIN_K rows, Q6_K from AMX_MIN_Q6K, packed Q4 / Q8_0 from 64)
+    # amx build's AMX tiles (Q4_K / Q5_K from AMX_MIN_K rows, Q6_K from AMX_MIN_Q6K, packed Q4 / Q8_0 from AMX_MIN_PACKED)
     for rows in (1, 2, 3, 5, 16, 21, 48, 130):
         x = rand(rows, k, seed=23 + rows)
         y = native.qmatmul(seg, w, x, bias, variant=variant, act_bits=8)

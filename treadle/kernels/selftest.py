@@ -89,7 +89,7 @@ def _blocks_check(variant: str, qtype: str, act_bits: int) -> Check:
 
 def _packed(variant: str, qtype: str, rows: int) -> Check:
     """``qtype`` rows packed 8 at a time (the layout is the same in every build): at 64 activation
-    rows the batched 8-bit path where the build has one (csrc/q8batch.c; q8amx.c from 64 rows), at
+    rows the batched 8-bit path where the build has one (csrc/q8batch.c; q8amx.c from 32 rows), at
     1 row q8act.c's registers."""
     n = 32
     w, x = _blocks(qtype, seed=9, n=n).clone(), _rand(rows, K, seed=10)

@@ -1,25 +1,11 @@
 /* The batched 8-bit activation path on AMX (the amx build) times a batch of activation rows, one
- * tile multiply (two for Q6_K) per block of 32 inputs: Q8_0 rows from AMX_MIN_ROWS activation rows
- * (this part), packed Q4_0 / Q4_1 from AMX_MIN_ROWS, Q4_K / Q5_K from AMX_MIN_K and Q6_K from
- * AMX_MIN_Q6K (strip_amx_rows, further down: activations as A, q8strip.h's panels as B, Q6_K in
- * bfloat16). q8batch.c calls it first and falls back to its own vpdpbusd tiles where it returns 0
- * (another build, the kernel refusing AMX to this process, a type it does not take, fewer rows).
- *
- * Q8_0:
- *   A (tile 1): 16 weight rows x 32 bytes, block b of a strip (two groups of 8), k in order:
- *               the signed bytes (tdpbssd, loaded straight from the rows with their stride)
- *   B (tile 2): 8 rows x 64 bytes, 16 activation rows in VNNI order: B[r][4i + c] = x[i][4r + c]
- *   C (tile 0): 16 x 16 int32, C[j][i] = the exact integer block dot of weight row j, activation i
- *
- * Per block, C goes to a 1 KiB buffer and each output takes exactly q8act.c's float operations,
- *
- *   acc = fma(float(isum), d_w * xd, acc)   (Q8_0: no minimum term)
- *
- * (the 16 outputs of weight row j in one register, lane i = activation row i), then y = acc
- * (+ bias). Same integers, same float order: the bits of the plain-C reference, whatever the
- * batch; rows past the batch are zeros in B and never stored. Linux lends AMX state to a
- * process only after arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once here; a
- * refusal leaves the vpdpbusd path.
+ * tile multiply (two for Q6_K) per block of 32 inputs: Q4_K / Q5_K from AMX_MIN_K activation rows,
+ * packed Q4_0 / Q4_1 and Q8_0 from AMX_MIN_PACKED, Q6_K from AMX_MIN_Q6K (strip_amx_rows:
+ * activations as A, q8strip.h's panels as B, Q6_K in bfloat16). q8batch.c calls it first and
+ * falls back to its own vpdpbusd tiles where it returns 0 (another build, the kernel refusing AMX
+ * to this process, a type it does not take, fewer rows). Linux lends AMX state to a process only
+ * after arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once here; a refusal leaves
+ * the vpdpbusd path.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -32,9 +18,6 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 64 /* below, q8batch.c's vpdpbusd tiles were faster on the machine this was written on */
-#endif
 
 typedef struct __attribute__((packed)) {
     uint8_t palette, start_row, reserved[14];
@@ -74,130 +57,12 @@ static void configure_tiles(int kind) {
     _tile_loadconfig(&cfg);
 }
 
-typedef struct { /* per-call activations in tile order, [tiles][nb] */
-    uint8_t *b; /* 512 bytes per (tile, block) */
-    float *d; /* 16 per (tile, block); zeros past the batch */
-} amx_acts;
-
-static amx_acts prepare_acts(tq_q8acts x, int64_t M, int64_t K) {
-    const int64_t nb = K / QK, tiles = (M + 15) / 16;
-    amx_acts a = {(uint8_t *)aligned_alloc(64, (size_t)(tiles * nb * 512)),
-                  (float *)aligned_alloc(64, (size_t)(tiles * nb * 16) * sizeof(float))};
-    if (a.b == NULL || a.d == NULL) abort();
-    memset(a.b, 0, (size_t)(tiles * nb * 512));
-    memset(a.d, 0, (size_t)(tiles * nb * 16) * sizeof(float));
-    for (int64_t m = 0; m < M; m++) {
-        const int64_t t = m / 16, i = m % 16;
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *tb = a.b + (t * nb + b) * 512;
-            for (int r = 0; r < 8; r++) memcpy(tb + 64 * r + 4 * i, x.q + m * K + b * QK + 4 * r, 4);
-            a.d[(t * nb + b) * 16 + i] = x.d[m * nb + b];
-        }
-    }
-    return a;
-}
-
-typedef struct { /* one strip's weights in A order: [nb] */
-    uint8_t *q; /* 512 bytes per block */
-    float *d; /* 16 per block */
-    const uint8_t *w; /* Q8_0: A read from the rows themselves (NULL: from q) */
-    int64_t stride; /* their row bytes */
-} amx_panel;
-
-/* Q8_0 rows (16, or 8 for a lone group; rbytes apart), every block. A whole strip's A tiles are
- * loaded straight from its rows (p.w: row j's block b at p.w + j * rbytes + 34 b), so only its
- * scales are gathered here, one vector per block; a lone group is copied, rows 8..15 zero. */
-static void panel_q8_0(const uint8_t *w, int64_t rbytes, int nrows, int64_t nb, amx_panel *pp) {
-    const int ub = unit_bytes(TQ_Q8_0);
-    amx_panel p = *pp;
-    if (nrows == 16 && rbytes <= INT32_MAX / 16) {
-        const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                _mm512_set1_epi32((int)rbytes));
-        for (int64_t b = 0; b < nb; b++) {
-            const __m512i h = _mm512_i32gather_epi32(rows, (const void *)(w + b * ub), 1);
-            _mm512_store_ps(p.d + 16 * b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
-        }
-        pp->w = w + 2, pp->stride = rbytes;
-        return;
-    }
-    pp->w = NULL;
-    for (int64_t b = 0; b < nb; b++) {
-        for (int j = 0; j < 16; j++) {
-            uint8_t *out = p.q + b * 512 + 32 * j;
-            if (j < nrows) {
-                memcpy(out, w + j * rbytes + b * ub + 2, 32);
-                p.d[16 * b + j] = half_to_float(w + j * rbytes + b * ub);
-            } else {
-                memset(out, 0, 32);
-                p.d[16 * b + j] = 0.0f;
-            }
-        }
-    }
-}
-
-#define ISSUE(C, A, B, blk)                                                    \
-    do {                                                                       \
-        if (p.w)                                                               \
-            _tile_loadd(A, p.w + (blk) * 34, p.stride);                        \
-        else                                                                   \
-            _tile_loadd(A, p.q + (blk) * 512, 32);                             \
-        _tile_loadd(B, a.b + (t * nb + (blk)) * 512, 64);                      \
-        _tile_zero(C);                                                         \
-        _tile_dpbssd(C, A, B);                                                 \
-    } while (0)
-
-/* Blocks b .. b + n - 1 (n <= 4) into C tiles 0 .. n - 1. */
-static inline void issue_blocks(amx_panel p, amx_acts a, int64_t t, int64_t nb, int64_t b, int n) {
-    ISSUE(0, 4, 6, b);
-    if (n > 1) ISSUE(1, 5, 7, b + 1);
-    if (n > 2) ISSUE(2, 4, 6, b + 2);
-    if (n > 3) ISSUE(3, 5, 7, b + 3);
-}
-
-/* C tiles 0 .. n - 1 to buf (256 int32 each). */
-static inline void store_blocks(int n, int32_t *buf) {
-    _tile_stored(0, buf, 64);
-    if (n > 1) _tile_stored(1, buf + 256, 64);
-    if (n > 2) _tile_stored(2, buf + 512, 64);
-    if (n > 3) _tile_stored(3, buf + 768, 64);
-}
-
-/* 16 activation rows (tile t) times one strip: out[i * ldy + j] for i < nx, j < nj. The tile
- * multiplies of the next 4 blocks are issued before the float work on the last 4 reads their
- * sums, and stored after it (two buffers), so the AMX unit and the vector units overlap. */
-static void amx_tile(amx_panel p, amx_acts a, int64_t t, int64_t nb, const float *bias, float *out,
-                     int64_t ldy, int nx, int nj, int32_t *cbuf) {
-    __m512 acc[16];
-    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-    int n = nb < 4 ? (int)nb : 4, cur = 0;
-    issue_blocks(p, a, t, nb, 0, n);
-    store_blocks(n, cbuf);
-    for (int64_t b0 = 0; b0 < nb;) {
-        const int64_t next = b0 + n;
-        const int nn = nb - next < 4 ? (int)(nb - next) : 4;
-        if (nn > 0) issue_blocks(p, a, t, nb, next, nn); /* runs while the float work below does */
-        for (int k = 0; k < n; k++) {
-            const int64_t b = b0 + k;
-            const int32_t *c = cbuf + 1024 * cur + 256 * k;
-            const __m512 xd = _mm512_load_ps(a.d + (t * nb + b) * 16);
-            const float *d = p.d + 16 * b;
-            for (int j = 0; j < 16; j++) {
-                const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * j));
-                acc[j] = _mm512_fmadd_ps(isum, _mm512_mul_ps(_mm512_set1_ps(d[j]), xd), acc[j]);
-            }
-        }
-        if (nn > 0) store_blocks(nn, cbuf + 1024 * (cur ^ 1));
-        b0 = next, n = nn, cur ^= 1;
-    }
-    float tmp[16][16] __attribute__((aligned(64)));
-    for (int j = 0; j < 16; j++) _mm512_store_ps(tmp[j], acc[j]);
-    for (int i = 0; i < nx; i++)
-        for (int j = 0; j < nj; j++) out[i * ldy + j] = bias ? tmp[j][i] + bias[j] : tmp[j][i];
-}
-
-/* ---- Q4_K, Q5_K, Q6_K and packed Q4_0 / Q4_1: activations as A, strip panels as B ----
+/* ---- Activations as A, strip panels as B ----
  *
- * A (tile 4): 16 activation rows of block b, straight from the rows (row stride K)
+ * A (tile 4): 16 activation rows of block b, from a per-call copy of the activations in tile
+ *             order ([tile][block][16 rows][32 k]: one contiguous 512 bytes, 1 KiB for Q6_K's
+ *             bfloat16; 1.02-1.1x at 512 rows over loading them from the rows with stride K,
+ *             whose 16 lines a block came from L2)
  * B (tiles 6, 7): a strip's block, in B's layout (16 weight rows, k in VNNI order)
  * C (tiles 0..3): C[i][j] = block b's integer dot of activation row i and weight row j
  *
@@ -208,8 +73,10 @@ static void amx_tile(amx_panel p, amx_acts a, int64_t t, int64_t nb, const float
  * d_w * xd, acc), acc = fma(m_w, xs, acc) (Q6_K: no minimum term), then y = acc (+ bias).
  *
  * Q4_K / Q5_K, packed Q4_0 / Q4_1 (CFG_INT8): B is q8strip.h's panel (unsigned q, Q4_0's with the
- * minimum -8 d), A the int8 bytes (tdpbsud): C = isum exactly. (Packed Q4 took the Q8_0 kernel
- * above until this one: 1.2-1.6x faster at 64-512 rows, where that one was ~1.0x the vpdpbusd tiles.)
+ * minimum -8 d), A the int8 bytes (tdpbsud): C = isum exactly. Q8_0: B is the vpdpbusd panel too
+ * (the signed bytes + 128), so C = isum + 128 (the block's activation sum), taken off in int32
+ * before the conversion, and no minimum term. (Q8_0 had its own AMX kernel, weights as A straight
+ * from the rows, activations as B: this one is 1.1-1.4x faster at 64-128 rows.)
  *
  * Q6_K (CFG_BF16): isum = sc0 (dot0 - 32 xh0) + sc1 (dot1 - 32 xh1) = sum_k w_k x_k with
  * w_k = sc (q_k - 32), the half's int8 scale folded into each weight (|w| <= 128 * 32 = 4096). Each
@@ -230,9 +97,15 @@ static void amx_tile(amx_panel p, amx_acts a, int64_t t, int64_t nb, const float
 #ifndef AMX_MIN_Q6K
 #define AMX_MIN_Q6K 128 /* Q6_K: its bfloat16 panels cost a fixed ~0.7 ms per 2048 x 2048 call (0.5-1.0x below 96 rows) */
 #endif
+#ifndef AMX_MIN_PACKED
+#define AMX_MIN_PACKED 32 /* packed Q4 and Q8_0 (2 threads: 1.0-1.3x the vpdpbusd strips at 32 and 48 rows; 16 about even,
+                             17-31 slower: the second tile is mostly padding) */
+#endif
 #define KS 4 /* strips per pass, at most */
 #define PASS_BYTES (768 * 1024) /* and at most this much panel per pass (the L2 keeps it while the activation tiles stream):
                                    Q6_K down 2048 x 5632 at 512 rows, 2 strips per pass 1.2x faster than 4 */
+
+enum { KMIN, KQ6, KQ8_0 }; /* ktile's weights: Q4_K / Q5_K / packed Q4 (a minimum term), Q6_K (bfloat16), Q8_0 (bytes + 128) */
 
 typedef struct { /* Q6_K's block of a strip for tdpbf16ps: B rows r = k 2r, 2r + 1 of the 16 weight rows */
     uint16_t hi[16 * 32], lo[16 * 32]; /* h and l / 64; row r, lane j: bfloat16 of k = 2r (low half), 2r + 1 */
@@ -271,10 +144,12 @@ static void q6k_bf16_panel(const sblock *g, int64_t nb, kb16 *out) {
     }
 }
 
-typedef struct { /* 16 activation rows: row i's k at q + i * K (int8) or b + i * K (bfloat16), its scales at d / s + i * nb */
+typedef struct { /* 16 activation rows in tile order (int8 q or bfloat16 b, [block][16 rows][32 k]); row i's scales at
+                   d / s + i * nb, Q8_0's half-block sums at h + 2 (i * nb) */
     const int8_t *q;
     const uint16_t *b;
     const float *d, *s;
+    const int32_t *h;
 } ktile_x;
 
 /* Strip h's multiplies of block b into C tile C (zeroed first): Q4_K / Q5_K, its B in tile BT,
@@ -297,13 +172,13 @@ typedef struct { /* 16 activation rows: row i's k at q + i * K (int8) or b + i *
 /* 16 activation rows (x) times NS strips, every block: acc[16 h + i] = row i times strip h's 16
  * weight rows. q6: Q6_K (kb16 panels, float C, no minimum term), else Q4_K / Q5_K (sblock panels,
  * int32 C). */
-static inline __attribute__((always_inline)) void ktile(const int q6, const int NS, const void *panel, int64_t nb,
-                                                        ktile_x x, int64_t K, void *ring, __m512 *acc) {
+static inline __attribute__((always_inline)) void ktile(const int kind, const int NS, const void *panel, int64_t nb,
+                                                        ktile_x x, void *ring, __m512 *acc) {
     for (int k = 0; k < NS * 16; k++) acc[k] = _mm512_setzero_ps();
     for (int64_t b = 0; b <= nb; b++) {
         if (b < nb) {
             void *c = (int32_t *)ring + (b & 1) * KS * 256;
-            if (q6) {
+            if (kind == KQ6) {
                 _tile_loadd(4, x.b + b * 16 * QK, 2 * QK);
                 BF16_STRIP(0, 0);
                 if (NS > 1) BF16_STRIP(1, 1);
@@ -328,22 +203,26 @@ static inline __attribute__((always_inline)) void ktile(const int q6, const int 
         __m512 dw[KS], mw[KS];
 #pragma GCC unroll 4
         for (int h = 0; h < NS; h++) {
-            if (q6) {
+            if (kind == KQ6) {
                 dw[h] = _mm512_load_ps(((const kb16 *)panel)[h * nb + pb].d);
             } else {
                 dw[h] = _mm512_load_ps(((const sblock *)panel)[h * nb + pb].d);
-                mw[h] = _mm512_load_ps(((const sblock *)panel)[h * nb + pb].m);
+                if (kind == KMIN) mw[h] = _mm512_load_ps(((const sblock *)panel)[h * nb + pb].m);
             }
         }
 #pragma GCC unroll 2
         for (int i = 0; i < 16; i++) {
             const __m512 xd = _mm512_set1_ps(x.d[i * nb + pb]);
-            const __m512 xs = q6 ? xd : _mm512_set1_ps(x.s[i * nb + pb]);
+            const __m512 xs = kind == KMIN ? _mm512_set1_ps(x.s[i * nb + pb]) : xd;
+            const __m512i off = kind == KQ8_0 ? _mm512_set1_epi32(128 * (x.h[2 * (i * nb + pb)] + x.h[2 * (i * nb + pb) + 1])) : _mm512_setzero_si512();
 #pragma GCC unroll 4
             for (int h = 0; h < NS; h++) {
                 __m512 *a = acc + 16 * h + i;
-                if (q6) {
+                if (kind == KQ6) {
                     *a = _mm512_fmadd_ps(_mm512_load_ps(cf + 256 * h + 16 * i), _mm512_mul_ps(dw[h], xd), *a);
+                } else if (kind == KQ8_0) { /* C = isum + 128 (the block's activation sum): the panel's bytes are w + 128 */
+                    const __m512i isum = _mm512_sub_epi32(_mm512_load_si512(ci + 256 * h + 16 * i), off);
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw[h], xd), *a);
                 } else {
                     const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(ci + 256 * h + 16 * i));
                     *a = _mm512_fmadd_ps(mw[h], xs, _mm512_fmadd_ps(isum, _mm512_mul_ps(dw[h], xd), *a));
@@ -353,11 +232,12 @@ static inline __attribute__((always_inline)) void ktile(const int q6, const int 
     }
 }
 
-#define KTILE(NS) (q6 ? ktile(1, NS, pn, nb, x, K, ring, acc) : ktile(0, NS, pn, nb, x, K, ring, acc))
+#define KTILE(NS) (kind == KQ6 ? ktile(KQ6, NS, pn, nb, x, ring, acc) : kind == KQ8_0 ? ktile(KQ8_0, NS, pn, nb, x, ring, acc) \
+                                                                  : ktile(KMIN, NS, pn, nb, x, ring, acc))
 
 /* 16 activation rows (x, the first nx real) times ns strips' panels (pn, nb blocks each): row i to
  * y[i * ldy + j], j < 16 (ns - 1) + last. */
-static void ktile_rows(int q6, const void *pn, int ns, int64_t nb, ktile_x x, int nx, int64_t K, const float *bias,
+static void ktile_rows(int kind, const void *pn, int ns, int64_t nb, ktile_x x, int nx, const float *bias,
                        float *y, int64_t ldy, int last, void *ring, __m512 *acc) {
     switch (ns) {
         case 1: KTILE(1); break;
@@ -378,7 +258,7 @@ static void ktile_rows(int q6, const void *pn, int ns, int64_t nb, ktile_x x, in
 static int64_t strip_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
                            int64_t N, int64_t K) {
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
-    const int q6 = base_type(t) == TQ_Q6_K;
+    const int q6 = base_type(t) == TQ_Q6_K, kind = q6 ? KQ6 : t == TQ_Q8_0 ? KQ8_0 : KMIN;
     const int64_t fit = PASS_BYTES / (nb * (int64_t)(q6 ? sizeof(kb16) : sizeof(sblock)));
     const int ks = fit < 1 ? 1 : fit > KS ? KS : (int)fit; /* strips per pass */
     const int64_t passes = (strips + ks - 1) / ks, tiles = (M + 15) / 16, rem = M % 16;
@@ -410,11 +290,12 @@ static int64_t strip_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, in
         tf = (float *)calloc((size_t)(tiles * 16 * nb), sizeof(float));
         if (tf == NULL) abort();
         memcpy(tf, x.d, (size_t)(M * nb) * sizeof(float));
-    } else if (rem) {
-        tf = (float *)calloc((size_t)(32 * nb), sizeof(float));
+    } else if (rem) { /* d, s, then (Q8_0) h of the last tile's rows, zero past M */
+        tf = (float *)calloc((size_t)(64 * nb), sizeof(float));
         if (tf == NULL) abort();
         memcpy(tf, x.d + (M - rem) * nb, (size_t)(rem * nb) * sizeof(float));
         memcpy(tf + 16 * nb, x.s + (M - rem) * nb, (size_t)(rem * nb) * sizeof(float));
+        if (kind == KQ8_0) memcpy(tf + 32 * nb, x.h + 2 * (M - rem) * nb, (size_t)(2 * rem * nb) * sizeof(int32_t));
     }
 #pragma omp parallel
     {
@@ -437,6 +318,8 @@ static int64_t strip_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, in
                 if (q6) {
                     unpack_q6k_strip(t, w + g * 8 * rbytes, rbytes, lone, nb, tmp, 1);
                     q6k_bf16_panel(tmp, nb, (kb16 *)pn + h * nb);
+                } else if (kind == KQ8_0) {
+                    unpack_q8_0(w + g * 8 * rbytes, rbytes, lone ? 8 : SGR, nb, (sblock *)pn + h * nb);
                 } else if (packed_type(t)) {
                     unpack_packed(t, w + g * 8 * rbytes, lone ? NULL : w + (g + 1) * 8 * rbytes, nb, (sblock *)pn + h * nb);
                 } else {
@@ -446,12 +329,12 @@ static int64_t strip_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, in
             for (int64_t tt = 0; tt < tiles; tt++) {
                 const int partial = rem && tt == tiles - 1;
                 const uint8_t *xat = xa + tt * nb * 16 * QK * es;
-                ktile_x xt = {(const int8_t *)xat, NULL, x.d + tt * 16 * nb, x.s + tt * 16 * nb};
+                ktile_x xt = {(const int8_t *)xat, NULL, x.d + tt * 16 * nb, x.s + tt * 16 * nb, x.h ? x.h + 2 * tt * 16 * nb : NULL};
                 if (q6)
-                    xt = (ktile_x){NULL, (const uint16_t *)xat, tf + tt * 16 * nb, NULL};
+                    xt = (ktile_x){NULL, (const uint16_t *)xat, tf + tt * 16 * nb, NULL, NULL};
                 else if (partial)
-                    xt = (ktile_x){(const int8_t *)xat, NULL, tf, tf + 16 * nb};
-                ktile_rows(q6, pn, ns, nb, xt, partial ? (int)rem : 16, K, bias ? bias + s0 * 16 : NULL,
+                    xt = (ktile_x){(const int8_t *)xat, NULL, tf, tf + 16 * nb, (const int32_t *)(tf + 32 * nb)};
+                ktile_rows(kind, pn, ns, nb, xt, partial ? (int)rem : 16, bias ? bias + s0 * 16 : NULL,
                            y + tt * 16 * ldy + s0 * 16, ldy, last, ring, acc);
             }
         }
@@ -463,35 +346,10 @@ static int64_t strip_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, in
 
 int64_t tq_q8_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
                        int64_t N, int64_t K) {
-    const int q8_0 = t == TQ_Q8_0, kq = q8_kquant(t);
-    if (kq || packed_type(t)) {
-        const int64_t from = base_type(t) == TQ_Q6_K ? AMX_MIN_Q6K : kq ? AMX_MIN_K : AMX_MIN_ROWS;
-        return M >= from && amx_allowed() ? strip_amx_rows(t, w, x, y, ldy, bias, M, N, K) : 0;
-    }
-    if (!q8_0 || M < AMX_MIN_ROWS || !amx_allowed()) return 0;
-    const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
-    const amx_acts a = prepare_acts(x, M, K);
-#pragma omp parallel
-    {
-        amx_panel p = {(uint8_t *)aligned_alloc(64, (size_t)(nb * 512)),
-                       (float *)aligned_alloc(64, (size_t)(nb * 16) * sizeof(float)), NULL, 0};
-        int32_t *cbuf = (int32_t *)aligned_alloc(64, 2 * 1024 * sizeof(int32_t));
-        if (p.q == NULL || p.d == NULL || cbuf == NULL) abort();
-        configure_tiles(CFG_INT8);
-#pragma omp for schedule(static)
-        for (int64_t st = 0; st < strips; st++) {
-            const int64_t g = 2 * st;
-            const int lone = g + 1 >= groups;
-            const uint8_t *wg = w + g * 8 * rbytes;
-            panel_q8_0(wg, rbytes, lone ? 8 : 16, nb, &p);
-            for (int64_t tt = 0; tt * 16 < M; tt++)
-                amx_tile(p, a, tt, nb, bias ? bias + g * 8 : NULL, y + tt * 16 * ldy + g * 8, ldy,
-                         M - tt * 16 < 16 ? (int)(M - tt * 16) : 16, lone ? 8 : 16, cbuf);
-        }
-        free(p.q), free(p.d), free(cbuf);
-    }
-    free(a.b), free(a.d);
-    return groups * 8;
+    const int kq = q8_kquant(t);
+    if (!(kq || packed_type(t) || t == TQ_Q8_0)) return 0;
+    const int64_t from = base_type(t) == TQ_Q6_K ? AMX_MIN_Q6K : kq ? AMX_MIN_K : AMX_MIN_PACKED;
+    return M >= from && amx_allowed() ? strip_amx_rows(t, w, x, y, ldy, bias, M, N, K) : 0;
 }
 #else
 int64_t tq_q8_amx_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
