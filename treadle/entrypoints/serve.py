@@ -79,12 +79,11 @@ def start_engine(args: argparse.Namespace, engine_factory: Callable[..., LLMEngi
         from treadle.engine.llm_engine import LLMEngine
 
         return AsyncLLM((engine_factory or LLMEngine.from_args)(model, **kw), args.heartbeat_timeout), model
-    from treadle.engine.client.multi_process import EngineCoreClient, default_threads
+    from treadle.engine.client.multi_process import EngineCoreClient
     from treadle.engine.core.process import engine_from_args
 
     build = functools.partial(engine_factory or engine_from_args, model, **kw)
-    threads = args.threads or max(1, default_threads() - 1)
-    return EngineCoreClient(build, args.heartbeat_timeout, threads), model
+    return EngineCoreClient(build, args.heartbeat_timeout, args.threads, spare_threads=1), model
 
 
 def run_serve(args: argparse.Namespace, engine_factory: Callable[..., LLMEngine] | None = None) -> int:

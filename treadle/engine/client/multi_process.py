@@ -21,8 +21,7 @@ The engine process exits by itself if this process dies.
 
 This process never opens the checkpoint and imports no torch (a test checks it): the engine's
 ``Ready`` brings the model's config and tokenizer, the engine is built from a factory that only
-the engine process calls, and the engine's thread count defaults to torch's default, worked out
-here without it (``default_threads``).
+the engine process calls, and the engine process picks its own default thread count.
 """
 from __future__ import annotations
 
@@ -34,7 +33,6 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.util
-import os
 import shutil
 import tempfile
 import threading
@@ -82,29 +80,6 @@ logger = logging.getLogger("treadle")
 IDLE_WAIT_MS = int(IDLE_WAIT_S * 1000)  # how often the reader thread looks at the engine process
 
 
-def default_threads() -> int:
-    """The intra-op thread count torch picks in a fresh process, worked out without torch (this
-    process must not import it). torch's x86 builds (MKL and OpenMP) take ``mkl_get_max_threads()``:
-    ``MKL_NUM_THREADS``, else ``OMP_NUM_THREADS`` (a positive integer), capped at the physical cores
-    this process may run on (its affinity mask; hyperthread siblings count once). A CPU whose
-    topology cannot be read counts as a core."""
-    cpus = os.sched_getaffinity(0)
-    cores = {_core_of(cpu) for cpu in cpus}
-    for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            return min(int(value), len(cores))
-    return len(cores)
-
-
-def _core_of(cpu: int) -> tuple[str, ...]:
-    topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-    try:
-        return tuple((topology / name).read_text().strip() for name in ("physical_package_id", "core_id"))
-    except OSError:
-        return ("cpu", str(cpu))
-
-
 class _Stream:
     """One request's outputs as the client rebuilds them from the engine's deltas."""
 
@@ -133,12 +108,12 @@ class _Stream:
 
 class EngineCoreClient(EngineClient):
     def __init__(self, engine_factory: Callable[[], LLMEngine], heartbeat_timeout: float = 60.0,
-                 threads: int | None = None, startup_timeout: float = 1800.0) -> None:
+                 threads: int | None = None, startup_timeout: float = 1800.0, spare_threads: int = 0) -> None:
         """Start an engine process running ``engine_factory()`` (picklable: it travels to a
         spawned process); returns once the engine is ready, with its model config and its
         tokenizer (None under skip_tokenizer_init), or raises TreadleError (with the engine's
         own error). ``threads``: the engine process's torch threads (default: torch's
-        default, ``default_threads()``)."""
+        default there, less ``spare_threads``)."""
         self.heartbeat_timeout = heartbeat_timeout
         self.dead_error: BaseException | None = None
         self.snapshot = EngineSnapshot()
@@ -164,7 +139,7 @@ class EngineCoreClient(EngineClient):
         self._proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, name="treadle-engine-core",
             args=(engine_factory, f"ipc://{self._dir}/input", f"ipc://{self._dir}/output",
-                  threads or default_threads(), log_level))
+                  threads, spare_threads, log_level))
         self._proc.start()
         self._reap_lock = threading.Lock()  # one thread at a time waits on the process (see _reap)
         # if this client is never shut down, still reap the engine before multiprocessing joins it at exit

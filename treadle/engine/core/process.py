@@ -66,9 +66,10 @@ def engine_from_args(model: str, **engine_kwargs: Any) -> LLMEngine:
 
 
 def run_engine_core(engine_factory: Callable[[], LLMEngine], input_addr: str, output_addr: str,
-                    threads: int, log_level: int) -> None:
+                    threads: int | None, spare_threads: int, log_level: int) -> None:
     """Process entry point: build the engine, say Ready, loop until Shutdown or orphaned; then
-    exit at once (``exit_at_once``)."""
+    exit at once (``exit_at_once``). ``threads``: torch's threads here; None: torch's own default
+    less ``spare_threads`` (at least one), decided here because the client imports no torch."""
     import torch
 
     from treadle.engine.core.engine_core import EngineCore
@@ -77,7 +78,7 @@ def run_engine_core(engine_factory: Callable[[], LLMEngine], input_addr: str, ou
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads or max(1, torch.get_num_threads() - spare_threads))
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     out = ctx.socket(zmq.PUSH)
