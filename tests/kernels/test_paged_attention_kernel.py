@@ -146,6 +146,49 @@ def test_bfloat16_cache_of_a_float32_model_gives_the_float32_cache_bits(
     assert torch.equal(kc16.float(), kc32) and torch.equal(vc16.float(), vc32)
 
 
+@VARIANTS
+@pytest.mark.parametrize("window", [None, 48], ids=["full", "window48"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_rows_bits_depend_on_its_own_context_alone(
+    variant: str, window: int | None, kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt's tokens are rows of this kernel (the CPU backend), so a token's attention must not
+    depend on how its prompt was cut, on the rows beside it, or on the thread count: each row of a
+    150-token prompt, computed with the whole prompt and another sequence's decode row in one call,
+    equals bit for bit the same row computed alone, on one thread or two."""
+    force(monkeypatch, variant)
+    heads, d, bs, n = (8, 2), 64, 16, 150
+    g = torch.Generator().manual_seed(5)
+    tables, num_blocks = scattered_block_tables([n, 77], bs, g, spare=3)
+    k_cache = torch.randn(num_blocks, bs, heads[1], d, generator=g).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, bs, heads[1], d, generator=g).to(kv_dtype)
+    width = max(len(t) for t in tables)
+    rows = [(tables[0], length) for length in range(1, n + 1)] + [(tables[1], 77)]
+    q = torch.randn(len(rows), heads[0], d, generator=g)
+    kv = torch.zeros(len(rows), heads[1], d)
+
+    def attend(picked: list[int], threads: int) -> torch.Tensor:
+        table = torch.tensor([rows[i][0] + [0] * (width - len(rows[i][0])) for i in picked], dtype=torch.int32)
+        lens = torch.tensor([rows[i][1] for i in picked], dtype=torch.int32)
+        slots = torch.full((len(picked),), -1, dtype=torch.int64)  # the rows are in the cache already
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = paged_decode(q[picked], kv[: len(picked)], kv[: len(picked)], k_cache, v_cache, slots, table, lens,
+                               d**-0.5, window)
+        finally:
+            torch.set_num_threads(before)
+        assert out is not None
+        return out
+
+    together = attend(list(range(len(rows))), 2)
+    assert torch.isfinite(together).all()
+    for i in [0, 14, 15, 16, 47, 48, 63, 64, 65, 127, 128, 149, 150]:
+        assert torch.equal(attend([i], 1), together[i : i + 1]), i
+        assert torch.equal(attend([i], 2), together[i : i + 1]), i
+    assert torch.equal(attend(list(range(len(rows))), 1), together)
+
+
 def test_unsupported_inputs_return_none() -> None:
     q, k, v, k_cache, v_cache, meta = decode_case([5, 9], 4, 2)
     args = kernel_args(meta)
