@@ -10,6 +10,7 @@ from treadle.kernels import native
 from treadle.kernels.attention import paged_decode
 from treadle.layers.attention import AttentionSpec, ReferenceBackend, build_attention_metadata
 from treadle.layers.attention.cpu import CPUBackend
+from treadle.layers.attention.kv_quant import quantize
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: kernels off")
 
@@ -148,20 +149,20 @@ def test_bfloat16_cache_of_a_float32_model_gives_the_float32_cache_bits(
 
 @VARIANTS
 @pytest.mark.parametrize("window", [None, 48], ids=["full", "window48"])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn],
+                         ids=["f32", "bf16", "int8", "fp8"])
 def test_a_rows_bits_depend_on_its_own_context_alone(
     variant: str, window: int | None, kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A prompt's tokens are rows of this kernel (the CPU backend), so a token's attention must not
     depend on how its prompt was cut, on the rows beside it, or on the thread count: each row of a
     150-token prompt, computed with the whole prompt and another sequence's decode row in one call,
-    equals bit for bit the same row computed alone, on one thread or two."""
+    equals bit for bit the same row computed alone, on one thread or two (every cache dtype)."""
     force(monkeypatch, variant)
     heads, d, bs, n = (8, 2), 64, 16, 150
     g = torch.Generator().manual_seed(5)
     tables, num_blocks = scattered_block_tables([n, 77], bs, g, spare=3)
-    k_cache = torch.randn(num_blocks, bs, heads[1], d, generator=g).to(kv_dtype)
-    v_cache = torch.randn(num_blocks, bs, heads[1], d, generator=g).to(kv_dtype)
+    k_cache, v_cache = (cache_of(torch.randn(num_blocks, bs, heads[1], d, generator=g), kv_dtype) for _ in "kv")
     width = max(len(t) for t in tables)
     rows = [(tables[0], length) for length in range(1, n + 1)] + [(tables[1], 77)]
     q = torch.randn(len(rows), heads[0], d, generator=g)
@@ -187,6 +188,11 @@ def test_a_rows_bits_depend_on_its_own_context_alone(
         assert torch.equal(attend([i], 1), together[i : i + 1]), i
         assert torch.equal(attend([i], 2), together[i : i + 1]), i
     assert torch.equal(attend(list(range(len(rows))), 1), together)
+
+
+def cache_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A cache of ``dtype`` holding ``x``: rounded (float32 / bfloat16) or quantized rows (int8 / fp8)."""
+    return quantize(x, dtype) if dtype in (torch.int8, torch.float8_e4m3fn) else x.to(dtype)
 
 
 def test_unsupported_inputs_return_none() -> None:

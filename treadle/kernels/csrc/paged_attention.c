@@ -43,7 +43,8 @@
  * so a cache row is num_kv_heads * (head_dim + 4) bytes. The new rows are quantized as they are
  * written (the same arithmetic as kv_quant.quantize: scale = amax / 127 or / 448, x / scale
  * rounded half to even), and each tile is dequantized once per KV head into a float buffer that
- * the G query heads of that KV head then read through the float code above.
+ * the G query heads of that KV head then read through the float code above (in the AVX-512 builds
+ * chunk16's, once for the scores and once for the V sums).
  * A bfloat16 cache (TQ_KV_BF16: a bfloat16 model's, or a float32 model's with kv_cache_dtype
  * bfloat16) holds rows of head_dim bfloat16 values, no scale, written rounded to nearest even
  * (torch's float -> bfloat16). The AVX-512 builds read it directly (head_dim a multiple of 16:
@@ -67,6 +68,9 @@
 #define AHEAD 2             /* float32 caches: every line of the block this many ahead is prefetched */
 #define PAGE_FLOATS 1024    /* 4 KiB: blocks are scattered, so the next one's pages (TLB entries,
                                and where the hardware prefetchers start) are requested ahead */
+
+static void dequantize_rows(const uint8_t *rows, int64_t stride, int64_t n, int64_t D, int kv_format,
+                            const float *lut, float *out);
 
 #ifdef TQ_AVX2
 
@@ -291,51 +295,12 @@ static inline __attribute__((always_inline)) void accumulate16x2(float *acc0, fl
     }
 }
 
-/* One online-softmax step of one query head over n <= 16 keys (see head_tile), float32 rows
- * `stride` apart (the quantized caches' tiles, widened). */
-static inline __attribute__((always_inline)) void head_tile16(const float *q, const float *kr, const float *vr,
-                                                             int64_t stride, int n, const int64_t D, float scale,
-                                                             float *m, float *l, float *acc) {
-    const __mmask16 live = (__mmask16)((1u << n) - 1);
-    const __m512 s = scores16(q, kr, stride, n, D, scale, 0);
-    const float tile_max = _mm512_mask_reduce_max_ps(live, s);
-    const float mx = tile_max > *m ? tile_max : *m;
-    const float c = expf(*m - mx); /* 0 on the first tile (m = -inf) */
-    const __m512 p = _mm512_maskz_mov_ps(live, exp512_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
-    *l = c * *l + _mm512_reduce_add_ps(p);
-    *m = mx;
-    float ps[16];
-    _mm512_storeu_ps(ps, p);
-    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(c)));
-    accumulate16(acc, ps, vr, stride, n, D, 0);
-}
-
-/* n <= TILE keys 16 at a time (D a multiple of 16), with D a constant for the common head sizes. */
-static inline void head_tiles16(const float *q, const float *kr, const float *vr, int64_t stride, int n, int64_t D,
-                                float scale, float *m, float *l, float *acc) {
-    for (int j = 0; j < n; j += 16) {
-        const int w = n - j < 16 ? n - j : 16;
-        const float *k = kr + j * stride, *v = vr + j * stride;
-        switch (D) {
-            case 64: head_tile16(q, k, v, stride, w, 64, scale, m, l, acc); break;
-            case 128: head_tile16(q, k, v, stride, w, 128, scale, m, l, acc); break;
-            case 256: head_tile16(q, k, v, stride, w, 256, scale, m, l, acc); break;
-            default: head_tile16(q, k, v, stride, w, D, scale, m, l, acc);
-        }
-    }
-}
 #endif
 
 /* One online-softmax step of one query head q over the n <= TILE keys/values kr, vr (rows
  * `stride` floats apart): m, l, acc (D floats) updated as the header says; s is scratch. */
 static inline void head_tile(const float *q, const float *kr, const float *vr, int64_t stride, int n, int64_t D,
                              float scale, float *m, float *l, float *acc, float *s) {
-#if defined(TQ_AVX2) && defined(__AVX512F__)
-    if (D % 16 == 0) {
-        head_tiles16(q, kr, vr, stride, n, D, scale, m, l, acc);
-        return;
-    }
-#endif
     scores(q, kr, stride, n, D, scale, s);
     float mx = *m;
     for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
@@ -356,19 +321,29 @@ static inline void prefetch_block(const void *k_cache, const void *v_cache, int6
 }
 
 #if defined(TQ_AVX2) && defined(__AVX512F__)
-/* The AVX-512 builds' chunk (D a multiple of 16; float32 or, bf16, bfloat16 rows): a chunk's
- * <= SPLIT keys are one softmax step per query head, not one per tile. Every head's scores over
- * the chunk first (tile by tile: a tile's rows, read once from memory, serve every head), then per
- * head m = their maximum, p_j = e^(s_j - m) and l = sum_j p_j (lanes summed over the chunk, then
- * one horizontal sum), then acc = sum_j p_j v_j tile by tile. So the maximum, the sum and the
- * rescaling of acc by e^(m - m') happen once per chunk and head; the chunks are merged as before. */
+/* The AVX-512 builds' chunk (D a multiple of 16): a chunk's <= SPLIT keys are one softmax step
+ * per query head, not one per tile. Every head's scores over the chunk first (tile by tile: a
+ * tile's rows, read once from memory, serve every head), then per head m = their maximum,
+ * p_j = e^(s_j - m) and l = sum_j p_j (lanes summed over the chunk, then one horizontal sum), then
+ * acc = sum_j p_j v_j tile by tile. So the maximum, the sum and the rescaling of acc by e^(m - m')
+ * happen once per chunk and head; the chunks are merged as before. The cache: float32 or (bf16)
+ * bfloat16 rows read in place (src.quant 0), or quantized rows (src.quant 1: int8 / fp8, the
+ * format's bytes and scale) whose tile is dequantized per KV head into src.kbuf / src.vbuf. */
+typedef struct {
+    int kv_format;
+    const float *lut;
+    float *kbuf, *vbuf; /* TILE * D floats each */
+    int64_t head_bytes;
+} quant_src;
+
 static inline __attribute__((always_inline)) void chunk16(const float *q, const void *k_cache, const void *v_cache,
                                                          const int32_t *table, int64_t start, int64_t end,
                                                          int64_t limit, int64_t block_size, int64_t stride, int64_t H,
                                                          int64_t G, int64_t D, float scale, float *m, float *l,
-                                                         float *acc, const int bf16) {
-    const int64_t es = bf16 ? 2 : 4, block_bytes = block_size * stride * es, share = (block_bytes / 64 + H - 1) / H * 64;
-    const int64_t len = end - start;
+                                                         float *acc, const int bf16, const int quant, quant_src src) {
+    /* es: bytes per element of a row in place; a quantized row's `stride` is already in bytes */
+    const int64_t es = quant ? 1 : bf16 ? 2 : 4, block_bytes = block_size * stride * es;
+    const int64_t share = (block_bytes / 64 + H - 1) / H * 64, len = end - start, rs = quant ? D : stride;
     float *sc = (float *)__builtin_alloca((size_t)(H * SPLIT) * sizeof(float)); /* head h's scores at h * SPLIT */
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
     if (len <= 0) {
@@ -387,16 +362,24 @@ static inline __attribute__((always_inline)) void chunk16(const float *q, const 
         for (int64_t h = 0; h < H; h++) {
             if (ahead >= 0) /* a share before each head: all at once would stall on the fill buffers */
                 prefetch_block(k_cache, v_cache, ahead, h * share, (h + 1) * share < block_bytes ? (h + 1) * share : block_bytes);
-            const char *kr = (const char *)k_cache + (base + h / G * D) * es;
+            const char *kr;
+            if (quant) {
+                if (h % G == 0)
+                    dequantize_rows((const uint8_t *)k_cache + base + h / G * src.head_bytes, stride, n, D, src.kv_format,
+                                    src.lut, src.kbuf);
+                kr = (const char *)src.kbuf;
+            } else {
+                kr = (const char *)k_cache + (base + h / G * D) * es;
+            }
             for (int64_t j = 0; j < n; j += 16) {
                 const int w = n - j < 16 ? (int)(n - j) : 16;
-                const void *k = kr + j * stride * es;
+                const void *k = kr + j * rs * (quant ? 4 : es);
                 __m512 s;
                 switch (D) {
-                    case 64: s = scores16(q + h * D, k, stride, w, 64, scale, bf16); break;
-                    case 128: s = scores16(q + h * D, k, stride, w, 128, scale, bf16); break;
-                    case 256: s = scores16(q + h * D, k, stride, w, 256, scale, bf16); break;
-                    default: s = scores16(q + h * D, k, stride, w, D, scale, bf16);
+                    case 64: s = scores16(q + h * D, k, rs, w, 64, scale, bf16); break;
+                    case 128: s = scores16(q + h * D, k, rs, w, 128, scale, bf16); break;
+                    case 256: s = scores16(q + h * D, k, rs, w, 256, scale, bf16); break;
+                    default: s = scores16(q + h * D, k, rs, w, D, scale, bf16);
                 }
                 _mm512_mask_storeu_ps(sc + h * SPLIT + (pos - start) + j, (__mmask16)((1u << w) - 1), s);
             }
@@ -431,23 +414,31 @@ static inline __attribute__((always_inline)) void chunk16(const float *q, const 
         if (n > TILE) n = TILE;
         const int64_t base = ((int64_t)table[pos / block_size] * block_size + off) * stride;
         for (int64_t h = 0; h < H; h++) {
-            const char *vr = (const char *)v_cache + (base + h / G * D) * es;
+            const char *vr;
+            if (quant) {
+                if (h % G == 0)
+                    dequantize_rows((const uint8_t *)v_cache + base + h / G * src.head_bytes, stride, n, D, src.kv_format,
+                                    src.lut, src.vbuf);
+                vr = (const char *)src.vbuf;
+            } else {
+                vr = (const char *)v_cache + (base + h / G * D) * es;
+            }
             const int pair = h % G + 1 < G && D % 64 == 0; /* heads h and h + 1 read the same KV head */
             for (int64_t j = 0; j < n; j += 16) {
                 const int w = n - j < 16 ? (int)(n - j) : 16;
                 const float *p = sc + h * SPLIT + (pos - start) + j;
-                const void *v = vr + j * stride * es;
+                const void *v = vr + j * rs * (quant ? 4 : es);
                 if (pair) {
                     if (D == 64)
-                        accumulate16x2(acc + h * D, acc + (h + 1) * D, p, p + SPLIT, v, stride, w, 64, bf16);
+                        accumulate16x2(acc + h * D, acc + (h + 1) * D, p, p + SPLIT, v, rs, w, 64, bf16);
                     else
-                        accumulate16x2(acc + h * D, acc + (h + 1) * D, p, p + SPLIT, v, stride, w, D, bf16);
+                        accumulate16x2(acc + h * D, acc + (h + 1) * D, p, p + SPLIT, v, rs, w, D, bf16);
                     continue;
                 }
                 switch (D) {
-                    case 64: accumulate16(acc + h * D, p, v, stride, w, 64, bf16); break;
-                    case 128: accumulate16(acc + h * D, p, v, stride, w, 128, bf16); break;
-                    default: accumulate16(acc + h * D, p, v, stride, w, D, bf16);
+                    case 64: accumulate16(acc + h * D, p, v, rs, w, 64, bf16); break;
+                    case 128: accumulate16(acc + h * D, p, v, rs, w, 128, bf16); break;
+                    default: accumulate16(acc + h * D, p, v, rs, w, D, bf16);
                 }
             }
             h += pair;
@@ -495,10 +486,11 @@ static void attend_range(const float *q, const void *k_cache, const void *v_cach
                          float scale, int bf16, float *m, float *l, float *acc) {
 #if defined(TQ_AVX2) && defined(__AVX512F__)
     if (D % 16 == 0) {
+        const quant_src none = {0};
         if (bf16)
-            chunk16(q, k_cache, v_cache, table, start, end, limit, block_size, stride, H, G, D, scale, m, l, acc, 1);
+            chunk16(q, k_cache, v_cache, table, start, end, limit, block_size, stride, H, G, D, scale, m, l, acc, 1, 0, none);
         else
-            chunk16(q, k_cache, v_cache, table, start, end, limit, block_size, stride, H, G, D, scale, m, l, acc, 0);
+            chunk16(q, k_cache, v_cache, table, start, end, limit, block_size, stride, H, G, D, scale, m, l, acc, 0, 0, none);
         return;
     }
 #endif
@@ -690,6 +682,12 @@ static void attend_chunk(const paged_args *a, int64_t i, int64_t c, float *kbuf,
     if (a->kv_format == TQ_KV_FLOAT32 || bf16)
         attend_range(a->q + i * a->q_stride, a->k_cache, a->v_cache, table, start, end, len, a->block_size, a->row, a->H,
                      a->G, a->D, a->scale, bf16, m, l, acc);
+#if defined(TQ_AVX2) && defined(__AVX512F__)
+    else if (a->D % 16 == 0) /* int8 / fp8 */
+        chunk16(a->q + i * a->q_stride, a->k_cache, a->v_cache, table, start, end, len, a->block_size, a->qrow, a->H,
+                a->G, a->D, a->scale, m, l, acc, 0, 1,
+                (quant_src){a->kv_format, a->lut, kbuf, kbuf + TILE * a->D, a->head_bytes});
+#endif
     else
         attend_range_quant(a->q + i * a->q_stride, a->k_cache, a->v_cache, table, start, end, a->block_size, a->qrow,
                            a->head_bytes, a->H, a->G, a->D, a->scale, a->kv_format, a->lut, kbuf,
