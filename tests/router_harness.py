@@ -73,7 +73,7 @@ def instance(tmp: Path, name: str, step_delay: float = 0.0, model: str = "storie
              port: int | None = None) -> Proc:
     """`treadle serve MODEL` (one engine thread) whose engine sleeps ``step_delay`` s before each step."""
     url = f"http://127.0.0.1:{port or free_port()}"
-    argv = [sys.executable, "-c", "import server_harness as h; h.serve_main()", str(step_delay), "serve", model,
+    argv = [sys.executable, "-c", "import engine_hooks as h; h.serve_main()", str(step_delay), "serve", model,
             "--port", url.rsplit(":", 1)[1], "--threads", "1", "--kv-cache-memory", "8MiB", "--max-model-len", "512",
             "--log-level", "warning", *flags]
     return Proc(url, argv, tmp / f"{name}.log")

@@ -1,16 +1,14 @@
 """Helpers for the server tests: a real uvicorn server on a free loopback port in a
 background thread, serving a real engine (in its own engine-core process, as
-`treadle serve` does, or in a thread); slow or failing steps on demand; Prometheus
-parsing; polling."""
+`treadle serve` does, or in a thread); slow or failing steps on demand (engine_hooks.py);
+Prometheus parsing; polling."""
 from __future__ import annotations
 
 import contextlib
 import functools
 import json
-import multiprocessing
 import shutil
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +17,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from engine_hooks import HookedEngineFactory, StepControl  # (re-exported: the tests import them from here)
 from prometheus_client.parser import text_string_to_metric_families
 
 from treadle.engine.client.engine_client import EngineClient
@@ -74,89 +73,6 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(10)
         self.sock.close()
-
-
-class InjectedStepFault(RuntimeError):
-    """Raised inside a step by ``StepControl.fail_next_step``."""
-
-
-class StepControl:
-    """Slow or failing engine steps, set by a test while the engine runs, in a thread
-    of the test process or in an engine-core process (the values live in shared memory
-    handed to the spawned process)."""
-
-    def __init__(self, step_delay: float = 0.0) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._delay = ctx.Value("d", step_delay, lock=False)
-        self._fail = ctx.Value("i", 0, lock=False)
-        self._fail_execute = ctx.Value("i", 0, lock=False)
-
-    def set_step_delay(self, seconds: float) -> None:
-        """Sleep this long before every step (a slow or stuck engine)."""
-        self._delay.value = seconds
-
-    def fail_next_step(self) -> None:
-        """The next step raises around the engine (as a broken loop would): the engine dies."""
-        self._fail.value = 1
-
-    def fail_next_execute(self) -> None:
-        """The model raises in the next step, as a model error on some input would: the
-        engine fails that step's requests (StepFailedError) and goes on."""
-        self._fail_execute.value = 1
-
-    def before_execute(self) -> None:
-        if self._fail_execute.value:
-            self._fail_execute.value = 0
-            raise InjectedStepFault("model failure injected by the test")
-
-    def before_step(self) -> None:
-        if self._delay.value > 0:
-            time.sleep(self._delay.value)
-        if self._fail.value:
-            self._fail.value = 0
-            raise InjectedStepFault("step failure injected by the test")
-
-
-class HookedEngine(LLMEngine):
-    """The real engine, with a StepControl consulted before each step."""
-
-    control: StepControl
-
-    def step(self):
-        self.control.before_step()
-        return super().step()
-
-
-class HookedExecutor:
-    """The engine's real executor, with a StepControl consulted before each model run."""
-
-    def __init__(self, inner: Any, control: StepControl) -> None:
-        self._inner, self._control = inner, control
-
-    def execute(self, sched: Any) -> Any:
-        self._control.before_execute()
-        return self._inner.execute(sched)
-
-    def submit(self, sched: Any) -> None:  # the engine's step (the batch queue's half of execute)
-        self._control.before_execute()
-        self._inner.submit(sched)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-class HookedEngineFactory:
-    """``(model, **engine_kwargs) -> HookedEngine``; picklable, so it can build the engine
-    inside an engine-core process (the `engine_factory` of serve.start_engine)."""
-
-    def __init__(self, control: StepControl) -> None:
-        self.control = control
-
-    def __call__(self, model: str, **kwargs: Any) -> LLMEngine:
-        engine = HookedEngine.from_args(model, **kwargs)
-        engine.control = self.control
-        engine.executor = HookedExecutor(engine.executor, self.control)
-        return engine
 
 
 def start_engine(model_dir: Path, heartbeat_timeout: float = 60.0, control: StepControl | None = None,
@@ -217,14 +133,3 @@ def engine_idle(url: str) -> bool:
     return (m["treadle:num_requests_running"] == 0 and m["treadle:num_requests_waiting"] == 0
             and m["treadle:num_requests_open"] == 0
             and m["treadle:kv_cache_free_blocks"] == m["treadle:kv_cache_total_blocks"])
-
-
-def serve_main() -> None:
-    """`treadle serve` whose engine sleeps before every step, for tests that run the server
-    as a subprocess: ``python -c 'import server_harness as h; h.serve_main()' DELAY serve ...``."""
-    from treadle.entrypoints.cli import build_parser
-    from treadle.entrypoints.serve import run_serve
-
-    delay, *argv = sys.argv[1:]
-    args = build_parser().parse_args(argv)
-    raise SystemExit(run_serve(args, HookedEngineFactory(StepControl(float(delay)))))

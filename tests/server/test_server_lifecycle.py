@@ -86,8 +86,8 @@ def _free_port() -> int:
 def serve_subprocess(port: int, step_delay: float, *flags: str) -> subprocess.Popen:
     """`treadle serve stories260k` (engine process by default) with ``step_delay`` s before
     each step, in its own session (so a test can signal its whole process group)."""
-    tests_dir = os.path.dirname(os.path.dirname(__file__))  # tests/, where server_harness is
-    cmd = [sys.executable, "-c", "import server_harness as h; h.serve_main()", str(step_delay),
+    tests_dir = os.path.dirname(os.path.dirname(__file__))  # tests/, where engine_hooks is
+    cmd = [sys.executable, "-c", "import engine_hooks as h; h.serve_main()", str(step_delay),
            "serve", "stories260k", "--port", str(port), "--kv-cache-memory", "8MiB", "--log-level", "warning",
            *flags]
     path = os.pathsep.join([tests_dir, *filter(None, [os.environ.get("PYTHONPATH")])])
