@@ -1,14 +1,17 @@
 """Helpers for the router tests: `treadle serve` instances and `treadle router` as real
 subprocesses on 127.0.0.1 (each in its own session, so a test can kill it with everything
-it started), waits with timeouts, and the router's Prometheus counters."""
+it started, and with its own TMPDIR, removed when it is killed), waits with timeouts, and the
+router's Prometheus counters."""
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,15 +44,20 @@ class Proc:
     log: Path
     proc: subprocess.Popen | None = None
     port: int = field(init=False)
+    # the process's TMPDIR, where an instance's engine client makes its ipc socket folder: a
+    # SIGKILLed server cannot remove that folder, so kill() removes this one with it
+    tmpdir: str | None = None
 
     def __post_init__(self) -> None:
         self.port = int(self.url.rsplit(":", 1)[1])
 
     def start(self) -> Proc:
         path = os.pathsep.join([str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])
+        self.tmpdir = tempfile.mkdtemp(prefix="treadle-test-")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, "TMPDIR": self.tmpdir}
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path},
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(self.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
         return self
 
     def wait_healthy(self, timeout: float = START_TIMEOUT) -> Proc:
@@ -61,12 +69,17 @@ class Proc:
         return self.proc is None or self.proc.poll() is not None
 
     def kill(self) -> None:
-        """SIGKILL the process and everything it started (the engine process), then reap it."""
+        """SIGKILL the process and everything it started (the engine process), reap it, and
+        remove its TMPDIR."""
         if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
+        try:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        finally:
+            if self.tmpdir is not None:
+                shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
 def instance(tmp: Path, name: str, step_delay: float = 0.0, model: str = "stories260k", *flags: str,

@@ -4,10 +4,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -83,16 +85,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# each serve_subprocess's TMPDIR (where its engine client makes its ipc socket folder, which a
+# SIGKILLed server cannot remove), by pid: kill_group removes it
+_TMPDIRS: dict[int, str] = {}
+
+
 def serve_subprocess(port: int, step_delay: float, *flags: str) -> subprocess.Popen:
     """`treadle serve stories260k` (engine process by default) with ``step_delay`` s before
-    each step, in its own session (so a test can signal its whole process group)."""
+    each step, in its own session (so a test can signal its whole process group) and with its
+    own TMPDIR (removed by kill_group)."""
     tests_dir = os.path.dirname(os.path.dirname(__file__))  # tests/, where engine_hooks is
     cmd = [sys.executable, "-c", "import engine_hooks as h; h.serve_main()", str(step_delay),
            "serve", "stories260k", "--port", str(port), "--kv-cache-memory", "8MiB", "--log-level", "warning",
            *flags]
     path = os.pathsep.join([tests_dir, *filter(None, [os.environ.get("PYTHONPATH")])])
-    return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path},
+    tmpdir = tempfile.mkdtemp(prefix="treadle-test-")
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, "TMPDIR": tmpdir},
                             start_new_session=True)
+    _TMPDIRS[proc.pid] = tmpdir
+    return proc
 
 
 @pytest.mark.slow
@@ -120,12 +131,18 @@ def test_sigterm_drains_in_flight_then_exits_0():
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the server and anything it started (the engine process), then reap it."""
+    """SIGKILL the server and anything it started (the engine process), reap it, and remove
+    its TMPDIR."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(10)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+    finally:
+        tmpdir = _TMPDIRS.pop(proc.pid, None)
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def _health(url: str) -> int | None:
