@@ -1,11 +1,39 @@
-"""Shared fixtures (tiny random checkpoints: tiny_models.py; one thread; 16-bit activations)."""
+"""Shared fixtures (tiny random checkpoints: tiny_models.py; one thread; 16-bit activations), and
+one TLS context for every httpx client the tests make."""
 from __future__ import annotations
 
+import functools
+import ssl
 from pathlib import Path
+from typing import Any
 
+import httpx._transports.default as httpx_transport
 import pytest
 import torch
 from tiny_models import make_tiny_model
+
+
+def _one_default_ssl_context() -> None:
+    """Every httpx client (``httpx.get``/``post``/``stream`` each make one, and so does every
+    ``openai.OpenAI``) built its own verifying TLS context, loading the whole CA bundle: ~45 ms of
+    CPU for each plain-HTTP request to 127.0.0.1 the tests send (a server polled every 20 ms
+    kept a core busy). The default context is now made once and shared, as an SSLContext may be;
+    other ``verify`` or ``cert`` values are made as before. The tests talk to no HTTPS server."""
+    make = httpx_transport.create_ssl_context
+    made: dict[bool, ssl.SSLContext] = {}
+
+    @functools.wraps(make)
+    def shared(verify: ssl.SSLContext | str | bool = True, cert: Any = None, trust_env: bool = True) -> ssl.SSLContext:
+        if verify is not True or cert is not None:
+            return make(verify=verify, cert=cert, trust_env=trust_env)
+        if trust_env not in made:
+            made[trust_env] = make(verify=True, cert=None, trust_env=trust_env)
+        return made[trust_env]
+
+    httpx_transport.create_ssl_context = shared
+
+
+_one_default_ssl_context()
 
 
 @pytest.fixture
