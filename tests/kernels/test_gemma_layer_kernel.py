@@ -83,13 +83,14 @@ def test_engine_fused_gemma_with_hybrid_kv(gemma_dir: Path, monkeypatch: pytest.
 @pytest.mark.slow
 def test_real_gemma_fused_equals_module_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """gemma-3-270m (Q4_K_M) through the engine with hybrid KV: a batch of a short prompt and one
-    past the 512-token window (its sliding groups give blocks back), 6 greedy tokens each."""
+    past the 512-token window (its sliding groups give blocks back), 6 greedy tokens each. Token
+    ids in and out: no tokenizer (building the file's 262k-piece one took ~3 s per engine)."""
     long = [2] + [(i * 37) % 5000 + 100 for i in range(14)] * 38  # 533 tokens
     prompts = [long, [2, 818, 5279, 529, 7001, 563]]
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True)
     outs, calls = {}, []
     for fused in (True, False):
-        llm = LLM("gemma-3-270m", fused_layers=fused, max_model_len=1024, block_size=16)
+        llm = LLM("gemma-3-270m", fused_layers=fused, max_model_len=1024, block_size=16, skip_tokenizer_init=True)
         calls = count_steps(monkeypatch)
         got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outs[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got]
