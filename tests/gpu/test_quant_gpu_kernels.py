@@ -139,12 +139,18 @@ def load_on_triton(path: Path) -> LoadedModel:
     return LoadedModel(model=model.eval(), config=source.config, tokenizer=source.tokenizer, path=source.path)
 
 
-# whole models: ~40 s each in the interpreter (every linear of every step is a kernel launch)
+# whole models: ~40 s each in the interpreter (every linear of every step is a kernel launch). Four
+# greedy tokens, not test_quant_checkpoints' twelve: each step (~0.8 s interpreted) launches the same
+# kernels at the same tile sizes (the prompt step's 10 rows and the decode steps' 2 both take the
+# decode-sized 16-row tiles; the large tiles are test_w4a16_layer_matches_the_decoded_weight's)
+TRITON_NEW_TOKENS = 4
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["w8a8"])
 def test_compressed_tensors_model_on_triton_matches_transformers(tmp_path: Path, kind: str) -> None:
     path = write_compressed_tensors(tmp_path / "ct", kind)
-    assert_matches(load_on_triton(path), path, 1e-3)
+    assert_matches(load_on_triton(path), path, 1e-3, TRITON_NEW_TOKENS)
 
 
 @pytest.mark.slow
@@ -154,4 +160,4 @@ def test_gptq_awq_model_on_triton_matches_transformers(tmp_path: Path, method: s
     """Act-order GPTQ gives q/k/v (and gate/up) each its own g_idx: the fused layers stay
     int4 on the Triton kernels too (one group row per shard)."""
     path = write_int4_checkpoint(tmp_path / method, tmp_path / "float", method, group, False, desc_act)
-    assert_matches(load_on_triton(path), tmp_path / "float", INT4_TOL)
+    assert_matches(load_on_triton(path), tmp_path / "float", INT4_TOL, TRITON_NEW_TOKENS)

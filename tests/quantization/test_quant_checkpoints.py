@@ -24,7 +24,7 @@ PROMPTS = [[5, 17, 99, 3, 42, 8], [200, 7, 7, 61]]
 NEW_TOKENS = 12
 
 
-def hf_run(model_dir: Path) -> tuple[list[list[int]], torch.Tensor]:
+def hf_run(model_dir: Path, new_tokens: int = NEW_TOKENS) -> tuple[list[list[int]], torch.Tensor]:
     """transformers' greedy tokens for PROMPTS and its log-probabilities over PROMPTS[0]."""
     import transformers
 
@@ -32,15 +32,15 @@ def hf_run(model_dir: Path) -> tuple[list[list[int]], torch.Tensor]:
     outs = []
     with torch.no_grad():
         for p in PROMPTS:
-            ids = hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+            ids = hf.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                               pad_token_id=0)
             outs.append(ids[0, len(p):].tolist())
         logits = hf(torch.tensor([PROMPTS[0]])).logits[0]
     return outs, torch.log_softmax(logits.float(), -1)
 
 
-def treadle_run(lm: LoadedModel) -> tuple[list[list[int]], torch.Tensor]:
-    tokens = greedy(lm, PROMPTS, NEW_TOKENS)
+def treadle_run(lm: LoadedModel, new_tokens: int = NEW_TOKENS) -> tuple[list[list[int]], torch.Tensor]:
+    tokens = greedy(lm, PROMPTS, new_tokens)
     logits = PagedSession(lm, 1, len(PROMPTS[0]), block_size=16).feed([PROMPTS[0]])[0]
     return tokens, torch.log_softmax(logits.float(), -1)
 
@@ -49,9 +49,9 @@ def methods(lm: LoadedModel) -> dict[str, type]:
     return {name: type(m.method) for name, m in lm.model.named_modules() if isinstance(m, Linear)}
 
 
-def assert_matches(lm: LoadedModel, oracle_dir: Path, logprob_tol: float) -> None:
-    want_tokens, want_lp = hf_run(oracle_dir)
-    got_tokens, got_lp = treadle_run(lm)
+def assert_matches(lm: LoadedModel, oracle_dir: Path, logprob_tol: float, new_tokens: int = NEW_TOKENS) -> None:
+    want_tokens, want_lp = hf_run(oracle_dir, new_tokens)
+    got_tokens, got_lp = treadle_run(lm, new_tokens)
     assert got_tokens == want_tokens
     assert float((got_lp - want_lp).abs().max()) < logprob_tol
 
