@@ -78,12 +78,15 @@ class ServerThread:
 def start_engine(model_dir: Path, heartbeat_timeout: float = 60.0, control: StepControl | None = None,
                  in_process: bool = False, **engine_kw: Any) -> EngineClient:
     """An engine client for ``model_dir`` with ENGINE_KW (``engine_kw`` overrides): in an
-    engine-core process (the server's default) or, with ``in_process``, AsyncLLM's thread."""
+    engine-core process (the server's default) with one torch thread, or, with ``in_process``,
+    AsyncLLM's thread. One thread, as `treadle serve` gives its engine process on 2 cores (one
+    fewer than the cores): two OpenMP threads spun against this process's server and clients
+    (55 server tests: 62.6 -> 53.8 s and 62.8 -> 48.5 s in two interleaved A/B runs)."""
     factory = HookedEngineFactory(control) if control is not None else LLMEngine.from_args
     kw = {**ENGINE_KW, **engine_kw}
     if in_process:
         return AsyncLLM(factory(str(model_dir), **kw), heartbeat_timeout)
-    return EngineCoreClient(functools.partial(factory, str(model_dir), **kw), heartbeat_timeout)
+    return EngineCoreClient(functools.partial(factory, str(model_dir), **kw), heartbeat_timeout, threads=1)
 
 
 @contextlib.contextmanager
