@@ -74,14 +74,22 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return stories_with_chat_template(tmp_path_factory.mktemp("stories"))
 
 
+@pytest.fixture(scope="module")
+def colocated(model_dir: Path) -> Iterator[str]:
+    """A plain instance (no KV transfer): the reference of both connectors' pairs (one engine
+    process, not one per connector; the tests only read its greedy output and its /load)."""
+    with instances(model_dir, None) as urls:
+        yield urls[0]
+
+
 @pytest.fixture(scope="module", params=["tcp", pytest.param("shm", marks=pytest.mark.slow)])
-def pd(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[tuple[str, str, str]]:
+def pd(request: pytest.FixtureRequest, model_dir: Path, colocated: str) -> Iterator[tuple[str, str, str]]:
     """(producer, consumer, colocated) URLs; producer and consumer joined by the parameter's connector."""
     conn = request.param
     with instances(model_dir, {"kv_connector": conn, "kv_role": "kv_producer",
                                "producer_block_timeout_s": PRODUCER_TIMEOUT_S},
-                   {"kv_connector": conn, "kv_role": "kv_consumer", "transfer_timeout_s": 1.0}, None) as urls:
-        yield urls[0], urls[1], urls[2]
+                   {"kv_connector": conn, "kv_role": "kv_consumer", "transfer_timeout_s": 1.0}) as urls:
+        yield urls[0], urls[1], colocated
 
 
 def client(url: str) -> openai.OpenAI:
