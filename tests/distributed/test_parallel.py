@@ -80,11 +80,42 @@ def stories_pp2() -> Iterator[LLM]:
         llm.shutdown()
 
 
+class SharedEngine:
+    """A module's engine, started on first use; ``take()`` hands it to a test that will break it
+    (kill a rank) and shut it down: whoever asks next gets a fresh one."""
+
+    def __init__(self, **kw: object) -> None:
+        self.kw, self.llm = kw, None
+
+    def get(self) -> LLM:
+        if self.llm is None:
+            self.llm = LLM("stories260k", **self.kw)
+        return self.llm
+
+    def take(self) -> LLM:
+        llm, self.llm = self.get(), None
+        return llm
+
+
+@pytest.fixture(scope="module")
+def stories_tp2() -> Iterator[SharedEngine]:
+    """One TP=2 engine for the token-identity test and then the killed-rank test, which takes it
+    (starting two ranks costs more than either test's run)."""
+    shared = SharedEngine(tensor_parallel_size=2, **KW)
+    try:
+        yield shared
+    finally:
+        if shared.llm is not None:
+            shared.llm.shutdown()
+
+
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
 def test_stories260k_is_token_identical_to_one_rank(stories_reference: list, request: pytest.FixtureRequest,
                                                     tp: int, pp: int) -> None:
     if (tp, pp) == (1, 2):
         assert_same(checked_run(request.getfixturevalue("stories_pp2")), stories_reference)
+    elif (tp, pp) == (2, 1):
+        assert_same(checked_run(request.getfixturevalue("stories_tp2").get()), stories_reference)
     else:
         assert_same(parallel("stories260k", tp, pp), stories_reference)
 
@@ -104,8 +135,8 @@ def test_random_models_are_token_identical(tmp_path: Path, arch: str, overrides:
 
 
 @pytest.fixture
-def tp2() -> Iterator[LLM]:
-    llm = LLM("stories260k", tensor_parallel_size=2, **KW)
+def tp2(stories_tp2: SharedEngine) -> Iterator[LLM]:
+    llm = stories_tp2.take()  # the shared TP=2 engine (or a fresh one): this test kills a rank
     try:
         yield llm
     finally:
