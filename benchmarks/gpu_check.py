@@ -195,8 +195,10 @@ def e2e_check(device: torch.device, smoke: bool) -> Row:
                f"{same}/{len(prompts)} seqs identical, {sum(max_new)} tokens, {mode}")
 
 
-def bench(fn: Callable[[], object], device: torch.device, iters: int) -> float:
-    """Mean seconds per call after warm-up."""
+def bench(fn: Callable[[], object], device: torch.device, iters: int, graph: bool = False) -> float:
+    """Mean seconds per call after warm-up. ``graph``: ``iters`` calls captured in one CUDA graph
+    and replayed, so the figure is the GPU's time alone, not Python's launch overhead (what the
+    engine's graph-replayed decode steps see)."""
     for _ in range(min(iters, 3)):
         fn()
     if device.type != "cuda":
@@ -204,14 +206,28 @@ def bench(fn: Callable[[], object], device: torch.device, iters: int) -> float:
         for _ in range(iters):
             fn()
         return (time.perf_counter() - start) / iters
+    run = fn
+    if graph:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                fn()
+        g.replay()
+        run = g.replay
     torch.cuda.synchronize(device)
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 5 if graph else iters
     begin.record()
-    for _ in range(iters):
-        fn()
+    for _ in range(reps):
+        run()
     end.record()
     torch.cuda.synchronize(device)
-    return begin.elapsed_time(end) / 1e3 / iters
+    return begin.elapsed_time(end) / 1e3 / (reps * iters if graph else iters)
 
 
 def copy_bandwidth(device: torch.device, smoke: bool) -> float:
@@ -222,10 +238,14 @@ def copy_bandwidth(device: torch.device, smoke: bool) -> float:
     return 2 * src.numel() * 4 / t
 
 
-def decode_timing(device: torch.device, dtype: torch.dtype, batch: int, seq_len: int, bw: float, smoke: bool) -> Row:
+def decode_timing(device: torch.device, dtype: torch.dtype, batch: int, seq_len: int, bw: float, smoke: bool,
+                  splits: int | None = None) -> Row:
     h, kv, d = (8, 2, 32) if smoke else (32, 8, 128)
     b = make_batch((h, kv), d, 16, [1] * batch, [seq_len] * batch, dtype, device, seed=batch)
-    backend = TritonBackend(TritonTiles(16, 16, 16, 4) if smoke else None)
+    tiles = TritonTiles(16, 16, 16, 4) if smoke else TritonTiles.default_for(dtype)
+    if splits is not None:
+        tiles = dataclasses.replace(tiles, num_kv_splits=splits)
+    backend = TritonBackend(tiles)
     out = backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.spec)
     # the same context, dense: [batch, kv, seq_len, d]
     dense = [torch.stack([c[b.meta.block_tables[i].long()].reshape(-1, kv, d)[:seq_len] for i in range(batch)])
@@ -237,13 +257,14 @@ def decode_timing(device: torch.device, dtype: torch.dtype, batch: int, seq_len:
 
     err = max_err(out, sdpa().squeeze(2))
     iters = 1 if smoke else 50
-    t_tri = bench(lambda: backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.spec), device, iters)
-    t_sdpa = bench(sdpa, device, iters)
+    graph = device.type == "cuda"
+    t_tri = bench(lambda: backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.spec), device, iters, graph)
+    t_sdpa = bench(sdpa, device, iters, graph)
     kv_bytes = 2 * batch * seq_len * kv * d * b.q.element_size()
     t_bound = kv_bytes / bw
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     return Row(
-        f"decode B={batch} ctx={seq_len}", err < tol,
+        f"decode B={batch} ctx={seq_len} splits={tiles.num_kv_splits}", err < tol,
         f"triton {t_tri * 1e6:.0f}us = {t_bound / t_tri:.0%} of bw bound {t_bound * 1e6:.0f}us; "
         f"sdpa(dense) {t_sdpa * 1e6:.0f}us ({t_sdpa / t_tri:.2f}x); max|err| {err:.0e}",
     )
@@ -252,6 +273,8 @@ def decode_timing(device: torch.device, dtype: torch.dtype, batch: int, seq_len:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="reduced run on the CPU (Triton interpreter)")
+    parser.add_argument("--splits", type=int, nargs="*", default=[],
+                        help="also time decode at these num_kv_splits (a sweep; timings only)")
     args = parser.parse_args()
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("no CUDA device: run with --cpu-smoke for the reduced CPU check", file=sys.stderr)
@@ -264,6 +287,8 @@ def main() -> int:
     bw = copy_bandwidth(device, args.cpu_smoke)
     shapes = [(2, 50)] if args.cpu_smoke else [(1, 8192), (16, 2048), (64, 4096)]
     rows += [decode_timing(device, dtype, n, s, bw, args.cpu_smoke) for n, s in shapes]
+    sweep = [(2, 50)] if args.cpu_smoke else [(1, 1024), (1, 8192), (4, 4096), (16, 2048), (64, 512), (64, 4096)]
+    rows += [decode_timing(device, dtype, n, s, bw, args.cpu_smoke, k) for k in args.splits for n, s in sweep]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)"
     print(f"treadle gpu_check on {name}, {dtype}, copy bandwidth {bw / 1e9:.0f} GB/s")
     width = max(len(r.check) for r in rows)

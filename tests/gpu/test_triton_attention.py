@@ -17,7 +17,7 @@ from treadle.layers.attention import (
     ReferenceBackend,
     build_attention_metadata,
 )
-from treadle.layers.attention.triton_backend import TritonBackend, TritonTiles
+from treadle.layers.attention.triton_backend import TritonBackend, TritonTiles, decode_splits
 
 HEADS = {"mha": (2, 2), "gqa": (6, 2), "mqa": (4, 1)}  # (num_heads, num_kv_heads); GQA group 3
 HEAD_DIM = 32
@@ -100,6 +100,19 @@ def test_split_kv_decode_matches_reference(heads: str, block_size: int, splits: 
     tiles = TritonTiles(decode_block_n=16, num_kv_splits=splits)
     case = make_case(heads, block_size, query_lens=[1, 1, 1], seq_lens=[77, 5, 40], seed=splits)
     got, want = run_both(case, TritonBackend(tiles))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_splits_fill_two_programs_per_multiprocessor() -> None:
+    """An H200's 132 multiprocessors, 8 KV heads: 32 splits for one row, 8 from 4 rows up."""
+    assert [decode_splits(b, 8, 132) for b in (1, 2, 4, 16, 64, 256)] == [32, 16, 8, 8, 8, 8]
+    assert decode_splits(1, 1, 132) == 32 and decode_splits(3, 2, 16) == 8
+
+
+def test_decode_with_the_default_splits_matches_reference() -> None:
+    """No num_kv_splits: the split count follows the batch (decode_splits)."""
+    case = make_case("gqa", 16, query_lens=[1, 1, 1], seq_lens=[77, 5, 40], seed=11)
+    got, want = run_both(case, TritonBackend(TritonTiles(16, 16, 16)))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -36,9 +36,9 @@ def _constexprs(tiles: TritonTiles) -> dict[str, dict[str, object]]:
         "store_kv_kernel": {"BLOCK_H": KV_HEADS, "BLOCK_D": HEAD_DIM},
         "prefill_kernel": {"BLOCK_M": tiles.prefill_block_m, "BLOCK_N": tiles.prefill_block_n,
                            "BLOCK_D": HEAD_DIM, "IEEE": False},
-        "decode_split_kernel": {"NUM_SPLITS": tiles.num_kv_splits, "BLOCK_G": max(16, GROUP),
+        "decode_split_kernel": {"NUM_SPLITS": tiles.num_kv_splits or 32, "BLOCK_G": max(16, GROUP),
                                 "BLOCK_N": tiles.decode_block_n, "BLOCK_D": HEAD_DIM, "IEEE": False},
-        "decode_reduce_kernel": {"NUM_SPLITS": tiles.num_kv_splits, "BLOCK_S": tiles.num_kv_splits,
+        "decode_reduce_kernel": {"NUM_SPLITS": tiles.num_kv_splits or 32, "BLOCK_S": tiles.num_kv_splits or 32,
                                  "BLOCK_D": HEAD_DIM},
     }
 

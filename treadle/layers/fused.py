@@ -1,17 +1,40 @@
 """The switch for fused operators (RMSNorm with the residual add, SwiGLU, in-place RoPE).
 
 Fused here means fewer calls over the same arithmetic as the plain versions: for float32
-on the CPU each is one call into Treadle's C kernels (``treadle/kernels/ops.py``), elsewhere
-a few in-place torch calls; results agree with the plain versions (tests/kernels/test_fused_ops.py).
+on the CPU each is one call into Treadle's C kernels (``treadle/kernels/ops.py``), for CUDA
+tensors one Triton launch (``treadle/layers/triton_ops.py``), elsewhere a few in-place torch
+calls; results agree with the plain versions (tests/kernels/test_fused_ops.py,
+tests/gpu/test_triton_ops.py).
 The one-call decoder layer (``treadle/layers/fused_decoder.py``) builds on these and needs
 them on.
 ``TREADLE_FUSED_OPS=0`` selects the plain versions.
 """
 from __future__ import annotations
 
+from types import ModuleType
+
+import torch
+
 from treadle import envs
+
+_TRITON_OPS: list[ModuleType | None] = []  # imported on the first CUDA tensor; [None]: no triton
 
 
 def fused_ops_enabled() -> bool:
     """Read once by each layer at construction time."""
     return envs.fused_ops()
+
+
+def triton_ops(t: torch.Tensor) -> ModuleType | None:
+    """``treadle.layers.triton_ops`` when ``t`` is a CUDA tensor with unit-stride rows and triton
+    imports; else None (the caller's torch path). The CPU never imports triton."""
+    if not t.is_cuda or t.stride(-1) != 1:
+        return None
+    if not _TRITON_OPS:
+        module: ModuleType | None
+        try:
+            from treadle.layers import triton_ops as module
+        except ImportError:
+            module = None
+        _TRITON_OPS.append(module)
+    return _TRITON_OPS[0]

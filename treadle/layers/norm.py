@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from treadle.kernels import ops
-from treadle.layers.fused import fused_ops_enabled
+from treadle.layers.fused import fused_ops_enabled, triton_ops
 
 
 def rms_norm_plain(
@@ -30,10 +30,13 @@ def rms_norm_fused(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same values as ``rms_norm_plain`` in fewer calls (one C call for float32 on the
-    CPU); the sum is written into ``residual`` in place (the caller hands its residual
+    CPU, one Triton launch for CUDA tensors); the sum is written into ``residual`` in place (the caller hands its residual
     stream over)."""
     if ops.usable(x, weight) and (residual is None or (ops.usable(residual) and residual.is_contiguous())):
         return ops.rms_norm(x, residual, weight, eps)
+    gpu = triton_ops(x)
+    if gpu is not None and (residual is None or residual.is_contiguous()):
+        return gpu.rms_norm(x, residual, weight, eps)
     if residual is not None:
         x = residual.add_(x)
     if x.dtype == torch.float32:

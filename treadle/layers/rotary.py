@@ -10,7 +10,7 @@ from torch import nn
 
 from treadle.config import RopeScaling
 from treadle.kernels import ops
-from treadle.layers.fused import fused_ops_enabled
+from treadle.layers.fused import fused_ops_enabled, triton_ops
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -113,6 +113,13 @@ class RotaryEmbedding(nn.Module):
             if all(x.stride(1) == x.shape[-1] for x in parts):  # heads contiguous in each row
                 for x in parts:
                     ops.rope_(x, self.cos_sin, positions.contiguous())
+                return q, k
+        gpu = triton_ops(q) if self.fused and positions.dtype == torch.int64 else None
+        if gpu is not None and k.stride(-1) == 1:
+            parts = (q, k) if (qk := joint_view(q, k)) is None else (qk,)
+            if all(x.stride(1) == x.shape[-1] for x in parts):
+                for x in parts:
+                    gpu.rope_(x, self.cos_sin, positions.contiguous())
                 return q, k
         half = q.shape[-1] // 2
         cs = self.cos_sin.index_select(0, positions).to(q.dtype).unsqueeze(1)  # [T, 1, head_dim]
