@@ -13,7 +13,8 @@ the same GPU:
 2. random-weight models of each family (Llama GQA, Qwen3, Phi-3, Gemma 3 with sliding layers,
    Mixtral, Qwen3-MoE) in float32: greedy tokens identical to transformers on CUDA, and the
    chosen tokens' logprobs close; CUDA graphs (the default on CUDA) and eager give the same tokens;
-3. quantized checkpoints (compressed-tensors W8A8, act-order GPTQ) on the Triton kernels against
+3. the engine's paths (prompts alone, small chunks, preemption, prefix-cache hits, n-gram
+   speculation, a sliding window) give the plain run's tokens; quantized checkpoints (compressed-tensors W8A8, act-order GPTQ) on the Triton kernels against
    transformers on the decoded weights;
 4. decode throughput of a TinyLlama-shaped (1.1B) random model in bfloat16 at batch 1 / 16 / 64,
    CUDA graphs against eager (timings: what this run measured, not a claim).
@@ -35,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' model makers
 
 ROWS: list[tuple[str, bool, str]] = []
+PREEMPTIONS: list[int] = []  # each treadle_greedy run's count
 PROMPTS = [[5, 9, 200, 17], list(range(30, 53)), [77] * 19, list(range(100, 160))]
 
 
@@ -214,13 +216,17 @@ def hf_greedy(path: Path, device: torch.device, new: int) -> tuple[list[list[int
     return toks, lps
 
 
-def treadle_greedy(path: Path, device: torch.device, new: int, **kw: object) -> tuple[list[list[int]], list[list[float]]]:
+def treadle_greedy(path: Path, device: torch.device, new: int, repeat: bool = False, **kw: object) -> tuple[list[list[int]], list[list[float]]]:
     from treadle import LLM, SamplingParams
 
-    llm = LLM(str(path), device=str(device), dtype="float32", max_num_batched_tokens=32, block_size=16,
-              num_kv_blocks=64, **kw)  # chunked prefill (the 60-token prompt takes two steps), mixed batches
+    args: dict[str, object] = dict(max_num_batched_tokens=32, block_size=16, num_kv_blocks=64)
+    args.update(kw)  # default: chunked prefill (the 60-token prompt takes two steps), mixed batches
+    llm = LLM(str(path), device=str(device), dtype="float32", **args)
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    if repeat:  # again on the same engine: every full prompt block now a prefix-cache hit
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    PREEMPTIONS.append(llm.engine.scheduler.num_preemptions)
     toks = [o.outputs[0].token_ids for o in outs]
     lps = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
     del llm
@@ -237,6 +243,41 @@ def family(arch: str, device: torch.device, work: Path, new: int) -> tuple[bool,
     ok = same == len(PROMPTS) and eager == got and dlp < 1e-3
     return ok, (f"{same}/{len(PROMPTS)} greedy equal to transformers ({new} tokens), graphs == eager: {eager == got}, "
                 f"max|dlogprob| {dlp:.1e}")
+
+
+def engine_paths(device: torch.device, work: Path, new: int) -> tuple[bool, str]:
+    """The engine's paths on the GPU give the plain run's greedy tokens: prompts one at a time,
+    small prefill chunks, preemption (too few KV blocks for the batch), prefix-cache hits, n-gram
+    speculative decoding (the graph-less verify steps), and Gemma 3's sliding window past it."""
+    from treadle import LLM, SamplingParams
+
+    out = []
+    blocks = {"llama": 8, "gemma3": 30}  # room for the longest request, not for all four at once
+    for arch in ("llama", "gemma3"):
+        path = work / arch if (work / arch).exists() else make_model(arch, work / arch)
+        want, _ = treadle_greedy(path, device, new)
+        alone = []
+        llm = LLM(str(path), device=str(device), dtype="float32", num_kv_blocks=64)
+        for p in PROMPTS:
+            o = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True),
+                             use_tqdm=False)
+            alone.append(o[0].outputs[0].token_ids)
+        del llm
+        cases = {
+            "alone": alone,
+            "chunks of 8": treadle_greedy(path, device, new, max_num_batched_tokens=8)[0],
+            "preemption": treadle_greedy(path, device, new, num_kv_blocks=blocks[arch], max_num_batched_tokens=64)[0],
+            "prefix hits": treadle_greedy(path, device, new, repeat=True)[0],
+            "ngram spec": treadle_greedy(path, device, new, speculative_config={
+                "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})[0],
+        }
+        if PREEMPTIONS[-3] == 0:
+            return False, f"{arch}: {blocks[arch]} KV blocks preempted nothing"
+        bad = [name for name, got in cases.items() if got != want]
+        if bad:
+            return False, f"{arch}: tokens differ from the plain run under {', '.join(bad)}"
+        out.append(arch)
+    return True, f"{' and '.join(out)}: plain = alone = chunks of 8 = preemption = prefix hits = ngram spec"
 
 
 # 3. quantized checkpoints ----------------------------------------------------------------------------
@@ -304,6 +345,13 @@ def throughput(device: torch.device, work: Path, quick: bool, profile: bool = Fa
                 prof = cProfile.Profile()
                 prof.runcall(llm.generate, prompts, params, use_tqdm=False)
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+                if device.type == "cuda":  # the GPU's own time per kernel over the same run
+                    from torch.profiler import ProfilerActivity
+                    from torch.profiler import profile as torch_profile
+
+                    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+                        llm.generate(prompts, params, use_tqdm=False)
+                    print(tp.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
         del llm
     graphs = {b: tps for e, b, tps in out if not e}
     eagers = {b: tps for e, b, tps in out if e}
@@ -316,7 +364,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="fewer tokens, a tiny throughput model")
     parser.add_argument("--profile", action="store_true", help="cProfile the batch-1 graph-replayed decode")
-    parser.add_argument("--only", nargs="*", default=None, help="sections: kernels families quantized throughput")
+    parser.add_argument("--only", nargs="*", default=None, help="sections: kernels families paths quantized throughput")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -325,7 +373,7 @@ def main() -> int:
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     new = 6 if args.quick else 32
-    want = set(args.only or ["kernels", "families", "quantized", "throughput"])
+    want = set(args.only or ["kernels", "families", "paths", "quantized", "throughput"])
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -337,6 +385,8 @@ def main() -> int:
         if "families" in want:
             for arch in ("llama", "qwen3", "phi3", "gemma3", "mixtral", "qwen3-moe"):
                 check(f"engine: {arch}", lambda arch=arch: family(arch, device, work, new))
+        if "paths" in want:
+            check("engine: paths", lambda: engine_paths(device, work, new))
         if "quantized" in want:
             for kind in ("w8a8", "gptq-act-order"):
                 check(f"engine: {kind} checkpoint", lambda kind=kind: quantized(kind, device, work, new))
