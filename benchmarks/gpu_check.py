@@ -125,6 +125,29 @@ def kernel_checks(device: torch.device, dtype: torch.dtype, smoke: bool) -> list
     ]
 
 
+def quant_cache_check(device: torch.device, smoke: bool) -> Row:
+    """int8 / fp8 caches (kv_quant's packed rows, a float32 scale per token and KV head): Triton
+    writes the bytes the reference writes and attends over the same dequantized values (float32
+    queries: IEEE products in both). The interpreter decodes fp8 on the CPU; this is the GPU's."""
+    from treadle.layers.attention.kv_quant import quantize
+
+    d = 32 if smoke else 128
+    tiles = TritonTiles(16, 16, 16, 4) if smoke else None
+    worst, same_bytes, cases = 0.0, True, 0
+    for kv_dtype in (torch.int8, torch.float8_e4m3fn):
+        for ql, sl in (([1, 1, 1], [77, 5, 40]), ([19, 12, 1], [19, 33, 45])):
+            b = make_batch(HEADS["gqa"], d, 16, ql, sl, torch.float32, device, seed=cases)
+            kq, vq = quantize(b.k_cache, kv_dtype), quantize(b.v_cache, kv_dtype)
+            kt, vt = kq.clone(), vq.clone()
+            want = ReferenceBackend().forward(b.q, b.k, b.v, kq, vq, b.meta, b.spec)
+            got = TritonBackend(tiles).forward(b.q, b.k, b.v, kt, vt, b.meta, b.spec)
+            same_bytes = same_bytes and torch.equal(kt.view(torch.uint8), kq.view(torch.uint8)) \
+                and torch.equal(vt.view(torch.uint8), vq.view(torch.uint8))
+            worst, cases = max(worst, max_err(got, want)), cases + 1
+    return Row("kernel: int8 / fp8 cache", same_bytes and worst < 1e-4,
+               f"{cases} cases, written bytes equal: {same_bytes}, max|err| {worst:.1e} (tol 1e-04)")
+
+
 def tiny_llama(backend: AttentionBackend, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
     cfg = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=512, hidden_size=128, intermediate_size=256,
@@ -283,6 +306,7 @@ def main() -> int:
     dtype = torch.float32 if args.cpu_smoke else torch.float16
     start = time.perf_counter()
     rows = kernel_checks(device, dtype, args.cpu_smoke)
+    rows.append(quant_cache_check(device, args.cpu_smoke))
     rows.append(e2e_check(device, args.cpu_smoke))
     bw = copy_bandwidth(device, args.cpu_smoke)
     shapes = [(2, 50)] if args.cpu_smoke else [(1, 8192), (16, 2048), (64, 4096)]

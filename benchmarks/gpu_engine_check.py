@@ -14,7 +14,8 @@ the same GPU:
    Mixtral, Qwen3-MoE) in float32: greedy tokens identical to transformers on CUDA, and the
    chosen tokens' logprobs close; CUDA graphs (the default on CUDA) and eager give the same tokens;
 3. the engine's paths (prompts alone, small chunks, preemption, prefix-cache hits, n-gram
-   speculation, a sliding window) give the plain run's tokens; quantized checkpoints (compressed-tensors W8A8, act-order GPTQ) on the Triton kernels against
+   speculation, a sliding window) give the plain run's tokens; `treadle serve` on the device answers
+   the openai client (streamed = whole, a bad request a 400, still serving after it); quantized checkpoints (compressed-tensors W8A8, act-order GPTQ) on the Triton kernels against
    transformers on the decoded weights;
 4. decode throughput of a TinyLlama-shaped (1.1B) random model in bfloat16 at batch 1 / 16 / 64,
    CUDA graphs against eager (timings: what this run measured, not a claim).
@@ -280,6 +281,64 @@ def engine_paths(device: torch.device, work: Path, new: int) -> tuple[bool, str]
     return True, f"{' and '.join(out)}: plain = alone = chunks of 8 = preemption = prefix hits = ngram spec"
 
 
+def server(device: torch.device, work: Path) -> tuple[bool, str]:
+    """`treadle serve` on the device, driven by the official openai client: a greedy chat answer
+    streamed equals the same answer whole, a bad request is a 400 with an OpenAI error body, and
+    the server keeps serving after it."""
+    import signal
+    import socket
+    import subprocess
+
+    import httpx
+    import openai
+
+    path = work / "llama" if (work / "llama").exists() else make_model("llama", work / "llama")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log = open(work / "serve.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "treadle.entrypoints.cli", "serve", str(path), "--device", str(device),
+                             "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                return False, f"the server exited ({proc.returncode}): {(work / 'serve.log').read_text()[-300:]}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                return False, "the server did not come up in 180 s"
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
+        model = client.models.list().data[0].id
+        msgs = [{"role": "user", "content": "Tell me about the sea."}]
+        whole = client.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0)
+        chunks = client.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        try:
+            client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=-1)
+            return False, "temperature=-1 was accepted"
+        except openai.BadRequestError as exc:
+            bad = exc.status_code == 400 and isinstance(exc.body, dict) and "message" in exc.body
+        after = client.completions.create(model=model, prompt=[5, 9, 200, 17], max_tokens=8, temperature=0)
+        ok = streamed == whole.choices[0].message.content and bad and after.usage.completion_tokens == 8
+        return ok, (f"stream == whole: {streamed == whole.choices[0].message.content} "
+                    f"({whole.usage.completion_tokens} tokens), bad request -> 400 with an error body: {bad}, "
+                    f"served after it: {after.usage.completion_tokens == 8}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
 # 3. quantized checkpoints ----------------------------------------------------------------------------
 
 def quantized(kind: str, device: torch.device, work: Path, new: int) -> tuple[bool, str]:
@@ -364,7 +423,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="fewer tokens, a tiny throughput model")
     parser.add_argument("--profile", action="store_true", help="cProfile the batch-1 graph-replayed decode")
-    parser.add_argument("--only", nargs="*", default=None, help="sections: kernels families paths quantized throughput")
+    parser.add_argument("--only", nargs="*", default=None, help="sections: kernels families paths server quantized throughput")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -373,7 +432,7 @@ def main() -> int:
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     new = 6 if args.quick else 32
-    want = set(args.only or ["kernels", "families", "paths", "quantized", "throughput"])
+    want = set(args.only or ["kernels", "families", "paths", "server", "quantized", "throughput"])
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -387,6 +446,8 @@ def main() -> int:
                 check(f"engine: {arch}", lambda arch=arch: family(arch, device, work, new))
         if "paths" in want:
             check("engine: paths", lambda: engine_paths(device, work, new))
+        if "server" in want:
+            check("server: openai client", lambda: server(device, work))
         if "quantized" in want:
             for kind in ("w8a8", "gptq-act-order"):
                 check(f"engine: {kind} checkpoint", lambda kind=kind: quantized(kind, device, work, new))

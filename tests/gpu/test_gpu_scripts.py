@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("args,summary", [
-    (["benchmarks/gpu_check.py", "--cpu-smoke"], "5/5 checks ok"),
+    (["benchmarks/gpu_check.py", "--cpu-smoke"], "6/6 checks ok"),
     (["benchmarks/gpu_engine_check.py", "--device", "cpu", "--quick", "--only", "kernels", "families"],
      "10/10 checks ok"),
 ], ids=["gpu_check", "gpu_engine_check"])
