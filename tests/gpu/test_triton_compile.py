@@ -6,7 +6,7 @@ non-constexpr globals). Here every kernel is compiled ahead of time to a CUDA bi
 ptxas shipped in the triton wheel, in a subprocess without TRITON_INTERPRET (other test
 modules set it for this process): the attention kernels, and the quantized-linear kernels
 (W8A8 int8 GEMM, W4A16 dequantize-in-the-loop GEMM) at each tile size and dtype gpu.py
-launches them with.
+launches them with, and the per-token operators (triton_ops.py) in each activation dtype.
 """
 from __future__ import annotations
 
@@ -79,12 +79,30 @@ def _quant_cases() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
     return cases
 
 
+def _op_cases() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
+    """label -> (kernel, argument types, constexprs) of treadle/layers/triton_ops.py as the layers
+    launch them for each activation dtype (a 2048-wide row, 5632-wide gates, head_dim 128)."""
+    cases: dict[str, tuple[str, dict[str, str], dict[str, object]]] = {}
+    for dt in ("fp16", "bf16", "fp32"):
+        for res in (False, True):
+            cases[f"_rms_norm_kernel/{dt}/{'residual' if res else 'alone'}"] = (
+                "_rms_norm_kernel", {"x_ptr": f"*{dt}", "res_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}",
+                                     "eps": "fp32"}, {"HAS_RES": res, "ROUND": dt != "fp32", "BLOCK": 2048})
+        for gelu in (False, True):
+            cases[f"_gated_kernel/{dt}/{'gelu' if gelu else 'silu'}"] = (
+                "_gated_kernel", {"gu_ptr": f"*{dt}", "out_ptr": f"*{dt}"}, {"GELU": gelu, "BLOCK": 1024})
+        cases[f"_rope_kernel/{dt}"] = (
+            "_rope_kernel", {"x_ptr": f"*{dt}", "cs_ptr": "*fp32", "pos_ptr": "*i64"}, {"HALF": 64})
+    return cases
+
+
 def compile_all(capability: int) -> dict[str, int]:
     """Compile each kernel for ``sm_<capability>``; returns its shared memory in bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from treadle.layers import triton_ops
     from treadle.layers.attention import triton_kernels
     from treadle.quantization.methods import triton_kernels as quant_kernels
 
@@ -105,6 +123,13 @@ def compile_all(capability: int) -> dict[str, int]:
         binary = triton.compile(src, target=target, options={"num_warps": 4, "enable_fp_fusion": not exact})
         assert binary.asm["cubin"], label
         shared[label] = int(binary.metadata.shared)
+    for label, (name, types, consts) in _op_cases().items():  # launched without fused multiply-adds
+        fn = getattr(triton_ops, name)
+        signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
+        binary = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=target,
+                                options={"num_warps": 4, "enable_fp_fusion": False})
+        assert binary.asm["cubin"], label
+        shared[label] = int(binary.metadata.shared)
     return shared
 
 
@@ -114,7 +139,7 @@ def test_kernels_compile_for_sm90_within_shared_memory(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, __file__, "90"], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     shared = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert sorted(shared) == sorted([*KERNELS, *_quant_cases()])
+    assert sorted(shared) == sorted([*KERNELS, *_quant_cases(), *_op_cases()])
     assert all(0 <= size <= SHARED_LIMIT for size in shared.values()), shared
     assert shared["prefill_kernel"] > 0  # the tiles really are staged through shared memory
     assert shared["w8a8_matmul_kernel/64"] > 0 and shared["w4a16_matmul_kernel/fp16/32/uniform"] > 0
