@@ -17,8 +17,9 @@ the same GPU:
    speculation, a sliding window) give the plain run's tokens; `treadle serve` on the device answers
    the openai client (streamed = whole, a bad request a 400, still serving after it); quantized checkpoints (compressed-tensors W8A8, act-order GPTQ) on the Triton kernels against
    transformers on the decoded weights;
-4. decode throughput of a TinyLlama-shaped (1.1B) random model in bfloat16 at batch 1 / 16 / 64,
-   CUDA graphs against eager (timings: what this run measured, not a claim).
+4. decode throughput of a TinyLlama-shaped (1.1B) random model in bfloat16 at batch 1 / 16 / 64:
+   CUDA graphs, eager, and transformers' own generate on the same device and weights, side by side
+   (timings: what this run measured, not a claim).
 Exits 1 on any mismatch.
 """
 from __future__ import annotations
@@ -384,6 +385,23 @@ def throughput(device: torch.device, work: Path, quick: bool, profile: bool = Fa
     out = []
     batches = (1, 4) if quick else (1, 16, 64)
     new = 8 if quick else 128
+    baseline = {}  # transformers' own generate on the same device and weights (its default cache)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    for b in batches:
+        ids = torch.tensor([[5 + i, 9, 200, 17] * 8 for i in range(b)], device=device)
+        kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+        with torch.no_grad():
+            hf.generate(ids[:1], max_new_tokens=4, **kw)  # warm
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        baseline[b] = b * new / (time.perf_counter() - t)
+    del hf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     for eager in (False, True):
         llm = LLM(str(path), device=str(device), dtype="bfloat16", enforce_eager=eager, max_num_seqs=max(batches))
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -414,8 +432,9 @@ def throughput(device: torch.device, work: Path, quick: bool, profile: bool = Fa
         del llm
     graphs = {b: tps for e, b, tps in out if not e}
     eagers = {b: tps for e, b, tps in out if e}
-    return True, "tok/s graphs / eager: " + ", ".join(
-        f"b{b} {graphs[b]:.0f} / {eagers[b]:.0f} ({graphs[b] / eagers[b]:.2f}x)" for b in batches)
+    return True, "tok/s graphs / eager / transformers: " + ", ".join(
+        f"b{b} {graphs[b]:.0f} / {eagers[b]:.0f} / {baseline[b]:.0f} ({graphs[b] / baseline[b]:.2f}x transformers)"
+        for b in batches)
 
 
 def main() -> int:
