@@ -9,13 +9,15 @@ the same GPU:
 
 1. kernels on CUDA tensors: W8A8 activation quantization and matmul bit-equal to the torch
    reference, W4A16 (float32 / float16 / bfloat16) close to the decoded weight, the MoE grouped
-   matmul equal to a matmul per expert (float32 sums, IEEE products);
+   matmul equal to a matmul per expert (float32 sums, IEEE products), the per-token operators
+   (layers/triton_ops.py) against the torch paths;
 2. random-weight models of each family (Llama GQA, Qwen3, Phi-3, Gemma 3 with sliding layers,
    Mixtral, Qwen3-MoE) in float32: greedy tokens identical to transformers on CUDA, and the
    chosen tokens' logprobs close; CUDA graphs (the default on CUDA) and eager give the same tokens;
 3. the engine's paths (prompts alone, small chunks, preemption, prefix-cache hits, n-gram
-   speculation, a sliding window) give the plain run's tokens; `treadle serve` on the device answers
-   the openai client (streamed = whole, a bad request a 400, still serving after it); quantized checkpoints (compressed-tensors W8A8, act-order GPTQ) on the Triton kernels against
+   speculation, a sliding window) give the plain run's tokens; ``treadle serve`` on the device
+   answers the openai client (streamed = whole, a bad request a 400, still serving after it);
+   quantized checkpoints (compressed-tensors W8A8, act-order GPTQ) on the Triton kernels match
    transformers on the decoded weights;
 4. decode throughput of a TinyLlama-shaped (1.1B) random model in bfloat16 at batch 1 / 16 / 64:
    CUDA graphs, eager, and transformers' own generate on the same device and weights, side by side
