@@ -70,7 +70,9 @@ def test_outputs_match_one_instance_and_both_instances_serve(pool, call):
 def test_less_loaded_instance_is_preferred(pool):
     """Two long requests sent straight to A keep it busy; the router's next requests go to B."""
     a, b, r, _, model = pool
-    long = {"model": model, "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    # A's two requests must outlast the router's four below (seen once in a full suite on a fast CPU:
+    # one of the four reached A): ~480 steps of STEP_DELAY against four requests of 4 tokens
+    long = {"model": model, "prompt": "Once", "max_tokens": 480, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", a.url + "/v1/completions", json=long, timeout=60) as s1, \
             httpx.stream("POST", a.url + "/v1/completions", json=long, timeout=60) as s2:
         held = [s.iter_lines() for s in (s1, s2)]  # (a dropped iterator would close its stream)
@@ -81,7 +83,8 @@ def test_less_loaded_instance_is_preferred(pool):
                    "the router to read A's load")
         before_a, before_b = upstream_count(r.url, a.url), upstream_count(r.url, b.url)
         for p in PROMPTS:  # one at a time: the router's own in-flight counts are 0 for both
-            _complete(r.url, model, p + " and", False)
+            _client(r.url).completions.create(model=model, prompt=p + " and", max_tokens=4, temperature=0)
+        assert metric_values(a.url)["treadle:num_requests_running"] == 2, "A's requests ended before the check did"
         assert upstream_count(r.url, a.url) == before_a
         assert upstream_count(r.url, b.url) == before_b + len(PROMPTS)
 
