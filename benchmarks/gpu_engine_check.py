@@ -7,10 +7,9 @@
 this one runs what a user runs, ``LLM(path, device="cuda")``, and holds it to transformers on
 the same GPU:
 
-1. kernels on CUDA tensors: W8A8 activation quantization and matmul bit-equal to the torch
-   reference, W4A16 (float32 / float16 / bfloat16) close to the decoded weight, the MoE grouped
-   matmul equal to a matmul per expert (float32 sums, IEEE products), the per-token operators
-   (layers/triton_ops.py) against the torch paths;
+1. kernels on CUDA tensors: the suite's W8A8 / W4A16 and per-token operator checks
+   (tests/gpu/test_quant_gpu_kernels.py, test_triton_ops.py) run on the device, and the MoE grouped
+   matmul against a float64 matmul per expert;
 2. random-weight models of each family (Llama GQA, Qwen3, Phi-3, Gemma 3 with sliding layers,
    Mixtral, Qwen3-MoE) in float32: greedy tokens identical to transformers on CUDA, and the
    chosen tokens' logprobs close; CUDA graphs (the default on CUDA) and eager give the same tokens;
@@ -34,13 +33,14 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' model makers
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path[:0] = [str(TESTS / d) for d in ("", "models", "quantization", "gpu")]  # the tests' model makers, checks
 
 ROWS: list[tuple[str, bool, str]] = []
-PREEMPTIONS: list[int] = []  # each treadle_greedy run's count
 PROMPTS = [[5, 9, 200, 17], list(range(30, 53)), [77] * 19, list(range(100, 160))]
 
 
@@ -58,56 +58,31 @@ def check(name: str, fn: Callable[[], tuple[bool, str]]) -> None:
 
 # 1. kernels -----------------------------------------------------------------------------------
 
-def w8a8_kernels(device: torch.device) -> tuple[bool, str]:
-    from treadle.quantization.methods import gpu
-    from treadle.quantization.methods.w8a8 import quantize_per_token, w8a8_reference
+def quant_kernels(device: torch.device) -> tuple[bool, str]:
+    """tests/gpu/test_quant_gpu_kernels.py's checks on this device: W8A8 bit for bit (and a larger
+    shape here), W4A16 for every group layout and in 16-bit activations (bfloat16 only on a GPU:
+    the interpreter's tl.dot on bfloat16 is broken)."""
+    from test_quant_gpu_kernels import (
+        LAYOUTS,
+        W8A8_SHAPES,
+        check_activation_quantization,
+        check_w4a16_16_bit,
+        check_w4a16_layer,
+        check_w8a8_matmul,
+    )
 
-    worst = []
-    shapes = [(1, 64, 40), (3, 100, 70), (17, 130, 129), (70, 64, 65)]
-    for m, k, n in shapes + ([(300, 2048, 512)] if device.type == "cuda" else []):
-        g = torch.Generator().manual_seed(m * 1000 + k)
-        x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
-        w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-        scale, bias = torch.rand(n, generator=g) * 0.01, torch.randn(n, generator=g)
-        xq, xs = gpu.w8a8_quantize(x.to(device))
-        want_q, want_s = quantize_per_token(x)
-        got = gpu.w8a8_matmul(x.to(device), w.to(device), scale.to(device), bias.to(device)).cpu()
-        want = w8a8_reference(x, w, scale, bias)
-        same = torch.equal(xq.cpu(), want_q) and torch.equal(xs.cpu(), want_s) and torch.equal(got, want)
-        worst.append((same, (got - want).abs().max().item()))
-    return all(s for s, _ in worst), f"{sum(s for s, _ in worst)}/{len(worst)} shapes bit-equal (max|d| {max(d for _, d in worst):.1e})"
-
-
-def w4a16_kernels(device: torch.device) -> tuple[bool, str]:
-    import torch.nn.functional as F
-
-    from treadle.layers.linear import Linear
-    from treadle.quantization.formats.int4 import Int4Weight, install
-    from treadle.quantization.methods.w8a8 import W8A8Method
-
-    errs = {}
-    dtypes = [(torch.float32, 1e-4), (torch.float16, 2e-2)]
-    if device.type == "cuda":  # Triton's interpreter returns garbage for tl.dot on bfloat16 tiles
-        dtypes.append((torch.bfloat16, 1e-1))
-    for dtype, tol in dtypes:
-        for m, group in ((1, 32), (5, 128), (40, 0)):
-            k, g = 256, torch.Generator().manual_seed(m)
-            gidx = torch.randperm(k, generator=g) // 32 if group == 0 else torch.arange(k) // group
-            groups = int(gidx.max()) + 1
-            part = Int4Weight(torch.randint(0, 16, (64, k), generator=g, dtype=torch.uint8),
-                              torch.rand(64, groups, generator=g) * 0.1,
-                              torch.randint(0, 16, (64, groups), generator=g).float(), gidx)
-            layer = Linear(k, [64], bias=False, dtype=dtype, method=W8A8Method())
-            install(layer, [part], "triton", dtype)
-            layer.to(device)
-            x = torch.randn(m, k, generator=g).to(dtype)
-            y = layer(x.to(device)).float().cpu()
-            want = F.linear(x.float(), part.dequantize().to(dtype).float())
-            err = ((y - want).abs().max() / want.abs().max()).item()
-            errs[dtype] = max(errs.get(dtype, 0.0), err)
-            if err > tol:
-                return False, f"{dtype} m={m} group={group}: relative error {err:.1e} > {tol:.0e}"
-    return True, "relative max|err| " + ", ".join(f"{str(d)[6:]} {e:.1e}" for d, e in errs.items())
+    d = str(device)
+    for dtype in (torch.float32, torch.bfloat16):
+        check_activation_quantization(dtype, d)
+    for shape in W8A8_SHAPES + ([(300, 2048, 512)] if device.type == "cuda" else []):
+        check_w8a8_matmul(*shape, d)
+    for layout in LAYOUTS:
+        for m in (1, 5, 40):
+            check_w4a16_layer(layout, m, d)
+    dtypes = (torch.float16, torch.bfloat16) if device.type == "cuda" else (torch.float16,)
+    for dtype in dtypes:
+        check_w4a16_16_bit(dtype, d)
+    return True, f"W8A8 bit-equal, W4A16 within float32 / {' / '.join(str(t)[6:] for t in dtypes)} rounding"
 
 
 def moe_kernel(device: torch.device) -> tuple[bool, str]:
@@ -129,78 +104,33 @@ def moe_kernel(device: torch.device) -> tuple[bool, str]:
 
 
 def token_ops(device: torch.device) -> tuple[bool, str]:
-    """treadle/layers/triton_ops.py against the torch paths, on the GPU in every dtype: the residual
-    sum and RoPE bit for bit, RMSNorm and the gated activations within one rounding step (bfloat16
-    cannot be checked in the interpreter: it truncates)."""
-    import torch.nn.functional as F
+    """treadle/layers/triton_ops.py against the torch paths: tests/gpu/test_triton_ops.py's checks on
+    this device, in bfloat16 too where it is a GPU (the interpreter truncates bfloat16)."""
+    from test_triton_ops import DTYPES, check_gated, check_rms_norm, check_rope
 
-    from treadle.layers import triton_ops
-    from treadle.layers.norm import rms_norm_plain
-    from treadle.layers.rotary import RotaryEmbedding, rotate_in_place
-
-    step = {torch.float32: 1e-5, torch.float16: 2 ** -9, torch.bfloat16: 2 ** -6}  # rtol: a rounding step
-    worst: dict[str, float] = {}
-    for dtype in (torch.float32, torch.float16) + ((torch.bfloat16,) if device.type == "cuda" else ()):
-        g = torch.Generator().manual_seed(0)
-        x = (torch.randn(37, 2048, generator=g) * 2).to(dtype).to(device)
-        res = (torch.randn(37, 2048, generator=g) * 2).to(dtype).to(device)
-        w = (1 + 0.1 * torch.randn(2048, generator=g)).to(dtype).to(device)
-        want, want_sum = rms_norm_plain(x, res, w, 1e-6)
-        got, got_sum = triton_ops.rms_norm(x, res.clone(), w, 1e-6)
-        if not torch.equal(got_sum, want_sum):
-            return False, f"{dtype}: residual sum differs"
-        torch.testing.assert_close(got, want, rtol=step[dtype], atol=1e-5)
-        gu = (torch.randn(37, 2 * 5632, generator=g) * 2).to(dtype).to(device)
-        for gelu in (False, True):
-            act = F.gelu(gu[:, :5632], approximate="tanh") if gelu else F.silu(gu[:, :5632])
-            torch.testing.assert_close(triton_ops.gated(gu, gelu), act * gu[:, 5632:], rtol=step[dtype], atol=1e-5)
-        rope = RotaryEmbedding(128, 4096, 10000.0, None).to(device)
-        q = (torch.randn(37, 40, 128, generator=g) * 2).to(dtype).to(device)
-        pos = torch.randint(0, 4096, (37,), generator=g).to(device)
-        ref = q.clone()
-        cs = rope.cos_sin.index_select(0, pos).to(dtype).unsqueeze(1)
-        rotate_in_place(ref, cs[..., :64], cs[..., 64:])
-        triton_ops.rope_(q, rope.cos_sin, pos)
-        if not torch.equal(q, ref):
-            return False, f"{dtype}: rope differs, max|d| {(q.float() - ref.float()).abs().max().item():.1e}"
-        worst[str(dtype)[6:]] = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-    return True, "residual and rope bit-equal; norm rel max|d| " + ", ".join(f"{k} {v:.0e}" for k, v in worst.items())
+    dtypes = [*DTYPES, torch.bfloat16] if device.type == "cuda" else DTYPES
+    for dtype in dtypes:
+        for flag in (False, True):
+            check_rms_norm(dtype, flag, str(device))
+            check_gated(dtype, flag, str(device))
+        check_rope(dtype, str(device))
+    return True, f"residual sum and RoPE bit-equal, norm and gates within a rounding step: {len(dtypes)} dtypes"
 
 
 # 2. model families through LLM(device=...) ------------------------------------------------------
 
 def make_model(arch: str, path: Path) -> Path:
-    import transformers
-    from tiny_models import make_tiny_model, write_byte_tokenizer
+    """The suite's own random-weight models of ``arch``, saved at ``path``."""
+    from test_gemma3_model import make_tiny_gemma3
+    from test_models_moe import make_moe_model
+    from tiny_models import make_tiny_model
 
-    if arch in ("llama", "qwen3", "phi3"):
-        return make_tiny_model(path, arch)
-    path.mkdir(parents=True)
     if arch == "gemma3":
-        cfg = transformers.Gemma3TextConfig(
-            vocab_size=write_byte_tokenizer(path), hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
-            max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
-            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
-    else:
-        common = dict(vocab_size=write_byte_tokenizer(path), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0,
-                      eos_token_id=1)
-        cfg = (transformers.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2) if arch == "mixtral"
-               else transformers.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                                head_dim=16, norm_topk_prob=True, decoder_sparse_step=2))
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in hf.parameters():  # larger than the default init, so tokens and routes vary
-            if p.dim() >= 2:
-                p.normal_(0, 0.15)
-            elif arch == "gemma3":  # its norms hold (1 + weight): not all zero
-                p.normal_(0, 0.3)
-    hf.save_pretrained(path)
-    return path
+        return make_tiny_gemma3(path)
+    if arch in ("mixtral", "qwen3-moe"):
+        make_moe_model(path, arch)
+        return path
+    return make_tiny_model(path, arch)
 
 
 def hf_greedy(path: Path, device: torch.device, new: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -220,7 +150,13 @@ def hf_greedy(path: Path, device: torch.device, new: int) -> tuple[list[list[int
     return toks, lps
 
 
-def treadle_greedy(path: Path, device: torch.device, new: int, repeat: bool = False, **kw: object) -> tuple[list[list[int]], list[list[float]]]:
+class Run(NamedTuple):
+    tokens: list[list[int]]
+    logprobs: list[list[float]]  # each chosen token's
+    preemptions: int
+
+
+def treadle_greedy(path: Path, device: torch.device, new: int, repeat: bool = False, **kw: object) -> Run:
     from treadle import LLM, SamplingParams
 
     args: dict[str, object] = dict(max_num_batched_tokens=32, block_size=16, num_kv_blocks=64)
@@ -230,20 +166,22 @@ def treadle_greedy(path: Path, device: torch.device, new: int, repeat: bool = Fa
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     if repeat:  # again on the same engine: every full prompt block now a prefix-cache hit
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    PREEMPTIONS.append(llm.engine.scheduler.num_preemptions)
     toks = [o.outputs[0].token_ids for o in outs]
     lps = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
-    del llm
-    return toks, lps
+    return Run(toks, lps, llm.engine.scheduler.num_preemptions)
+
+
+def max_dlogprob(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
 
 
 def family(arch: str, device: torch.device, work: Path, new: int) -> tuple[bool, str]:
     path = make_model(arch, work / arch)
     want, want_lp = hf_greedy(path, device, new)
-    got, got_lp = treadle_greedy(path, device, new)
-    eager, _ = treadle_greedy(path, device, new, enforce_eager=True)
+    got, got_lp, _ = treadle_greedy(path, device, new)
+    eager = treadle_greedy(path, device, new, enforce_eager=True).tokens
     same = sum(g == w for g, w in zip(got, want))
-    dlp = max(abs(a - b) for g, w in zip(got_lp, want_lp) for a, b in zip(g, w))
+    dlp = max_dlogprob(got_lp, want_lp)
     ok = same == len(PROMPTS) and eager == got and dlp < 1e-3
     return ok, (f"{same}/{len(PROMPTS)} greedy equal to transformers ({new} tokens), graphs == eager: {eager == got}, "
                 f"max|dlogprob| {dlp:.1e}")
@@ -259,7 +197,7 @@ def engine_paths(device: torch.device, work: Path, new: int) -> tuple[bool, str]
     blocks = {"llama": 8, "gemma3": 30}  # room for the longest request, not for all four at once
     for arch in ("llama", "gemma3"):
         path = work / arch if (work / arch).exists() else make_model(arch, work / arch)
-        want, _ = treadle_greedy(path, device, new)
+        want = treadle_greedy(path, device, new).tokens
         alone = []
         llm = LLM(str(path), device=str(device), dtype="float32", num_kv_blocks=64)
         for p in PROMPTS:
@@ -267,16 +205,17 @@ def engine_paths(device: torch.device, work: Path, new: int) -> tuple[bool, str]
                              use_tqdm=False)
             alone.append(o[0].outputs[0].token_ids)
         del llm
+        preempted = treadle_greedy(path, device, new, num_kv_blocks=blocks[arch], max_num_batched_tokens=64)
+        if preempted.preemptions == 0:
+            return False, f"{arch}: {blocks[arch]} KV blocks preempted nothing"
         cases = {
             "alone": alone,
-            "chunks of 8": treadle_greedy(path, device, new, max_num_batched_tokens=8)[0],
-            "preemption": treadle_greedy(path, device, new, num_kv_blocks=blocks[arch], max_num_batched_tokens=64)[0],
-            "prefix hits": treadle_greedy(path, device, new, repeat=True)[0],
+            "chunks of 8": treadle_greedy(path, device, new, max_num_batched_tokens=8).tokens,
+            "preemption": preempted.tokens,
+            "prefix hits": treadle_greedy(path, device, new, repeat=True).tokens,
             "ngram spec": treadle_greedy(path, device, new, speculative_config={
-                "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})[0],
+                "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}).tokens,
         }
-        if PREEMPTIONS[-3] == 0:
-            return False, f"{arch}: {blocks[arch]} KV blocks preempted nothing"
         bad = [name for name, got in cases.items() if got != want]
         if bad:
             return False, f"{arch}: tokens differ from the plain run under {', '.join(bad)}"
@@ -285,38 +224,17 @@ def engine_paths(device: torch.device, work: Path, new: int) -> tuple[bool, str]
 
 
 def server(device: torch.device, work: Path) -> tuple[bool, str]:
-    """`treadle serve` on the device, driven by the official openai client: a greedy chat answer
-    streamed equals the same answer whole, a bad request is a 400 with an OpenAI error body, and
-    the server keeps serving after it."""
-    import signal
-    import socket
-    import subprocess
-
-    import httpx
+    """`treadle serve` on the device (started, waited for and killed by the router tests' harness),
+    driven by the official openai client: a greedy chat answer streamed equals the same answer
+    whole, a bad request is a 400 with an OpenAI error body, and the server keeps serving after it."""
     import openai
+    from router_harness import Proc, free_port, running
 
     path = work / "llama" if (work / "llama").exists() else make_model("llama", work / "llama")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    log = open(work / "serve.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "treadle.entrypoints.cli", "serve", str(path), "--device", str(device),
-                             "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                return False, f"the server exited ({proc.returncode}): {(work / 'serve.log').read_text()[-300:]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                return False, "the server did not come up in 180 s"
-            time.sleep(0.5)
+    url = f"http://127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "treadle.entrypoints.cli", "serve", str(path), "--device", str(device),
+            "--port", url.rsplit(":", 1)[1]]
+    with running(Proc(url, argv, work / "serve.log")):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
         model = client.models.list().data[0].id
         msgs = [{"role": "user", "content": "Tell me about the sea."}]
@@ -329,17 +247,10 @@ def server(device: torch.device, work: Path) -> tuple[bool, str]:
         except openai.BadRequestError as exc:
             bad = exc.status_code == 400 and isinstance(exc.body, dict) and "message" in exc.body
         after = client.completions.create(model=model, prompt=[5, 9, 200, 17], max_tokens=8, temperature=0)
-        ok = streamed == whole.choices[0].message.content and bad and after.usage.completion_tokens == 8
-        return ok, (f"stream == whole: {streamed == whole.choices[0].message.content} "
-                    f"({whole.usage.completion_tokens} tokens), bad request -> 400 with an error body: {bad}, "
-                    f"served after it: {after.usage.completion_tokens == 8}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+    ok = streamed == whole.choices[0].message.content and bad and after.usage.completion_tokens == 8
+    return ok, (f"stream == whole: {streamed == whole.choices[0].message.content} "
+                f"({whole.usage.completion_tokens} tokens), bad request -> 400 with an error body: {bad}, "
+                f"served after it: {after.usage.completion_tokens == 8}")
 
 
 # 3. quantized checkpoints ----------------------------------------------------------------------------
@@ -347,24 +258,71 @@ def server(device: torch.device, work: Path) -> tuple[bool, str]:
 def quantized(kind: str, device: torch.device, work: Path, new: int) -> tuple[bool, str]:
     from quant_checkpoints import write_compressed_tensors, write_int4_checkpoint
 
+    # tol: per-step activation rounding (W8A8) and float16 group scales (GPTQ) move generated-token
+    # logprobs; the suite holds the prompt logprobs tighter (test_quant_checkpoints)
+    tol = 0.1
     if kind == "w8a8":  # transformers runs it through compressed-tensors (dynamic 8-bit activations too)
-        path = write_compressed_tensors(work / "ct", "w8a8")
-        oracle, tol = path, 0.1  # per-step activation rounding moves generated-token logprobs (the suite holds
-        # the prompt logprobs to 1e-3: test_quant_checkpoints)
+        path = oracle = write_compressed_tensors(work / "ct", "w8a8")
     else:
         path = write_int4_checkpoint(work / "gptq", work / "gptq-float", "gptq", 32, False, True)
-        oracle, tol = work / "gptq-float", 0.1
+        oracle = work / "gptq-float"
     want, want_lp = hf_greedy(oracle, device, new)
-    got, got_lp = treadle_greedy(path, device, new)
+    got, got_lp, _ = treadle_greedy(path, device, new)
     same = sum(g == w for g, w in zip(got, want))
-    dlp = max(abs(a - b) for g, w in zip(got_lp, want_lp) for a, b in zip(g, w) if g is not None)
+    dlp = max_dlogprob(got_lp, want_lp)
     return same == len(PROMPTS) and dlp < tol, (f"{same}/{len(PROMPTS)} greedy equal to transformers on the decoded "
                                                  f"weights, max|dlogprob| {dlp:.1e} (tol {tol})")
 
 
 # 4. throughput --------------------------------------------------------------------------------------
 
-def throughput(device: torch.device, work: Path, quick: bool, profile: bool = False) -> tuple[bool, str]:
+def rate(tokens: int, device: torch.device, fn: Callable[..., object], *args: object, **kw: object) -> float:
+    """Tokens per second of ``fn(*args, **kw)``, the device's queue drained before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn(*args, **kw)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return tokens / (time.perf_counter() - t)
+
+
+def transformers_rates(path: Path, device: torch.device, batches: tuple[int, ...], new: int) -> dict[int, float]:
+    """The baseline: transformers' own generate on the same device and weights (its default cache)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    out = {}
+    with torch.no_grad():
+        for b in batches:
+            ids = torch.tensor([[5 + i, 9, 200, 17] * 8 for i in range(b)], device=device)
+            hf.generate(ids[:1], max_new_tokens=4, **kw)  # warm
+            out[b] = rate(b * new, device, hf.generate, ids, max_new_tokens=new, min_new_tokens=new, **kw)
+    del hf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def profile(llm, prompts: list[dict], params, device: torch.device) -> None:  # noqa: ANN001
+    """Where a batch-1 step's time goes: cProfile of the host, and the GPU's own time per kernel."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(llm.generate, prompts, params, use_tqdm=False)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+            llm.generate(prompts, params, use_tqdm=False)
+        print(tp.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+
+
+def throughput(device: torch.device, work: Path, quick: bool, with_profile: bool = False) -> tuple[bool, str]:
     import transformers
     from tiny_models import write_byte_tokenizer
 
@@ -372,7 +330,7 @@ def throughput(device: torch.device, work: Path, quick: bool, profile: bool = Fa
 
     path = work / "tinyllama"
     path.mkdir()
-    vocab = write_byte_tokenizer(path)
+    assert write_byte_tokenizer(path) <= 32000
     shape = (dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2) if quick else
              dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -380,60 +338,22 @@ def throughput(device: torch.device, work: Path, quick: bool, profile: bool = Fa
     cfg = transformers.LlamaConfig(vocab_size=32000, max_position_embeddings=2048, bos_token_id=0, eos_token_id=1,
                                    **shape)
     with torch.device(device):
-        hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
-    hf.save_pretrained(path)
-    del hf
-    assert vocab <= 32000
-    out = []
-    batches = (1, 4) if quick else (1, 16, 64)
-    new = 8 if quick else 128
-    baseline = {}  # transformers' own generate on the same device and weights (its default cache)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
-    for b in batches:
-        ids = torch.tensor([[5 + i, 9, 200, 17] * 8 for i in range(b)], device=device)
-        kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-        with torch.no_grad():
-            hf.generate(ids[:1], max_new_tokens=4, **kw)  # warm
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-        baseline[b] = b * new / (time.perf_counter() - t)
-    del hf
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+        transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    batches, new = ((1, 4), 8) if quick else ((1, 16, 64), 128)
+    baseline = transformers_rates(path, device, batches, new)
+    rates: dict[bool, dict[int, float]] = {}  # enforce_eager -> batch -> tok/s
     for eager in (False, True):
         llm = LLM(str(path), device=str(device), dtype="bfloat16", enforce_eager=eager, max_num_seqs=max(batches))
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        rates[eager] = {}
         for b in batches:
             prompts = [{"prompt_token_ids": [5 + i, 9, 200, 17] * 8} for i in range(b)]
             llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            out.append((eager, b, b * new / (time.perf_counter() - t)))
-            if profile and b == 1 and not eager:  # where a graph-replayed batch-1 step's host time goes
-                import cProfile
-                import pstats
-
-                prof = cProfile.Profile()
-                prof.runcall(llm.generate, prompts, params, use_tqdm=False)
-                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-                if device.type == "cuda":  # the GPU's own time per kernel over the same run
-                    from torch.profiler import ProfilerActivity
-                    from torch.profiler import profile as torch_profile
-
-                    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
-                        llm.generate(prompts, params, use_tqdm=False)
-                    print(tp.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+            rates[eager][b] = rate(b * new, device, llm.generate, prompts, params, use_tqdm=False)
+            if with_profile and b == 1 and not eager:
+                profile(llm, prompts, params, device)
         del llm
-    graphs = {b: tps for e, b, tps in out if not e}
-    eagers = {b: tps for e, b, tps in out if e}
+    graphs, eagers = rates[False], rates[True]
     return True, "tok/s graphs / eager / transformers: " + ", ".join(
         f"b{b} {graphs[b]:.0f} / {eagers[b]:.0f} / {baseline[b]:.0f} ({graphs[b] / baseline[b]:.2f}x transformers)"
         for b in batches)
@@ -458,8 +378,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if "kernels" in want:
-            check("kernel: W8A8 quantize + matmul", lambda: w8a8_kernels(device))
-            check("kernel: W4A16 f32/f16/bf16", lambda: w4a16_kernels(device))
+            check("kernel: W8A8 / W4A16", lambda: quant_kernels(device))
             check("kernel: MoE grouped matmul", lambda: moe_kernel(device))
             check("kernel: norm / gated / rope", lambda: token_ops(device))
         if "families" in want:

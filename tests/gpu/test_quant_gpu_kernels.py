@@ -37,21 +37,25 @@ def test_kernels_follow_the_device() -> None:
     assert gpu.kernels_for(torch.device("cpu")) == "cpu"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_activation_quantization_equals_reference_bit_for_bit(dtype: torch.dtype) -> None:
+# The checks take a device: here the CPU (Triton's interpreter); benchmarks/gpu_engine_check.py runs
+# them on a GPU. The references always run on the CPU (torch has no int32 matmul on CUDA).
+
+def check_activation_quantization(dtype: torch.dtype, device: str = "cpu") -> None:
     x = (rand(9, 300, seed=1) * rand(9, 1, seed=2) * 4).to(dtype)
     x[1] = 0.0  # an all-zero token: FLT_EPSILON scale
     x[2, :8] = torch.tensor([127.5, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -127.5])  # scale 1: every tie
     x[2, 8:] = 0.25
     x[3, 5] = -x[3].abs().max() * 1.0  # quantizes to -128
-    xq, xs = gpu.w8a8_quantize(x)
+    xq, xs = (t.cpu() for t in gpu.w8a8_quantize(x.to(device)))
     want_q, want_s = quantize_per_token(x.float())
     assert torch.equal(xs, want_s) and torch.equal(xq, want_q)
     assert xq[2, :8].tolist() == [127, 0, 2, 2, 0, -2, 126, -128]  # half to even, clamped
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 64, 40), (3, 100, 70), (17, 130, 129), (70, 64, 65)])
-def test_w8a8_matmul_equals_reference_bit_for_bit(m: int, k: int, n: int) -> None:
+def check_w8a8_matmul(m: int, k: int, n: int, device: str = "cpu") -> None:
+    def on(*ts: torch.Tensor) -> list[torch.Tensor]:
+        return [t.to(device) for t in ts]
+
     gen = torch.Generator().manual_seed(m * 1000 + k)
     x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
     w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
@@ -59,10 +63,23 @@ def test_w8a8_matmul_equals_reference_bit_for_bit(m: int, k: int, n: int) -> Non
     x[0, 0] = -x[0].abs().max()  # -128 times -128
     scale = torch.rand(n, generator=gen) * 0.01
     bias = torch.randn(n, generator=gen)
-    assert torch.equal(gpu.w8a8_matmul(x, w, scale, bias), w8a8_reference(x, w, scale, bias))
-    assert torch.equal(gpu.w8a8_matmul(x, w, scale), w8a8_reference(x, w, scale))
+    assert torch.equal(gpu.w8a8_matmul(*on(x, w, scale, bias)).cpu(), w8a8_reference(x, w, scale, bias))
+    assert torch.equal(gpu.w8a8_matmul(*on(x, w, scale)).cpu(), w8a8_reference(x, w, scale))
     wide = torch.randn(m, 2 * k, generator=gen)[:, ::2]  # a strided activation view
-    assert torch.equal(gpu.w8a8_matmul(wide, w, scale), w8a8_reference(wide, w, scale))
+    assert torch.equal(gpu.w8a8_matmul(wide.to(device), *on(w, scale)).cpu(), w8a8_reference(wide, w, scale))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_quantization_equals_reference_bit_for_bit(dtype: torch.dtype) -> None:
+    check_activation_quantization(dtype)
+
+
+W8A8_SHAPES = [(1, 64, 40), (3, 100, 70), (17, 130, 129), (70, 64, 65)]
+
+
+@pytest.mark.parametrize("m,k,n", W8A8_SHAPES)
+def test_w8a8_matmul_equals_reference_bit_for_bit(m: int, k: int, n: int) -> None:
+    check_w8a8_matmul(m, k, n)
 
 
 def _int4(rows: int, k: int, group: torch.Tensor, seed: int) -> Int4Weight:
@@ -86,9 +103,7 @@ LAYOUTS = {  # the group of each of K inputs in each of two shards, as each form
 GROUP_SIZES = {"g32": 32, "g64": 64, "g128": 128, "channel": 256, "act-order": 0, "act-order-per-shard": 0}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("m", [1, 5, 40])
-def test_w4a16_layer_matches_the_decoded_weight(layout: str, m: int) -> None:
+def check_w4a16_layer(layout: str, m: int, device: str = "cpu") -> None:
     """A fused layer of two shards installed on the Triton runtime, against x @ w.T + b."""
     k = 256
     groups = LAYOUTS[layout](k)
@@ -100,22 +115,34 @@ def test_w4a16_layer_matches_the_decoded_weight(layout: str, m: int) -> None:
     assert layer.method.group_size == GROUP_SIZES[layout]
     weight = torch.cat([p.dequantize() for p in parts])
     x = rand(m, k, seed=4)
-    torch.testing.assert_close(layer(x), F.linear(x, weight, layer.bias), rtol=1e-5, atol=1e-4)
+    want = F.linear(x, weight, layer.bias)
+    torch.testing.assert_close(layer.to(device)(x.to(device)).cpu(), want, rtol=1e-5, atol=1e-4)
+
+
+def check_w4a16_16_bit(dtype: torch.dtype, device: str = "cpu") -> None:
+    """The weight rounded to the activations' dtype, float32 sums."""
+    k = 128
+    parts = [_int4(64, k, LAYOUTS["g32"](k)[0], seed=6)]
+    layer = Linear(k, [64], bias=False, dtype=dtype, method=W8A8Method())
+    install(layer, parts, "triton", dtype)
+    x = rand(3, k, seed=7).to(dtype)
+    y = layer.to(device)(x.to(device)).cpu()
+    assert y.dtype == dtype
+    want = F.linear(x.float(), parts[0].dequantize().to(dtype).float())
+    torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_w4a16_layer_matches_the_decoded_weight(layout: str, m: int) -> None:
+    check_w4a16_layer(layout, m)
 
 
 def test_w4a16_in_16_bit_activations() -> None:
-    """float16 (the weight rounded to the activations' dtype, float32 sums). bfloat16 takes
-    the same code; it is compiled for sm_90 but not run here: the interpreter's tl.dot on
-    bfloat16 tiles returns garbage (an interpreter bug, seen with a plain 16x16 dot)."""
-    k = 128
-    parts = [_int4(64, k, LAYOUTS["g32"](k)[0], seed=6)]
-    layer = Linear(k, [64], bias=False, dtype=torch.float16, method=W8A8Method())
-    install(layer, parts, "triton", torch.float16)
-    x = rand(3, k, seed=7).to(torch.float16)
-    y = layer(x)
-    assert y.dtype == torch.float16
-    want = F.linear(x.float(), parts[0].dequantize().to(torch.float16).float())
-    torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2)
+    """float16. bfloat16 takes the same code; it is compiled for sm_90 but not run here: the
+    interpreter's tl.dot on bfloat16 tiles returns garbage (an interpreter bug, seen with a plain
+    16x16 dot); the GPU check runs it."""
+    check_w4a16_16_bit(torch.float16)
 
 
 def load_on_triton(path: Path) -> LoadedModel:

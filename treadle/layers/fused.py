@@ -11,13 +11,12 @@ them on.
 """
 from __future__ import annotations
 
+from functools import cache
 from types import ModuleType
 
 import torch
 
 from treadle import envs
-
-_TRITON_OPS: list[ModuleType | None] = []  # imported on the first CUDA tensor; [None]: no triton
 
 
 def fused_ops_enabled() -> bool:
@@ -28,13 +27,13 @@ def fused_ops_enabled() -> bool:
 def triton_ops(t: torch.Tensor) -> ModuleType | None:
     """``treadle.layers.triton_ops`` when ``t`` is a CUDA tensor with unit-stride rows and triton
     imports; else None (the caller's torch path). The CPU never imports triton."""
-    if not t.is_cuda or t.stride(-1) != 1:
+    return _load_triton_ops() if t.is_cuda and t.stride(-1) == 1 else None
+
+
+@cache
+def _load_triton_ops() -> ModuleType | None:
+    try:
+        from treadle.layers import triton_ops
+    except ImportError:
         return None
-    if not _TRITON_OPS:
-        module: ModuleType | None
-        try:
-            from treadle.layers import triton_ops as module
-        except ImportError:
-            module = None
-        _TRITON_OPS.append(module)
-    return _TRITON_OPS[0]
+    return triton_ops

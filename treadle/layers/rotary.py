@@ -4,6 +4,7 @@ does (float32 outer product of positions and inverse frequencies)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -100,6 +101,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat((freqs.cos(), freqs.sin()), -1), persistent=False)
         self.fused = fused_ops_enabled() if fused is None else fused
 
+    def _one_call(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> Callable[..., None] | None:
+        """The in-place RoPE of one call for these tensors: the C kernel (float32 on the CPU), the
+        Triton one (CUDA), or None (torch's calls below)."""
+        if not self.fused or positions.dtype != torch.int64:
+            return None
+        if ops.usable(q, k, self.cos_sin):
+            return ops.rope_
+        gpu = triton_ops(q)
+        return gpu.rope_ if gpu is not None and k.stride(-1) == 1 else None
+
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens]
@@ -107,19 +118,13 @@ class RotaryEmbedding(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated (q, k). With fused ops on, q and k are rotated in place and returned."""
-        if self.fused and ops.usable(q, k, self.cos_sin) and positions.dtype == torch.int64:
+        one_call = self._one_call(q, k, positions)
+        if one_call is not None:
             qk = joint_view(q, k)
             parts = (q, k) if qk is None else (qk,)
             if all(x.stride(1) == x.shape[-1] for x in parts):  # heads contiguous in each row
                 for x in parts:
-                    ops.rope_(x, self.cos_sin, positions.contiguous())
-                return q, k
-        gpu = triton_ops(q) if self.fused and positions.dtype == torch.int64 else None
-        if gpu is not None and k.stride(-1) == 1:
-            parts = (q, k) if (qk := joint_view(q, k)) is None else (qk,)
-            if all(x.stride(1) == x.shape[-1] for x in parts):
-                for x in parts:
-                    gpu.rope_(x, self.cos_sin, positions.contiguous())
+                    one_call(x, self.cos_sin, positions.contiguous())
                 return q, k
         half = q.shape[-1] // 2
         cs = self.cos_sin.index_select(0, positions).to(q.dtype).unsqueeze(1)  # [T, 1, head_dim]

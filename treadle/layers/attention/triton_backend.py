@@ -18,6 +18,7 @@ quantizer first, so every key is read as the cache holds it (as the reference do
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from types import ModuleType
 
 import torch
@@ -75,6 +76,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, multiprocessors: int) -> int
     return min(32, max(8, 1 << max(0, want.bit_length() - 1)))
 
 
+@cache
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 128  # Triton's interpreter: any grid runs; this gives the GPU's mid-sized splits
@@ -99,12 +101,6 @@ class TritonBackend(AttentionBackend):
             raise TreadleError("num_kv_splits must be at least 1")
         self.tiles = tiles
         self._k = load_kernels()
-        self._sm_count: dict[torch.device, int] = {}
-
-    def _sms(self, device: torch.device) -> int:
-        if device not in self._sm_count:
-            self._sm_count[device] = _multiprocessors(device)
-        return self._sm_count[device]
 
     def _tiles(self, dtype: torch.dtype) -> TritonTiles:
         return self.tiles or TritonTiles.default_for(dtype)
@@ -165,7 +161,7 @@ class TritonBackend(AttentionBackend):
                 meta: AttentionMetadata, spec: AttentionSpec) -> None:
         tiles = self._tiles(q.dtype)
         num_seqs = meta.seq_lens_tensor.shape[0]
-        splits = tiles.num_kv_splits or decode_splits(num_seqs, spec.num_kv_heads, self._sms(q.device))
+        splits = tiles.num_kv_splits or decode_splits(num_seqs, spec.num_kv_heads, _multiprocessors(q.device))
         group = spec.num_heads // spec.num_kv_heads
         block_d = _pow2(spec.head_dim, 16)
         # partial numerators [S, H, splits, D] and (max, denominator) pairs [S, H, splits, 2]
