@@ -1,5 +1,5 @@
-"""The C decode kernel alone (write + attention of one layer) over a float32, an int8 and an fp8
-(e4m3) KV cache, side by side: SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64,
+"""The C decode kernel alone (write + attention of one layer) over a float32, a bfloat16, an int8 and
+an fp8 (e4m3) KV cache, side by side: SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64,
 block 16) on random caches, several caches per timed pass (>= 96 MB, more than the L3) as a
 step's 30 layers are; "x30" is a whole step's attention. Medians, ratios to float32.
 
@@ -33,7 +33,7 @@ def cases(batch: int, context: int) -> list[Case]:
     shape = (len(perm), BS, HKV, D)
     copies = max(1, min(16, -(-(96 << 20) // (2 * 4 * torch.Size(shape).numel()))))
     floats = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(copies)]
-    caches = {"float32": floats}
+    caches = {"float32": floats, "bfloat16": [(k.bfloat16(), v.bfloat16()) for k, v in floats]}
     for name, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
         caches[name] = [(quantize(k, dtype), quantize(v, dtype)) for k, v in floats]
     qkv = torch.randn(batch, (H + 2 * HKV) * D, generator=g)

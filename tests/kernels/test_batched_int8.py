@@ -2,8 +2,10 @@
 once per call and reused by every activation row). Its contract is q8act.c's: exact integer block
 sums and one fixed float order, so every variant equals the plain-C reference bit for bit at every
 batch (packed Q4 up to 16 rows on the AVX-512 builds: strip_direct's tiles of 8 rows straight from
-the packed bytes, 2 and 7 its ragged tiles; Q8_0 up to 8 rows: q8batch.c's zmm direct strips
-(the AVX2 builds: q8act.c's direct path up to 3 rows), above: the vpdpbusd panel; 64 and up on the amx build: AMX tiles; Q4_K / Q6_K
+the packed bytes, 2 and 7 its ragged tiles; Q8_0 as a load packs it: q8batch.c's zmm direct strips at
+every batch (the AVX2 builds: q8act.c's direct path up to 4 rows, then the panel); Q8_0 as the file
+has it (a segment of rows that is no whole group): up to 8 rows the zmm direct strips (the AVX2
+builds: up to 3 rows), above: the vpdpbusd panel; 64 and up on the amx build: AMX tiles; Q4_K / Q6_K
 packed as a load packs them, at 1 row q8act.c's registers (the AVX2 builds: 1-4 rows; Q5_K: the panel), above: the vpdpbusd strips, and on the amx build from its thresholds AMX tiles (q8amx.c:
 Q4_K / Q5_K int8, Q6_K bfloat16); ragged last tiles, a lone last group of 8 weight rows, N % 8
 leftover rows), and a row's result does not depend on the rows beside it."""
@@ -34,16 +36,16 @@ def inputs(qtype: str, k: int) -> int:
     return 768 if qtype.endswith("_K") and k % 256 else k
 
 
-def weights(qtype: str, n: int, k: int, seed: int,
-            edit: Callable[[torch.Tensor], None] | None = None) -> tuple[tuple[tuple[str, int], ...], torch.Tensor]:
-    """Random ``qtype`` rows as the engine holds them: Q4_0 / Q4_1 / Q4_K / Q6_K whole groups of 8
-    packed (as with 8-bit activations), the rows past them a segment of their own; ``edit`` changes
-    the file layout's bytes before they are packed."""
+def weights(qtype: str, n: int, k: int, seed: int, edit: Callable[[torch.Tensor], None] | None = None,
+            pack: bool = True) -> tuple[tuple[tuple[str, int], ...], torch.Tensor]:
+    """Random ``qtype`` rows as the engine holds them: Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K whole groups
+    of 8 packed (as with 8-bit activations; ``pack=False``: as the file has them), the rows past
+    them a segment of their own; ``edit`` changes the file layout's bytes before they are packed."""
     w = random_blocks(qtype, n, k, seed=seed).data.reshape(-1).clone()
     if edit is not None:
         edit(w)
     whole = n // 8 * 8
-    if qtype not in native.PACKED.values():
+    if qtype not in native.PACKED.values() or not pack:
         return ((qtype, n),), w
     packed = native.pack_rows(qtype, w[: whole * w.numel() // n], whole, k)
     return ((packed, whole), *(((qtype, n - whole),) if n > whole else ())), w
@@ -80,13 +82,17 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(variant: str, qtype
 
 
 @VARIANTS
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "file-rows"])
 @pytest.mark.parametrize(("k", "n"), ((576, 40), (1536, 24), (576, 27 * 8 + 5)))
-def test_q8_0_every_batch_from_1_to_17_equals_the_plain_reference_bitwise(variant: str, k: int, n: int) -> None:
-    """Q8_0 (the lm_head) at every batch 1..17: on the AVX-512 builds 1..8 rows take the direct zmm
-    strips (tiles of 1..8 rows), 9..17 the panel (tiles of 8 and a ragged one); on the AVX2 builds
-    1..3 the 256-bit direct path, then the panel. Strips, a lone last group and N % 8 rows alone."""
+def test_q8_0_every_batch_from_1_to_17_equals_the_plain_reference_bitwise(variant: str, k: int, n: int,
+                                                                         pack: bool) -> None:
+    """Q8_0 (the lm_head) at every batch 1..17. Packed (as a load packs it): on the AVX-512 builds
+    the direct zmm strips at every batch (tiles of 1..8 rows), on the AVX2 builds 1..4 rows the
+    256-bit direct path, then the panel. As the file has it: on the AVX-512 builds 1..8 rows take the
+    direct zmm strips, 9..17 the panel (tiles of 8 and a ragged one); on the AVX2 builds 1..3 the
+    256-bit direct path, then the panel. Strips, a lone last group and N % 8 rows alone."""
     runnable(variant)
-    seg, w = weights("Q8_0", n, k, seed=131)
+    seg, w = weights("Q8_0", n, k, seed=131, pack=pack)
     bias = rand(n, seed=132)
     for m in range(1, 18):
         x = rand(m, k, seed=133 + m)
@@ -97,15 +103,19 @@ def test_q8_0_every_batch_from_1_to_17_equals_the_plain_reference_bitwise(varian
             assert torch.equal(y, alone), f"batch {m}"
 
 
-@VARIANTS
-def test_q8_0_extreme_bytes_stay_exact_at_every_direct_batch(variant: str) -> None:
-    """Q8_0 bytes -128 / 127 against activations at +-127 at batches 1..9: the +128 offset
-    (bytes + 128 up to 255, minus 128 x the block sum) stays exact in the direct strips' int32 lanes."""
-    runnable(variant)
-    seg, w = weights("Q8_0", 40, 576, seed=141)
+def _extreme_q8_0_bytes(w: torch.Tensor) -> None:
     blocks = w.view(torch.uint8).view(-1, 34)
     blocks[:, 2:18] = 0x80  # -128
     blocks[:, 18:] = 0x7F
+
+
+@VARIANTS
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "file-rows"])
+def test_q8_0_extreme_bytes_stay_exact_at_every_direct_batch(variant: str, pack: bool) -> None:
+    """Q8_0 bytes -128 / 127 against activations at +-127 at batches 1..9: the +128 offset
+    (bytes + 128 up to 255, minus 128 x the block sum) stays exact in the direct strips' int32 lanes."""
+    runnable(variant)
+    seg, w = weights("Q8_0", 40, 576, seed=141, edit=_extreme_q8_0_bytes, pack=pack)
     for m in range(1, 10):
         x = torch.ones(m, 576) * torch.where(torch.arange(576) % 3 == 0, -1.0, 1.0)
         x[m // 2] *= -1.0

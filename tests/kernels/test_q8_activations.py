@@ -110,7 +110,7 @@ def test_bad_activation_bits_is_one_clear_error(monkeypatch: pytest.MonkeyPatch)
 
 
 @VARIANTS
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_packed_rows_give_the_file_layouts_bits(variant: str, qtype: str) -> None:
     """``native.pack_rows`` (8 rows at a time, in place): the same bits as the file's layout
     for batches on both packed paths (registers up to 4 rows, the panel beyond), in every build;
@@ -134,9 +134,8 @@ def test_packed_rows_give_the_file_layouts_bits(variant: str, qtype: str) -> Non
 
 
 def test_loading_with_8_bit_activations_packs_whole_groups(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Shards Q4_1 (16 rows), Q8_0 (8), Q4_0 (5): only the Q4_1 segment is packed (Q8_0 is not a
-    packed type, 5 rows are no whole group); the layer's output is unchanged, and a second
-    call changes nothing."""
+    """Shards Q4_1 (16 rows), Q8_0 (8), Q4_0 (5): the Q4_1 and Q8_0 segments are packed (5 rows
+    are no whole group); the layer's output is unchanged, and a second call changes nothing."""
     monkeypatch.setenv("TREADLE_ACTIVATION_BITS", "8")
     shards = [random_blocks(t, n, K, seed=70 + n) for t, n in (("Q4_1", 16), ("Q8_0", 8), ("Q4_0", 5))]
     layer = Linear(K, [16, 8, 5], False, torch.float32, GGUFBlockMethod([b.qtype for b in shards]))
@@ -146,5 +145,5 @@ def test_loading_with_8_bit_activations_packs_whole_groups(monkeypatch: pytest.M
     before = layer(x)
     for _ in range(2):
         layer.method.process_weights_after_loading(layer)
-        assert layer.method.segments == (("Q4_1x8", 16), ("Q8_0", 8), ("Q4_0", 5))
+        assert layer.method.segments == (("Q4_1x8", 16), ("Q8_0x8", 8), ("Q4_0", 5))
         assert torch.equal(layer(x), before)

@@ -6,7 +6,8 @@ tests/kernels/test_kernel_variants.py, test_q8_activations.py and test_bf16_matm
     w8a8 int8 x int8         bit-exact (exact int32 sums, the same float scaling)
     Q8_0 / Q4_1 / Q4_K /     bit-exact (exact int32 sums per block, the same float order), packed
     Q6_K, 8-bit acts         Q4_1 rows at 64 activation rows too (the batched int8 path), packed
-                             Q4_K / Q6_K rows at 1 (q8act.c's registers)
+                             Q8_0 rows at 16 (a batch's lm_head), packed Q4_K / Q6_K rows at 1
+                             (q8act.c's registers)
     Q4_1 / Q6_K, 16-bit acts float32 sums of exact block products in another order: |err| <= 1e-5 max|y|
     bfloat16 weights         bit-exact (the same FMAs in the same order), except a variant that rounds
                              activations to bfloat16 (``native.rounds_activations_to_bf16``):
@@ -113,7 +114,7 @@ def run(variant: str) -> list[Check]:
     """Every check of ``variant`` (one this CPU runs) against the plain-C build."""
     return [_w8a8(variant), _blocks_check(variant, "Q8_0", 8), _blocks_check(variant, "Q4_1", 8),
             _blocks_check(variant, "Q4_K", 8), _blocks_check(variant, "Q6_K", 8), _packed(variant, "Q4_1", 64),
-            _packed(variant, "Q4_K", 1), _packed(variant, "Q6_K", 1),
+            _packed(variant, "Q8_0", 16), _packed(variant, "Q4_K", 1), _packed(variant, "Q6_K", 1),
             _blocks_check(variant, "Q4_1", 16), _blocks_check(variant, "Q6_K", 16), _bf16(variant)]
 
 

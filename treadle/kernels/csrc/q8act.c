@@ -44,8 +44,9 @@
  *
  * and y = acc (+ bias). The plain-C build (TQ_PLAIN_C) computes exactly these operations, and
  * rows of N past the last whole group (N % 8) take a plain-C loop in the SIMD builds too, so every
- * output has one value whatever the build, tile, thread or batch. Up to 3 activation rows, Q8_0
- * (the lm_head) skips the panel in the AVX2 / AVX-VNNI builds (the AVX-512 builds take q8batch.c's
+ * output has one value whatever the build, tile, thread or batch. Up to 3 activation rows, the file's Q8_0
+ * rows skip the panel in the AVX2 / AVX-VNNI builds (packed Q8_0, as a load with 8-bit activations
+ * leaves the lm_head: up to 4 rows, packed_q8_0_direct) (the AVX-512 builds take q8batch.c's
  * zmm q8_0_strip_direct up to 8 rows, the same integers and float order): q8_0_direct takes each row's block dot along k and reduces 8 rows'
  * partial sums to the same exact integers (1.25x the panel at 1 row, 1.13x at 2 and 3; at 4 its
  * sums spill). The VNNI builds take each step's 4-byte dot
@@ -66,7 +67,8 @@
 #include "qblocks.h"
 
 int tq_q8_type(int t) {
-    return t == TQ_Q4_0 || t == TQ_Q4_1 || t == TQ_Q5_0 || t == TQ_Q5_1 || t == TQ_Q8_0 || q8_kquant(t) || packed_type(t);
+    return t == TQ_Q4_0 || t == TQ_Q4_1 || t == TQ_Q5_0 || t == TQ_Q5_1 || t == TQ_Q8_0 || q8_kquant(t) || packed_type(t) ||
+           packed_q8_0(t);
 }
 
 tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
@@ -154,7 +156,15 @@ static inline float block_min(int t, const uint8_t *u) {
  *   d of rows 0..7 (8 halves) | m of rows 0..7 (8 halves, Q4_1 only) | nib[4][32]
  *   nib[s] dword j = row j's nibble bytes 4s .. 4s+3 (low nibbles: k = 4s..; high: k = 16 + 4s..)
  *
- * Same bytes per row as the file; a weight's rows are packed only when they fill whole groups. */
+ * Same bytes per row as the file; a weight's rows are packed only when they fill whole groups.
+ *
+ * Packed Q8_0 (TQ_PACKED + Q8_0): a group's block b is likewise one run of 8 * 34 bytes,
+ *
+ *   d of rows 0..7 (8 halves) | q[8][32]: q[s] dword j = row j's signed bytes 4s .. 4s+3
+ *
+ * which is the panel's step order (gblock.q) as it is: the unpacking is a copy, and up to MRG
+ * activation rows read the steps straight from the weight (packed_q8_0_direct); q8batch.c's zmm
+ * strips read two groups' steps as the two halves of a register, with no transposes at any batch. */
 static inline int scale_bytes(int t) { return base_type(t) == TQ_Q4_1 ? 4 * GR : 2 * GR; }
 
 /* Packed Q4_K / Q6_K (TQ_PACKED + t): a group's super-block su is one run of 8 * unit_bytes at
@@ -203,6 +213,10 @@ void tq_q8_pack(int t, uint8_t *w, int64_t N, int64_t K) {
                 const uint8_t *u = copy + j * rbytes + b * ub;
                 uint8_t *p = rows + b * GR * ub;
                 memcpy(p + 2 * j, u, 2);
+                if (t == TQ_Q8_0) {
+                    for (int s = 0; s < 8; s++) memcpy(p + sb + 32 * s + 4 * j, u + 2 + 4 * s, 4);
+                    continue;
+                }
                 if (t == TQ_Q4_1) memcpy(p + 2 * GR + 2 * j, u + 2, 2);
                 for (int s = 0; s < 4; s++) memcpy(p + sb + 32 * s + 4 * j, nibbles(t, u) + 4 * s, 4);
             }
@@ -223,6 +237,10 @@ void tq_q8_unpack_row(int pt, const uint8_t *w, int64_t n, int64_t K, uint8_t *o
         const uint8_t *p = rows + b * GR * ub;
         uint8_t *u = out + b * ub;
         memcpy(u, p + 2 * j, 2);
+        if (t == TQ_Q8_0) {
+            for (int s = 0; s < 8; s++) memcpy(u + 2 + 4 * s, p + sb + 32 * s + 4 * j, 4);
+            continue;
+        }
         if (t == TQ_Q4_1) memcpy(u + 2, p + 2 * GR + 2 * j, 2);
         for (int s = 0; s < 4; s++) memcpy((uint8_t *)nibbles(t, u) + 4 * s, p + sb + 32 * s + 4 * j, 4);
     }
@@ -518,6 +536,10 @@ static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gb
                 step[s] = _mm256_and_si256(v, mask);
                 step[s + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
             }
+        } else if (packed_q8_0(t)) { /* the steps as they are stored */
+            const uint8_t *p = w + b * GR * ub;
+            _mm256_store_ps(g->d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)));
+            for (int s = 0; s < GR; s++) step[s] = _mm256_loadu_si256((const __m256i *)(p + 2 * GR + 32 * s));
         } else if (t == TQ_Q8_0) { /* signed q, no minimum: the rows' 8 dwords transposed, d per row */
             __m256i r[GR];
             for (int j = 0; j < GR; j++) r[j] = _mm256_loadu_si256((const __m256i *)(w + j * rbytes + b * ub + 2));
@@ -565,6 +587,12 @@ static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gb
         }
         for (int s = 0; s < GR; s++) _mm256_store_si256((__m256i *)(g->q + 32 * s), step[s]);
 #else
+        if (packed_q8_0(t)) {
+            const uint8_t *p = w + b * GR * ub;
+            memcpy(g->q, p + 2 * GR, sizeof g->q);
+            for (int j = 0; j < GR; j++) g->d[j] = half_to_float(p + 2 * j), g->m[j] = 0.0f;
+            continue;
+        }
         if (packed_type(t)) {
             const uint8_t *p = w + b * GR * ub, *nib = p + scale_bytes(t);
             for (int j = 0; j < GR; j++) {
@@ -771,6 +799,41 @@ static inline __attribute__((always_inline)) void q8_0_direct(const uint8_t *w, 
     }
 }
 
+/* Packed Q8_0, NX (<= MRG) activation rows: a group's steps straight from the packed block into
+ * registers, no panel: group_tile's Q8_0 integers and float operations, so the same bits. */
+static inline __attribute__((always_inline)) void packed_q8_0_direct(const uint8_t *w, int64_t nb, tq_q8acts x,
+                                                                     int64_t K, const int NX, const float *bias,
+                                                                     float *out, int64_t ostride) {
+    const int ub = unit_bytes(TQ_Q8_0);
+    const uint8_t *next = w + GR * nb * ub;
+    __m256 acc[MRG];
+    for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * GR * ub;
+        for (int off = 0; off < GR * ub; off += 64) __builtin_prefetch(next + b * GR * ub + off);
+        __m256i p32[MRG];
+        for (int i = 0; i < NX; i++) p32[i] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 2 * GR + 32 * s)), aq = _mm256_sign_epi8(q, q);
+            for (int i = 0; i < NX; i++) {
+                int32_t v;
+                memcpy(&v, x.q + i * K + b * QK + 4 * s, 4);
+                p32[i] = step32(p32[i], aq, _mm256_sign_epi8(_mm256_set1_epi32(v), q));
+                __asm__("" : "+x"(p32[i]));
+            }
+        }
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        for (int i = 0; i < NX; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32[i]), _mm256_mul_ps(dv, _mm256_broadcast_ss(x.d + i * nb + b)),
+                                     acc[i]);
+    }
+    for (int i = 0; i < NX; i++) {
+        __m256 o = acc[i];
+        if (bias) o = _mm256_add_ps(o, _mm256_loadu_ps(bias));
+        _mm256_storeu_ps(out + i * ostride, o);
+    }
+}
+
 /* Packed Q4_0 / Q4_1, NX (<= MRG) activation rows: a group's steps straight from the packed block
  * into registers, no panel; the same integers and float operations as group_tile, so the same bits. */
 static inline __attribute__((always_inline)) void packed_direct(const int t, const uint8_t *w, int64_t nb,
@@ -929,7 +992,14 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
             const uint8_t *wg = w + (g + h) * GR * rbytes;
             const float *bh = bn ? bn + GR * h : NULL;
             float *yh = y + (g + h) * GR;
-            if (t == TQ_Q8_0) {
+            if (packed_q8_0(t)) {
+                switch (M) {
+                    case 1: packed_q8_0_direct(wg, nb, x, K, 1, bh, yh, ldy); break;
+                    case 2: packed_q8_0_direct(wg, nb, x, K, 2, bh, yh, ldy); break;
+                    case 3: packed_q8_0_direct(wg, nb, x, K, 3, bh, yh, ldy); break;
+                    default: packed_q8_0_direct(wg, nb, x, K, MRG, bh, yh, ldy); break;
+                }
+            } else if (t == TQ_Q8_0) {
                 switch (M) {
                     case 1: q8_0_direct(wg, rbytes, nb, x, K, 1, bh, yh, ldy); break;
                     case 2: q8_0_direct(wg, rbytes, nb, x, K, 2, bh, yh, ldy); break;
@@ -1002,6 +1072,7 @@ static void group_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t l
                 case TQ_Q6_K: group_work(TQ_Q6_K, w, x, y, ldy, bias, M, K, g, pair, panel); break;
                 case TQ_PACKED + TQ_Q4_K: group_work(TQ_PACKED + TQ_Q4_K, w, x, y, ldy, bias, M, K, g, pair, panel); break;
                 case TQ_PACKED + TQ_Q6_K: group_work(TQ_PACKED + TQ_Q6_K, w, x, y, ldy, bias, M, K, g, pair, panel); break;
+                case TQ_PACKED + TQ_Q8_0: group_work(TQ_PACKED + TQ_Q8_0, w, x, y, ldy, bias, M, K, g, pair, panel); break;
                 default: group_work(TQ_Q8_0, w, x, y, ldy, bias, M, K, g, pair, panel); break;
             }
         }

@@ -1,9 +1,10 @@
 /* The batched 8-bit activation path on AMX (the amx build) times a batch of activation rows, one
  * tile multiply (two for Q6_K) per block of 32 inputs: Q4_K / Q5_K from AMX_MIN_K activation rows,
- * packed Q4_0 / Q4_1 and Q8_0 from AMX_MIN_PACKED, Q6_K from AMX_MIN_Q6K (strip_amx_rows:
+ * packed Q4_0 / Q4_1 and (unpacked) Q8_0 from AMX_MIN_PACKED, Q6_K from AMX_MIN_Q6K (strip_amx_rows:
  * activations as A, q8strip.h's panels as B, Q6_K in bfloat16). q8batch.c calls it first and
  * falls back to its own vpdpbusd tiles where it returns 0 (another build, the kernel refusing AMX
- * to this process, a type it does not take, fewer rows). Linux lends AMX state to a process only
+ * to this process, a type it does not take -- packed Q8_0 rows go to q8batch.c's direct strips, which
+ * need no panel --, fewer rows). Linux lends AMX state to a process only
  * after arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once here; a refusal leaves
  * the vpdpbusd path.
  */

@@ -46,12 +46,13 @@
 enum { TQ_Q4_0 = 2, TQ_Q4_1 = 3, TQ_Q5_0 = 6, TQ_Q5_1 = 7, TQ_Q8_0 = 8,
        TQ_Q2_K = 10, TQ_Q3_K = 11, TQ_Q4_K = 12, TQ_Q5_K = 13, TQ_Q6_K = 14 };
 #define QK 32
-/* TQ_PACKED + Q4_0 / Q4_1 (packed_type) and + Q4_K / Q6_K (packed_k): the same blocks repacked
+/* TQ_PACKED + Q4_0 / Q4_1 (packed_type), + Q4_K / Q6_K (packed_k) and + Q8_0: the same blocks repacked
  * 8 rows at a time for q8act.c (its tq_q8_pack documents the layouts); same bytes per row */
 #define TQ_PACKED 100
 TQ_INLINE int packed_type(int t) { return t == TQ_PACKED + TQ_Q4_0 || t == TQ_PACKED + TQ_Q4_1; }
 TQ_INLINE int packed_k(int t) { return t == TQ_PACKED + TQ_Q4_K || t == TQ_PACKED + TQ_Q6_K; }
-TQ_INLINE int is_packed(int t) { return packed_type(t) || packed_k(t); }
+TQ_INLINE int packed_q8_0(int t) { return t == TQ_PACKED + TQ_Q8_0; }
+TQ_INLINE int is_packed(int t) { return packed_type(t) || packed_k(t) || packed_q8_0(t); }
 TQ_INLINE int base_type(int t) { return is_packed(t) ? t - TQ_PACKED : t; }
 
 TQ_INLINE int is_k_quant(int t) { return base_type(t) >= TQ_Q2_K && base_type(t) <= TQ_Q6_K; }
