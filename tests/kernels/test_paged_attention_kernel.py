@@ -148,6 +148,29 @@ def test_bfloat16_cache_of_a_float32_model_gives_the_float32_cache_bits(
 
 
 @VARIANTS
+def test_bfloat16_cache_rows_are_written_as_torch_rounds_them_ties_included(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new rows of a bfloat16 cache, written 8 values at a time where the build has SIMD: values
+    exactly halfway between two bfloat16 numbers (odd and even last bits: ties go to even), near
+    ties, signs, tiny and large magnitudes; rows of 3 x 12 values (a tail after the 8-wide loop)."""
+    force(monkeypatch, variant)
+    q, k, v, k_cache, v_cache, meta = decode_case([5, 17, 40], 6, 3, head_dim=12, seed=13)
+    g = torch.Generator().manual_seed(14)
+    base = torch.randn(2, 3, 3, 12, generator=g).bfloat16().float()
+    ulp = base.abs().view(torch.int32).bitwise_and(0x7F800000).view(torch.float32) * 2.0**-7
+    step = torch.tensor([0.5, -0.5, 0.5 + 2**-10, 0.5 - 2**-10, 0.25, 0.0], dtype=torch.float32)
+    values = base + ulp * step[torch.arange(base.numel()) % len(step)].view_as(base)
+    values[0, 0, 0, :3] = torch.tensor([1e-30, -3e38, 65504.0])
+    k, v = values[0].contiguous(), values[1].contiguous()
+    kc16, vc16 = k_cache.bfloat16(), v_cache.bfloat16()
+    assert paged_decode(q, k, v, kc16, vc16, *kernel_args(meta), 12**-0.5) is not None
+    slots = meta.slot_mapping.view(-1)
+    assert torch.equal(kc16.view(-1, 3, 12)[slots], k.bfloat16())
+    assert torch.equal(vc16.view(-1, 3, 12)[slots], v.bfloat16())
+
+
+@VARIANTS
 @pytest.mark.parametrize("window", [None, 48], ids=["full", "window48"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn],
                          ids=["f32", "bf16", "int8", "fp8"])

@@ -580,6 +580,23 @@ static inline uint16_t bf16_encode(float x) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* n floats -> n bfloat16 (bf16_encode's bits: the same integer steps, 8 lanes at a time) */
+static void bf16_encode_row(const float *x, uint16_t *out, int64_t n) {
+    int64_t e = 0;
+#ifdef TQ_AVX2
+    const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+    for (; e + 8 <= n; e += 8) {
+        const __m256i u = _mm256_loadu_si256((const __m256i *)(x + e));
+        const __m256i r = _mm256_srli_epi32(
+            _mm256_add_epi32(_mm256_add_epi32(u, bias), _mm256_and_si256(_mm256_srli_epi32(u, 16), one)), 16);
+        /* r < 2^16 in every lane: pack unsigned without saturation, then the 64-bit halves in order */
+        const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+        _mm_storeu_si128((__m128i *)(out + e), _mm256_castsi256_si128(w));
+    }
+#endif
+    for (; e < n; e++) out[e] = bf16_encode(x[e]);
+}
+
 /* n bfloat16 rows (`stride` bytes apart) -> n * D floats (D apart), exactly */
 static void widen_rows(const uint8_t *rows, int64_t stride, int64_t n, int64_t D, float *out) {
     for (int64_t j = 0; j < n; j++) {
@@ -752,12 +769,8 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
             continue;
         }
         if (kv_format == TQ_KV_BF16) {
-            uint16_t *kd = (uint16_t *)k_cache + slots[i] * row, *vd = (uint16_t *)v_cache + slots[i] * row;
-            for (int64_t e = 0; e < row; e++) {
-                const int64_t kh = e / D, d = e % D;
-                kd[e] = bf16_encode(k[i * k_stride + kh * D + d]);
-                vd[e] = bf16_encode(v[i * v_stride + kh * D + d]);
-            }
+            bf16_encode_row(k + i * k_stride, (uint16_t *)k_cache + slots[i] * row, row);
+            bf16_encode_row(v + i * v_stride, (uint16_t *)v_cache + slots[i] * row, row);
             continue;
         }
         for (int64_t kh = 0; kh < num_kv_heads; kh++) {
