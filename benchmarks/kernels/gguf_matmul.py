@@ -26,11 +26,15 @@ def pack_copies(libs: list[ctypes.CDLL], qtype: str, ws: list[torch.Tensor], n: 
                 k: int) -> dict[ctypes.CDLL, list[torch.Tensor]]:
     """Per library, the weight copies packed by its own tq_q8_pack (the layout may differ); a
     library whose bytes equal another's reads that one's copies (see qmatmul_batch_cpu.py's
-    docstring). Empty for types that are not packed."""
+    docstring). Empty for types that are not packed; a library older than the packed type (a
+    ``--ref`` build whose ``tq_q8_type`` does not know it) is left out, so it reads the file's rows."""
     packed: dict[ctypes.CDLL, list[torch.Tensor]] = {}
     if qtype not in native.PACKED.values():
         return packed
+    ptype = native.LAYOUT_TYPES[next(p for p, b in native.PACKED.items() if b == qtype)]
     for lib in dict.fromkeys(libs):
+        if not lib.tq_q8_type(ptype):
+            continue
         mine = [w.clone() for w in ws]
         lib.tq_q8_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         for wp in mine:
