@@ -26,6 +26,10 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("TREADLE_ACTIVATION_BITS", "16", "8 or 16: how the C kernels round activations for GGUF Q4_0/Q4_1/Q5_0/"
                                            "Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights (int8 or int16 per block of 32); with 8, "
                                            "a load repacks Q4_0/Q4_1/Q4_K/Q6_K rows 8 at a time"),
+    EnvVar("TREADLE_SMALL_BATCH_PATH", "auto", "with 8-bit activations, which code takes batches of up to 4 rows "
+                                              "(3 for Q8_0 as the file has it, 2 for Q6_K) in the AVX-512 builds: 256 "
+                                              "(q8act.c's 256-bit register paths) or 512 (q8batch.c's zmm strips); auto: "
+                                              "256 on AMD Zen 4, 512 elsewhere; the same bits either way"),
     EnvVar("CC", None, "the C compiler for Treadle's kernels (default: gcc, else cc)"),
     EnvVar("TREADLE_FUSED_OPS", "1", "0: RMSNorm+residual and RoPE run as separate torch ops, not fused"),
     EnvVar("TREADLE_API_KEY", None, "default for `treadle serve --api-key`"),
@@ -89,6 +93,16 @@ def activation_bits() -> int:
 
         raise TreadleError(f"TREADLE_ACTIVATION_BITS={value!r}: the GGUF kernels' activations take 8 or 16 bits")
     return int(value)
+
+
+def small_batch_path() -> str | None:
+    """256 / 512 for TREADLE_SMALL_BATCH_PATH, or None for the automatic choice (kernels/native.py)."""
+    value = (get("TREADLE_SMALL_BATCH_PATH") or "auto").strip().lower()
+    if value not in ("auto", "256", "512"):
+        from treadle.config import TreadleError
+
+        raise TreadleError(f"TREADLE_SMALL_BATCH_PATH={value!r}: auto, 256 or 512")
+    return None if value == "auto" else value
 
 
 def fused_ops() -> bool:

@@ -19,6 +19,7 @@ import torch
 from gguf_files import random_blocks
 from kernel_variants import VARIANTS, rand, runnable
 
+from treadle.config import TreadleError
 from treadle.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)")
@@ -63,6 +64,40 @@ def test_every_batch_equals_the_plain_reference_bitwise(variant: str, qtype: str
         x = rand(m, k, seed=103 + m)
         y = native.qmatmul(seg, w, x, bias, variant=variant, act_bits=8)
         assert torch.equal(y, native.qmatmul(seg, w, x, bias, plain=True, act_bits=8)), f"batch {m}"
+
+
+@VARIANTS
+@pytest.mark.parametrize("path", ["256", "512"])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_small_batches_give_the_same_bits_by_either_path(variant: str, qtype: str, path: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of 1-5 rows with ``TREADLE_SMALL_BATCH_PATH`` 256 (q8act.c's 256-bit register paths,
+    the automatic choice on AMD Zen 4) and 512 (the AVX-512 builds' zmm strips, elsewhere): the
+    plain-C reference's bits either way, and so the same bits as each other."""
+    runnable(variant)
+    monkeypatch.setenv("TREADLE_SMALL_BATCH_PATH", path)
+    assert native.layout((("Q4_1", 8),), 8).small_256 == (path == "256")
+    k = inputs(qtype, 576)
+    seg, w = weights(qtype, 40, k, seed=121)
+    for m in range(1, 6):
+        x = rand(m, k, seed=122 + m)
+        y = native.qmatmul(seg, w, x, variant=variant, act_bits=8)
+        assert torch.equal(y, native.qmatmul(seg, w, x, plain=True, act_bits=8)), f"batch {m}"
+
+
+def test_the_small_batch_path_follows_the_cpu_and_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: 256-bit paths on AMD family 25 with AVX-512 (Zen 4) only; the variable overrides it;
+    a bad value is one clear error."""
+    zen4 = ("AuthenticAMD", 25)
+    assert native.prefers_256_bit_small_batches(zen4, frozenset({"avx2", "avx512f"}))
+    assert not native.prefers_256_bit_small_batches(zen4, frozenset({"avx2"}))  # Zen 3: no AVX-512
+    assert not native.prefers_256_bit_small_batches(("AuthenticAMD", 26), frozenset({"avx512f"}))  # Zen 5
+    assert not native.prefers_256_bit_small_batches(("GenuineIntel", 6), frozenset({"avx512f"}))
+    monkeypatch.setenv("TREADLE_SMALL_BATCH_PATH", "auto")
+    assert native.layout((("Q4_1", 8),), 8).small_256 == native.prefers_256_bit_small_batches()
+    monkeypatch.setenv("TREADLE_SMALL_BATCH_PATH", "128")
+    with pytest.raises(TreadleError, match="TREADLE_SMALL_BATCH_PATH"):
+        native.layout((("Q4_1", 8),), 8)
 
 
 @VARIANTS

@@ -273,22 +273,54 @@ class Layout(ctypes.Structure):
     the block types csrc/q8act.c reads)."""
 
     _fields_ = [("count", ctypes.c_int32), ("qtype", ctypes.c_int32 * MAX_SEGMENTS),
-                ("rows", ctypes.c_int64 * MAX_SEGMENTS), ("act_bits", ctypes.c_int32)]
+                ("rows", ctypes.c_int64 * MAX_SEGMENTS), ("act_bits", ctypes.c_int32), ("small_256", ctypes.c_int32)]
 
 
 def layout(segments: Segments, act_bits: int | None = None) -> Layout:
     """The C description of ``segments`` (built once per distinct layout); ``act_bits`` defaults
-    to ``TREADLE_ACTIVATION_BITS``."""
-    return _layout(segments, act_bits or envs.activation_bits())
+    to ``TREADLE_ACTIVATION_BITS``, the small-batch path to ``TREADLE_SMALL_BATCH_PATH``."""
+    path = envs.small_batch_path()
+    small_256 = prefers_256_bit_small_batches() if path is None else path == "256"
+    return _layout(segments, act_bits or envs.activation_bits(), small_256)
+
+
+def prefers_256_bit_small_batches(vendor_family: tuple[str, int] | None = None,
+                                  features: frozenset[str] | None = None) -> bool:
+    """Whether small 8-bit batches (up to q8act.c's register paths: 4 rows) should skip the AVX-512
+    zmm strips on this CPU (or the given vendor / family and features): AMD Zen 4 (family 25 with
+    AVX-512), where the 256-bit paths made SmolLM2's batch-1 decode step 1.35x faster; measured the
+    other way on Zen 5 and Sapphire Rapids (docs/kernels.md)."""
+    vendor, family = cpu_vendor_family() if vendor_family is None else vendor_family
+    have = cpu_features() if features is None else features
+    return vendor == "AuthenticAMD" and family == 25 and "avx512f" in have
 
 
 @cache
-def _layout(segments: Segments, act_bits: int) -> Layout:
+def cpu_vendor_family() -> tuple[str, int]:
+    """This CPU's vendor id and family number from /proc/cpuinfo (("", 0) where it has none)."""
+    vendor, family = "", 0
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "vendor_id" and not vendor:
+                vendor = value.strip()
+            elif key.strip() == "cpu family" and not family:
+                family = int(value.strip() or 0)
+            if vendor and family:
+                break
+    except (OSError, ValueError):
+        pass
+    return vendor, family
+
+
+@cache
+def _layout(segments: Segments, act_bits: int, small_256: bool = False) -> Layout:
     if not 0 < len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"a weight has 1 to {MAX_SEGMENTS} segments, not {len(segments)}")
     if act_bits not in (8, 16):
         raise ValueError(f"activations take 8 or 16 bits, not {act_bits}")
-    return Layout(len(segments), tuple(LAYOUT_TYPES[t] for t, _ in segments), tuple(n for _, n in segments), act_bits)
+    return Layout(len(segments), tuple(LAYOUT_TYPES[t] for t, _ in segments), tuple(n for _, n in segments), act_bits,
+                  int(small_256))
 
 
 def qmatmul(segments: Segments, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,

@@ -987,7 +987,7 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
 #ifdef TQ_AVX2
     /* few rows: registers beat the panel (packed Q4: 1.5x at M = 1, ~1.05x at 4; Q8_0: 1.25x at 1,
      * 1.13x at 2 and 3; the same along k for unpacked Q4 measured 0.91-0.94x the panel: not taken) */
-    if ((t == TQ_Q8_0 && M <= Q8_0_DIRECT) || (is_packed(t) && M <= (base_type(t) == TQ_Q6_K ? Q6K_DIRECT : MRG))) {
+    if (tq_q8_direct_rows(t, M)) {
         for (int h = 0; h <= pair; h++) {
             const uint8_t *wg = w + (g + h) * GR * rbytes;
             const float *bh = bn ? bn + GR * h : NULL;
@@ -1046,6 +1046,17 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
     }
 }
 
+/* 1 when group_work reads M activation rows of type t straight into registers (the SIMD builds),
+ * no panel. */
+int tq_q8_direct_rows(int t, int64_t M) {
+#ifdef TQ_AVX2
+    return (t == TQ_Q8_0 && M <= Q8_0_DIRECT) || (is_packed(t) && M <= (base_type(t) == TQ_Q6_K ? Q6K_DIRECT : MRG));
+#else
+    (void)t, (void)M;
+    return 0;
+#endif
+}
+
 /* The groups split over the threads; the type switch inside the parallel loop, so that each
  * type's copy of the loop is compiled with its type a constant (OpenMP outlines the region
  * before inlining could specialize it). */
@@ -1082,8 +1093,13 @@ static void group_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t l
         single_row(t, w + n * rbytes, x, y + n, ldy, bias ? bias + n : NULL, M, K);
 }
 
+/* small_256 (tq_layout): batches that group_work reads straight into 256-bit registers skip q8batch.c,
+ * whose zmm strips read two groups' bytes at once (AMD Zen 4, decode steps of SmolLM2 Q4_1 at 2
+ * threads: batch 1 1.35x, batch 4 1.16x faster this way; from 6 rows the strips win, 1.4x). */
 void tq_q8_rows(int qtype, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
-                int64_t N, int64_t K) {
-    const int64_t done = tq_q8_batch_rows(qtype, w, x, y, ldy, bias, M, N, K); /* q8batch.c: batches on AVX-512 */
+                int64_t N, int64_t K, int small_256) {
+    const int64_t done = small_256 && tq_q8_direct_rows(qtype, M)
+                             ? 0
+                             : tq_q8_batch_rows(qtype, w, x, y, ldy, bias, M, N, K); /* q8batch.c: batches on AVX-512 */
     if (done < N) group_rows(qtype, w + done * row_bytes(qtype, K), x, y + done, ldy, bias ? bias + done : NULL, M, N - done, K);
 }

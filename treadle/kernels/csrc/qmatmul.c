@@ -429,7 +429,7 @@ void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float 
             continue;
         }
         if (use8[s])
-            tq_q8_rows(qtype, w, x8, y + n0, N, bias ? bias + n0 : NULL, M, rows, K);
+            tq_q8_rows(qtype, w, x8, y + n0, N, bias ? bias + n0 : NULL, M, rows, K, layout->small_256);
         else
             weight_rows(qtype, w, xa, y + n0, N, bias ? bias + n0 : NULL, M, rows, K);
         w += rows * row_bytes(qtype, K);
