@@ -21,6 +21,8 @@ def test_doctor_json_on_stories260k(capsys: pytest.CaptureFixture[str], monkeypa
     k = r["kernels"]
     assert k["selected"] == native.best_runnable() and k["override"] is None
     assert k["why"].startswith(f"{k['selected']} (the best variant this CPU runs")
+    assert k["small_batches"] == ("256-bit register paths up to 4 rows (auto: AMD Zen 4)"
+                                  if native.prefers_256_bit_small_batches() else "512-bit strips (auto)")
     assert list(k["variants"]) == [v.name for v in native.VARIANTS]
     for name, v in k["variants"].items():
         assert v["lacks"] == list(native.missing_features(name)) and v["runnable"] == (not v["lacks"])
@@ -40,11 +42,13 @@ def test_doctor_json_on_stories260k(capsys: pytest.CaptureFixture[str], monkeypa
 def test_doctor_table_names_a_forced_variant(capsys: pytest.CaptureFixture[str],
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TREADLE_CPU_KERNELS", "plain")
+    monkeypatch.setenv("TREADLE_SMALL_BATCH_PATH", "512")
     assert main(["doctor", "--no-decode"]) == 0
     out = capsys.readouterr().out
     assert f"kernels    plain (forced by TREADLE_CPU_KERNELS; the best this CPU runs: {native.best_runnable()})" in out
     assert "| plain | w8a8 int8 x int8 | bit-exact | 0 | 0 | pass |" in out
     assert "all self-tests passed" in out and "decode steps" not in out
+    assert "small 8-bit batches (AVX-512 builds): 512-bit (forced by TREADLE_SMALL_BATCH_PATH)" in out
 
 
 def test_doctor_refuses_a_bad_override_in_one_line(capsys: pytest.CaptureFixture[str],

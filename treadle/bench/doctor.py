@@ -47,8 +47,19 @@ def cpu_info() -> dict[str, Any]:
             "logical_cpus": os.cpu_count(), "threads": torch.get_num_threads()}
 
 
+def small_batch_path() -> str:
+    """Which code takes small 8-bit batches in the AVX-512 builds, and why (TREADLE_SMALL_BATCH_PATH)."""
+    forced = envs.small_batch_path()
+    if forced is not None:
+        return f"{forced}-bit (forced by TREADLE_SMALL_BATCH_PATH)"
+    if native.prefers_256_bit_small_batches():
+        return "256-bit register paths up to 4 rows (auto: AMD Zen 4)"
+    return "512-bit strips (auto)"
+
+
 def kernel_info() -> dict[str, Any]:
     return {"selected": native.selected_variant(), "why": native.describe(), "override": envs.cpu_kernels(),
+            "small_batches": small_batch_path(),
             "variants": {v.name: {"runnable": not native.missing_features(v.name),
                                   "lacks": list(native.missing_features(v.name)),
                                   "rounds_activations_to_bf16": native.rounds_activations_to_bf16(v.name)}
@@ -128,7 +139,8 @@ def format_report(r: dict[str, Any]) -> str:
     cpu, k, m = r["cpu"], r["kernels"], r["machine"]
     lines = [f"cpu        {cpu['model']}, {cpu['logical_cpus']} logical CPUs, torch threads {cpu['threads']}",
              f"features   {' '.join(cpu['features'])}",
-             f"kernels    {k['why']}"]
+             f"kernels    {k['why']}",
+             f"small 8-bit batches (AVX-512 builds): {k['small_batches']}"]
     for name, v in k["variants"].items():
         state = "runs here" if v["runnable"] else f"CPU lacks {' '.join(v['lacks'])}"
         lines.append(f"  {name:<12} {state}{'; rounds activations to bfloat16' if v['rounds_activations_to_bf16'] else ''}")
