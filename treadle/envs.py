@@ -25,7 +25,7 @@ VARIABLES: tuple[EnvVar, ...] = (
                                        "the best"),
     EnvVar("TREADLE_ACTIVATION_BITS", "16", "8 or 16: how the C kernels round activations for GGUF Q4_0/Q4_1/Q5_0/"
                                            "Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights (int8 or int16 per block of 32); with 8, "
-                                           "a load repacks Q4_0/Q4_1/Q4_K/Q6_K rows 8 at a time"),
+                                           "a load repacks Q4_0/Q4_1/Q8_0/Q4_K/Q6_K rows 8 at a time"),
     EnvVar("TREADLE_SMALL_BATCH_PATH", "auto", "with 8-bit activations, which code takes batches of up to 4 rows "
                                               "(3 for Q8_0 as the file has it, 2 for Q6_K) in the AVX-512 builds: 256 "
                                               "(q8act.c's 256-bit register paths) or 512 (q8batch.c's zmm strips); auto: "
