@@ -46,7 +46,7 @@
  * rows of N past the last whole group (N % 8) take a plain-C loop in the SIMD builds too, so every
  * output has one value whatever the build, tile, thread or batch. Up to 3 activation rows, the file's Q8_0
  * rows skip the panel in the AVX2 / AVX-VNNI builds (packed Q8_0, as a load with 8-bit activations
- * leaves the lm_head: up to 4 rows, packed_q8_0_direct) (the AVX-512 builds take q8batch.c's
+ * leaves the lm_head: up to 4 rows, packed_direct) (the AVX-512 builds take q8batch.c's
  * zmm q8_0_strip_direct up to 8 rows, the same integers and float order): q8_0_direct takes each row's block dot along k and reduces 8 rows'
  * partial sums to the same exact integers (1.25x the panel at 1 row, 1.13x at 2 and 3; at 4 its
  * sums spill). The VNNI builds take each step's 4-byte dot
@@ -163,7 +163,7 @@ static inline float block_min(int t, const uint8_t *u) {
  *   d of rows 0..7 (8 halves) | q[8][32]: q[s] dword j = row j's signed bytes 4s .. 4s+3
  *
  * which is the panel's step order (gblock.q) as it is: the unpacking is a copy, and up to MRG
- * activation rows read the steps straight from the weight (packed_q8_0_direct); q8batch.c's zmm
+ * activation rows read the steps straight from the weight (packed_direct); q8batch.c's zmm
  * strips read two groups' steps as the two halves of a register, with no transposes at any batch. */
 static inline int scale_bytes(int t) { return base_type(t) == TQ_Q4_1 ? 4 * GR : 2 * GR; }
 
@@ -510,6 +510,12 @@ static void unpack_kgroup(int t, const uint8_t *w, int64_t rbytes, int64_t nb, g
 #undef KD
 #undef KM
 
+/* Block b of the group at next (GR units of ub bytes, a run in packed rows; in the file's rows the
+ * same bytes of the next group's first rows) into the cache, while this group's block is used. */
+static inline void prefetch_block(const uint8_t *next, int64_t b, int ub) {
+    for (int64_t off = b * GR * ub; off < (b + 1) * GR * ub; off += 64) __builtin_prefetch(next + off);
+}
+
 /* Rows n0 .. n0 + 7 of w unpacked into panel[nb]: q unsigned (the stored q plus q_bias) for the
  * 4/5-bit types, int8 for Q8_0. */
 static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gblock *panel) {
@@ -521,7 +527,7 @@ static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gb
     const uint8_t *next = w + GR * rbytes; /* the next group's rows, fetched while this one is unpacked */
     for (int64_t b = 0; b < nb; b++) {
         gblock *g = panel + b;
-        for (int64_t off = b * GR * ub; off < (b + 1) * GR * ub; off += 64) __builtin_prefetch(next + off);
+        prefetch_block(next, b, ub);
 #ifdef TQ_AVX2
         __m256i step[GR];
         if (packed_type(t)) {
@@ -770,7 +776,7 @@ static inline __attribute__((always_inline)) void q8_0_direct(const uint8_t *w, 
     __m256 acc[MRG];
     for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        for (int64_t off = b * GR * ub; off < (b + 1) * GR * ub; off += 64) __builtin_prefetch(next + off);
+        prefetch_block(next, b, ub);
         __m256i pair[4][MRG], xv[MRG]; /* pair[r][i]: hadd of rows 2r, 2r + 1 for activation row i */
         for (int i = 0; i < NX; i++) xv[i] = _mm256_loadu_si256((const __m256i *)(x.q + i * K + b * QK));
         for (int r = 0; r < 4; r++) {
@@ -799,57 +805,32 @@ static inline __attribute__((always_inline)) void q8_0_direct(const uint8_t *w, 
     }
 }
 
-/* Packed Q8_0, NX (<= MRG) activation rows: a group's steps straight from the packed block into
- * registers, no panel: group_tile's Q8_0 integers and float operations, so the same bits. */
-static inline __attribute__((always_inline)) void packed_q8_0_direct(const uint8_t *w, int64_t nb, tq_q8acts x,
-                                                                     int64_t K, const int NX, const float *bias,
-                                                                     float *out, int64_t ostride) {
-    const int ub = unit_bytes(TQ_Q8_0);
-    const uint8_t *next = w + GR * nb * ub;
-    __m256 acc[MRG];
-    for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = w + b * GR * ub;
-        for (int off = 0; off < GR * ub; off += 64) __builtin_prefetch(next + b * GR * ub + off);
-        __m256i p32[MRG];
-        for (int i = 0; i < NX; i++) p32[i] = _mm256_setzero_si256();
-        for (int s = 0; s < 8; s++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 2 * GR + 32 * s)), aq = _mm256_sign_epi8(q, q);
-            for (int i = 0; i < NX; i++) {
-                int32_t v;
-                memcpy(&v, x.q + i * K + b * QK + 4 * s, 4);
-                p32[i] = step32(p32[i], aq, _mm256_sign_epi8(_mm256_set1_epi32(v), q));
-                __asm__("" : "+x"(p32[i]));
-            }
-        }
-        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-        for (int i = 0; i < NX; i++)
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32[i]), _mm256_mul_ps(dv, _mm256_broadcast_ss(x.d + i * nb + b)),
-                                     acc[i]);
-    }
-    for (int i = 0; i < NX; i++) {
-        __m256 o = acc[i];
-        if (bias) o = _mm256_add_ps(o, _mm256_loadu_ps(bias));
-        _mm256_storeu_ps(out + i * ostride, o);
-    }
-}
-
-/* Packed Q4_0 / Q4_1, NX (<= MRG) activation rows: a group's steps straight from the packed block
- * into registers, no panel; the same integers and float operations as group_tile, so the same bits. */
+/* Packed Q4_0 / Q4_1 / Q8_0, NX (<= MRG) activation rows: a group's steps straight from the packed
+ * block into registers, no panel; the same integers and float operations as group_tile, so the
+ * same bits (Q8_0: its 8 steps as stored, |q| times x with q's sign, widened per step). */
 static inline __attribute__((always_inline)) void packed_direct(const int t, const uint8_t *w, int64_t nb,
                                                                 tq_q8acts x, int64_t K, const int NX,
                                                                 const float *bias, float *out, int64_t ostride) {
     const __m256i mask = _mm256_set1_epi8(15);
-    const int ub = unit_bytes(t), sb = scale_bytes(t);
+    const int q8 = packed_q8_0(t), ub = unit_bytes(t), sb = scale_bytes(t);
     const uint8_t *next = w + GR * nb * ub;
     __m256 acc[MRG];
     for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = w + b * GR * ub;
-        for (int off = 0; off < GR * ub; off += 64) __builtin_prefetch(next + b * GR * ub + off);
-        __m256i p16[MRG];
+        prefetch_block(next, b, ub);
+        __m256i p16[MRG]; /* Q8_0: int32 sums */
         for (int i = 0; i < NX; i++) p16[i] = _mm256_setzero_si256();
-        for (int s = 0; s < 4; s++) {
+        for (int s = 0; s < 8 * q8; s++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s)), aq = _mm256_sign_epi8(q, q);
+            for (int i = 0; i < NX; i++) {
+                int32_t v;
+                memcpy(&v, x.q + i * K + b * QK + 4 * s, 4);
+                p16[i] = step32(p16[i], aq, _mm256_sign_epi8(_mm256_set1_epi32(v), q));
+                __asm__("" : "+x"(p16[i]));
+            }
+        }
+        for (int s = 0; s < 4 * !q8; s++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
             const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
             for (int i = 0; i < NX; i++) {
@@ -865,9 +846,9 @@ static inline __attribute__((always_inline)) void packed_direct(const int t, con
         const __m256 mv = base_type(t) == TQ_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * GR)))
                                                   : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
         for (int i = 0; i < NX; i++) {
-            const __m256 isum = _mm256_cvtepi32_ps(widen16(p16[i]));
+            const __m256 isum = _mm256_cvtepi32_ps(q8 ? p16[i] : widen16(p16[i]));
             acc[i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dv, _mm256_broadcast_ss(x.d + i * nb + b)), acc[i]);
-            acc[i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(x.s + i * nb + b), acc[i]);
+            if (!q8) acc[i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(x.s + i * nb + b), acc[i]);
         }
     }
     for (int i = 0; i < NX; i++) {
@@ -992,14 +973,7 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
             const uint8_t *wg = w + (g + h) * GR * rbytes;
             const float *bh = bn ? bn + GR * h : NULL;
             float *yh = y + (g + h) * GR;
-            if (packed_q8_0(t)) {
-                switch (M) {
-                    case 1: packed_q8_0_direct(wg, nb, x, K, 1, bh, yh, ldy); break;
-                    case 2: packed_q8_0_direct(wg, nb, x, K, 2, bh, yh, ldy); break;
-                    case 3: packed_q8_0_direct(wg, nb, x, K, 3, bh, yh, ldy); break;
-                    default: packed_q8_0_direct(wg, nb, x, K, MRG, bh, yh, ldy); break;
-                }
-            } else if (t == TQ_Q8_0) {
+            if (t == TQ_Q8_0) {
                 switch (M) {
                     case 1: q8_0_direct(wg, rbytes, nb, x, K, 1, bh, yh, ldy); break;
                     case 2: q8_0_direct(wg, rbytes, nb, x, K, 2, bh, yh, ldy); break;

@@ -1,6 +1,6 @@
 /* The batched 8-bit activation path on AVX-512 VNNI (the avx512-vnni and avx512-bf16 builds):
  * packed Q4_0 / Q4_1 / Q8_0 rows (q8act.c tq_q8_pack) and the file's Q8_0 rows at every batch (packed
- * Q8_0: q8_0_packed_direct's loads at every batch, no panel), Q4_K / Q5_K / Q6_K rows times M >= BATCH_MIN_K (unpack_k4_strip,
+ * Q8_0: strip_direct's loads at every batch, no panel), Q4_K / Q5_K / Q6_K rows times M >= BATCH_MIN_K (unpack_k4_strip,
  * unpack_q6k_strip: q8act.c's unpack_kgroup values for 16 rows at a time; Q6_K's two half-block
  * dots start at -32 xh and are folded with its int8 scales in int32 as q8act.c's q6_fold). Up to DIRECT_MAX_Q4 rows, a packed strip's nibbles go from the
  * packed bytes straight into zmm registers, each block unpacked once per tile of TQ_NX rows and
@@ -109,31 +109,57 @@ static inline __attribute__((always_inline)) void strip_tile(const int mode, con
     }
 }
 
-/* Packed Q4 groups at w and w1 (NULL: a lone group, its lanes zero), NX activation rows, no panel:
- * each block's nibbles go from the packed bytes straight into registers and feed every row (the
- * same integers and float operations as strip_tile, so the same bits). The next strip's bytes
- * (at next, 16 rows on) are prefetched meanwhile. */
+/* Block b of both groups of the packed strip at next (NULL: none) into the cache, while this strip's
+ * block is used. */
+static inline void prefetch_strip_block(const uint8_t *next, int64_t nb, int64_t b, int ub) {
+    if (next)
+        for (int off = 0; off < 8 * ub; off += 64) {
+            __builtin_prefetch(next + b * 8 * ub + off);
+            __builtin_prefetch(next + nb * 8 * ub + b * 8 * ub + off);
+        }
+}
+
+/* Packed Q4 or Q8_0 groups at w and w1 (NULL: a lone group, its lanes zero), NX activation rows, no
+ * panel: each block's nibbles (Q8_0: its 8 steps, two 32-byte loads each -- q8act.c's packed layout:
+ * group g's step s in lanes 0..7, group g + 1's in 8..15 -- offset to unsigned) go from the packed
+ * bytes straight into registers and feed every row (the same integers and float operations as
+ * strip_tile, so the same bits; for Q8_0 with no transposes or gathers at any batch). The bytes of
+ * the strip at next (Q4: the next one; Q8_0: the one after it) are prefetched meanwhile. */
 static inline __attribute__((always_inline)) void strip_direct(const int t, const uint8_t *w, const uint8_t *w1,
                                                                const uint8_t *next, int64_t nb, tq_q8acts x, int64_t K,
                                                                const int NX, const float *bias, float *out,
                                                                int64_t ostride, __mmask16 store) {
-    const int ub = unit_bytes(t), sb = pscale_bytes(t);
-    const __m512i mask = _mm512_set1_epi8(15);
+    const int q8 = packed_q8_0(t), ub = unit_bytes(t), sb = pscale_bytes(t);
+    const __m512i mask = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[TQ_NX];
 #pragma GCC unroll 8
     for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = w + b * 8 * ub, *p1 = w1 ? w1 + b * 8 * ub : NULL;
-        if (next)
-            for (int off = 0; off < 8 * ub; off += 64) {
-                __builtin_prefetch(next + b * 8 * ub + off);
-                __builtin_prefetch(next + nb * 8 * ub + b * 8 * ub + off);
-            }
+        prefetch_strip_block(next, nb, b, ub);
         __m512i acc_i[TQ_NX];
 #pragma GCC unroll 8
-        for (int i = 0; i < NX; i++) acc_i[i] = _mm512_setzero_si512();
+        for (int i = 0; i < NX; i++)
+            acc_i[i] = q8 ? _mm512_set1_epi32(-128 * q8_block_sum(x, i * nb + b)) : _mm512_setzero_si512();
+        if (q8) {
+            __m512i q[8];
+#pragma GCC unroll 8
+            for (int s = 0; s < 8; s++) {
+                const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
+                const __m256i hi = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + sb + 32 * s)) : _mm256_setzero_si256();
+                q[s] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), flip);
+            }
+#pragma GCC unroll 8
+            for (int s = 0; s < 8; s++)
+#pragma GCC unroll 8
+                for (int i = 0; i < NX; i++) {
+                    int32_t v;
+                    memcpy(&v, x.q + i * K + b * QK + 4 * s, 4);
+                    acc_i[i] = _mm512_dpbusd_epi32(acc_i[i], q[s], _mm512_set1_epi32(v));
+                }
+        }
 #pragma GCC unroll 4
-        for (int s = 0; s < 4; s++) {
+        for (int s = 0; s < 4 * !q8; s++) {
             const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
             const __m256i hi = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + sb + 32 * s)) : _mm256_setzero_si256();
             const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
@@ -155,7 +181,7 @@ static inline __attribute__((always_inline)) void strip_direct(const int t, cons
         for (int i = 0; i < NX; i++) {
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_i[i]), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i * nb + b])),
                                      acc[i]);
-            acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[i * nb + b]), acc[i]);
+            if (!q8) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[i * nb + b]), acc[i]);
         }
     }
 #pragma GCC unroll 8
@@ -226,81 +252,18 @@ static inline __attribute__((always_inline)) void q8_0_strip_direct(const uint8_
     }
 }
 
-/* Packed Q8_0 groups at w and w1 (NULL: a lone group, its lanes zero), NX activation rows: each
- * block's 8 steps are two 32-byte loads each (q8act.c's packed layout: group g's step s is lanes
- * 0..7, group g + 1's lanes 8..15) offset to unsigned, then q8_0_strip_direct's integers and float
- * operations, so the same bits -- with no transposes or gathers, at every batch (against the file's
- * rows on AMD Zen 4, one thread: 1.25x at 16 rows, about even at 1-4). The bytes of the strip two
- * ahead (at next; one ahead: 0.9x at 1 row) are prefetched meanwhile. */
-static inline __attribute__((always_inline)) void q8_0_packed_direct(const uint8_t *w, const uint8_t *w1,
-                                                                     const uint8_t *next, int64_t nb, tq_q8acts x,
-                                                                     int64_t K, const int NX, const float *bias,
-                                                                     float *out, int64_t ostride, __mmask16 store) {
-    const int ub = unit_bytes(TQ_Q8_0);
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[TQ_NX];
-#pragma GCC unroll 8
-    for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = w + b * 8 * ub, *p1 = w1 ? w1 + b * 8 * ub : NULL;
-        if (next)
-            for (int off = 0; off < 8 * ub; off += 64) {
-                __builtin_prefetch(next + b * 8 * ub + off);
-                __builtin_prefetch(next + nb * 8 * ub + b * 8 * ub + off);
-            }
-        __m512i q[8], acc_i[TQ_NX];
-#pragma GCC unroll 8
-        for (int s = 0; s < 8; s++) {
-            const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * s));
-            const __m256i hi = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + 16 + 32 * s)) : _mm256_setzero_si256();
-            q[s] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), flip);
-        }
-#pragma GCC unroll 8
-        for (int i = 0; i < NX; i++) acc_i[i] = _mm512_set1_epi32(-128 * q8_block_sum(x, i * nb + b));
-#pragma GCC unroll 8
-        for (int s = 0; s < 8; s++)
-#pragma GCC unroll 8
-            for (int i = 0; i < NX; i++) {
-                int32_t v;
-                memcpy(&v, x.q + i * K + b * QK + 4 * s, 4);
-                acc_i[i] = _mm512_dpbusd_epi32(acc_i[i], q[s], _mm512_set1_epi32(v));
-            }
-        const __m512 dw = halves16(p, p1);
-#pragma GCC unroll 8
-        for (int i = 0; i < NX; i++)
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_i[i]), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i * nb + b])),
-                                     acc[i]);
+/* CALL(NX) on the activation rows m0.. of M, NX = min(M - m0, TQ_NX) a constant in each copy */
+#define BY_TILE(CALL)                                                                                  \
+    switch (M - m0 < TQ_NX ? (int)(M - m0) : TQ_NX) {                                                  \
+        case 1: CALL(1); break;                                                                        \
+        case 2: CALL(2); break;                                                                        \
+        case 3: CALL(3); break;                                                                        \
+        case 4: CALL(4); break;                                                                        \
+        case 5: CALL(5); break;                                                                        \
+        case 6: CALL(6); break;                                                                        \
+        case 7: CALL(7); break;                                                                        \
+        default: CALL(TQ_NX); break;                                                                   \
     }
-#pragma GCC unroll 8
-    for (int i = 0; i < NX; i++) {
-        __m512 o = acc[i];
-        if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(store, bias));
-        _mm512_mask_storeu_ps(out + i * ostride, store, o);
-    }
-}
-
-#define PDIRECT(NX) q8_0_packed_direct(w, w1, m0 ? NULL : next, nb, xm, K, NX, bias, out, ldy, store)
-
-/* Every activation row times the strip of packed Q8_0 groups at w, w1, in direct tiles of TQ_NX rows
- * (the first tile prefetches the strip at next). */
-static void q8_0_packed_rows(const uint8_t *w, const uint8_t *w1, const uint8_t *next, tq_q8acts x, float *y,
-                             int64_t ldy, const float *bias, int64_t M, int64_t K, __mmask16 store) {
-    const int64_t nb = K / QK;
-    for (int64_t m0 = 0; m0 < M; m0 += TQ_NX) {
-        const tq_q8acts xm = tq_q8_rows_from(x, m0, K);
-        float *out = y + m0 * ldy;
-        switch (M - m0 < TQ_NX ? (int)(M - m0) : TQ_NX) {
-            case 1: PDIRECT(1); break;
-            case 2: PDIRECT(2); break;
-            case 3: PDIRECT(3); break;
-            case 4: PDIRECT(4); break;
-            case 5: PDIRECT(5); break;
-            case 6: PDIRECT(6); break;
-            case 7: PDIRECT(7); break;
-            default: PDIRECT(TQ_NX); break;
-        }
-    }
-}
 
 #define QDIRECT(NX) q8_0_strip_direct(w, rbytes, lone, nb, xm, K, NX, bias, out, ldy, store, m0 ? NULL : pf, pfbytes)
 
@@ -311,16 +274,7 @@ static void q8_0_direct_rows(const uint8_t *w, int64_t rbytes, int lone, tq_q8ac
     for (int64_t m0 = 0; m0 < M; m0 += TQ_NX) {
         const tq_q8acts xm = tq_q8_rows_from(x, m0, K);
         float *out = y + m0 * ldy;
-        switch (M - m0 < TQ_NX ? (int)(M - m0) : TQ_NX) {
-            case 1: QDIRECT(1); break;
-            case 2: QDIRECT(2); break;
-            case 3: QDIRECT(3); break;
-            case 4: QDIRECT(4); break;
-            case 5: QDIRECT(5); break;
-            case 6: QDIRECT(6); break;
-            case 7: QDIRECT(7); break;
-            default: QDIRECT(TQ_NX); break;
-        }
+        BY_TILE(QDIRECT);
     }
 }
 
@@ -335,16 +289,7 @@ static inline __attribute__((always_inline)) void direct_rows(const int t, const
     for (int64_t m0 = 0; m0 < M; m0 += TQ_NX) {
         const tq_q8acts xm = tq_q8_rows_from(x, m0, K);
         float *out = y + m0 * ldy;
-        switch (M - m0 < TQ_NX ? (int)(M - m0) : TQ_NX) {
-            case 1: SDIRECT(1); break;
-            case 2: SDIRECT(2); break;
-            case 3: SDIRECT(3); break;
-            case 4: SDIRECT(4); break;
-            case 5: SDIRECT(5); break;
-            case 6: SDIRECT(6); break;
-            case 7: SDIRECT(7); break;
-            default: SDIRECT(TQ_NX); break;
-        }
+        BY_TILE(SDIRECT);
     }
 }
 
@@ -359,16 +304,7 @@ static inline __attribute__((always_inline)) void strip_rows_mode(const int mode
     for (int64_t m0 = 0; m0 < M; m0 += TQ_NX) {
         const tq_q8acts xm = tq_q8_rows_from(x, m0, K);
         float *out = y + m0 * ldy;
-        switch (M - m0 < TQ_NX ? (int)(M - m0) : TQ_NX) {
-            case 1: STILE(1); break;
-            case 2: STILE(2); break;
-            case 3: STILE(3); break;
-            case 4: STILE(4); break;
-            case 5: STILE(5); break;
-            case 6: STILE(6); break;
-            case 7: STILE(7); break;
-            default: STILE(TQ_NX); break;
-        }
+        BY_TILE(STILE);
     }
 }
 
@@ -405,8 +341,8 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
             const __mmask16 store = lone ? (__mmask16)0x00ff : (__mmask16)0xffff;
             const float *bs = bias ? bias + g * 8 : NULL;
             if (pq8) {
-                q8_0_packed_rows(wg, lone ? NULL : wg + 8 * rbytes, g + 5 < groups ? wg + 2 * SGR * rbytes : NULL, x, y + g * 8,
-                                 ldy, bs, M, K, store);
+                direct_rows(TQ_PACKED + TQ_Q8_0, wg, lone ? NULL : wg + 8 * rbytes, g + 5 < groups ? wg + 2 * SGR * rbytes : NULL,
+                            x, y + g * 8, ldy, bs, M, K, store);
                 continue;
             }
             if (direct && q8_0) {
