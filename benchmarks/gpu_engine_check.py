@@ -7,20 +7,15 @@
 this one runs what a user runs, ``LLM(path, device="cuda")``, and holds it to transformers on
 the same GPU:
 
-1. kernels on CUDA tensors: the suite's W8A8 / W4A16 and per-token operator checks
-   (tests/gpu/test_quant_gpu_kernels.py, test_triton_ops.py) run on the device, and the MoE grouped
-   matmul against a float64 matmul per expert;
-2. random-weight models of each family (Llama GQA, Qwen3, Phi-3, Gemma 3 with sliding layers,
-   Mixtral, Qwen3-MoE) in float32: greedy tokens identical to transformers on CUDA, and the
-   chosen tokens' logprobs close; CUDA graphs (the default on CUDA) and eager give the same tokens;
-3. the engine's paths (prompts alone, small chunks, preemption, prefix-cache hits, n-gram
-   speculation, a sliding window) give the plain run's tokens; ``treadle serve`` on the device
-   answers the openai client (streamed = whole, a bad request a 400, still serving after it);
-   quantized checkpoints (compressed-tensors W8A8, act-order GPTQ) on the Triton kernels match
-   transformers on the decoded weights;
-4. decode throughput of a TinyLlama-shaped (1.1B) random model in bfloat16 at batch 1 / 16 / 64:
-   CUDA graphs, eager, and transformers' own generate on the same device and weights, side by side
-   (timings: what this run measured, not a claim).
+1. kernels: the suite's W8A8 / W4A16 and per-token operator checks (tests/gpu/test_quant_gpu_kernels.py,
+   test_triton_ops.py) on the device, the MoE grouped matmul against float64 per expert;
+2. random-weight Llama (GQA), Qwen3, Phi-3, Gemma 3 (sliding layers), Mixtral, Qwen3-MoE in float32:
+   greedy tokens identical to transformers, logprobs close, CUDA graphs == eager;
+3. the engine's paths (prompts alone, small chunks, preemption, prefix hits, n-gram speculation, a
+   window) give the plain run's tokens; ``treadle serve`` answers the openai client (stream = whole,
+   a 400, still serving); W8A8 and act-order GPTQ checkpoints match transformers' decoded weights;
+4. decode throughput of a 1.1B (TinyLlama-shaped) random bfloat16 model at batch 1 / 16 / 64 with
+   CUDA graphs, eager and transformers' generate, side by side (what this run measured).
 Exits 1 on any mismatch.
 """
 from __future__ import annotations
@@ -353,10 +348,9 @@ def throughput(device: torch.device, work: Path, quick: bool, with_profile: bool
             if with_profile and b == 1 and not eager:
                 profile(llm, prompts, params, device)
         del llm
-    graphs, eagers = rates[False], rates[True]
     return True, "tok/s graphs / eager / transformers: " + ", ".join(
-        f"b{b} {graphs[b]:.0f} / {eagers[b]:.0f} / {baseline[b]:.0f} ({graphs[b] / baseline[b]:.2f}x transformers)"
-        for b in batches)
+        f"b{b} {rates[False][b]:.0f} / {rates[True][b]:.0f} / {baseline[b]:.0f} ({rates[False][b] / baseline[b]:.2f}x "
+        "transformers)" for b in batches)
 
 
 def main() -> int:

@@ -21,7 +21,6 @@ import platform
 import statistics
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,14 +34,7 @@ SIMD_PREFIXES = ("avx", "fma", "f16c", "amx", "sse4_2")
 
 
 def cpu_info() -> dict[str, Any]:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = native.cpuinfo().get("model name") or platform.processor() or platform.machine()
     return {"model": model, "features": sorted(f for f in native.cpu_features() if f.startswith(SIMD_PREFIXES)),
             "logical_cpus": os.cpu_count(), "threads": torch.get_num_threads()}
 

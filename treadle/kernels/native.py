@@ -78,21 +78,25 @@ VARIANTS = (  # best first; "plain" (the reference) runs everywhere
 _BY_NAME = {v.name: v for v in VARIANTS}
 
 
-def _cpu_id() -> str:
+@cache
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ("flags", "vendor_id", "model name" ...; {} if none)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
 
 
 @cache
 def cpu_features() -> frozenset[str]:
     """This CPU's feature flags as Linux names them (empty where /proc/cpuinfo has none)."""
-    line = _cpu_id()
-    return frozenset(line.split(":", 1)[1].split()) if line.startswith("flags") else frozenset()
+    return frozenset(cpuinfo().get("flags", "").split())
 
 
 def rounds_activations_to_bf16(variant: str) -> bool:
@@ -151,7 +155,8 @@ def build_variant(name: str) -> ctypes.CDLL | None:
     sources = sorted(csrc.glob("*.c"))
     flags = (*_FLAGS, *_BY_NAME[name].flags)
     digest = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in sorted(csrc.glob("*.[ch]"))), " ".join(flags).encode(), compiler.encode(), _cpu_id().encode()):
+    cpu = cpuinfo().get("flags") or platform.processor() or platform.machine()
+    for part in (*(p.read_bytes() for p in sorted(csrc.glob("*.[ch]"))), " ".join(flags).encode(), compiler.encode(), cpu.encode()):
         digest.update(part)
     target = _cache_dir() / f"treadle_kernels_{name}_{digest.hexdigest()[:16]}.so"
     try:
@@ -269,8 +274,8 @@ Segments = tuple[tuple[str, int], ...]  # a weight's rows as (block type or "BF1
 
 
 class Layout(ctypes.Structure):
-    """csrc/tq.h's ``tq_layout``: the segments of one weight, and the activations' bits (16, or 8 for
-    the block types csrc/q8act.c reads)."""
+    """csrc/tq.h's ``tq_layout``: the segments of one weight, the activations' bits (16, or 8 for the
+    block types csrc/q8act.c reads) and whether small 8-bit batches take the 256-bit paths."""
 
     _fields_ = [("count", ctypes.c_int32), ("qtype", ctypes.c_int32 * MAX_SEGMENTS),
                 ("rows", ctypes.c_int64 * MAX_SEGMENTS), ("act_bits", ctypes.c_int32), ("small_256", ctypes.c_int32)]
@@ -279,42 +284,22 @@ class Layout(ctypes.Structure):
 def layout(segments: Segments, act_bits: int | None = None) -> Layout:
     """The C description of ``segments`` (built once per distinct layout); ``act_bits`` defaults
     to ``TREADLE_ACTIVATION_BITS``, the small-batch path to ``TREADLE_SMALL_BATCH_PATH``."""
-    path = envs.small_batch_path()
-    small_256 = prefers_256_bit_small_batches() if path is None else path == "256"
-    return _layout(segments, act_bits or envs.activation_bits(), small_256)
+    return _layout(segments, act_bits or envs.activation_bits(), envs.small_batch_path())
 
 
 def prefers_256_bit_small_batches(vendor_family: tuple[str, int] | None = None,
                                   features: frozenset[str] | None = None) -> bool:
-    """Whether small 8-bit batches (up to q8act.c's register paths: 4 rows) should skip the AVX-512
-    zmm strips on this CPU (or the given vendor / family and features): AMD Zen 4 (family 25 with
-    AVX-512), where the 256-bit paths made SmolLM2's batch-1 decode step 1.35x faster; measured the
-    other way on Zen 5 and Sapphire Rapids (docs/kernels.md)."""
-    vendor, family = cpu_vendor_family() if vendor_family is None else vendor_family
+    """Whether 8-bit batches up to q8act.c's register paths (4 rows) skip the AVX-512 zmm strips on this
+    CPU (or the given one): on AMD Zen 4 (family 25 with AVX-512) only; why: docs/kernels.md."""
+    vendor, family = vendor_family or (cpuinfo().get("vendor_id", ""), cpuinfo().get("cpu family", ""))
     have = cpu_features() if features is None else features
-    return vendor == "AuthenticAMD" and family == 25 and "avx512f" in have
+    return vendor == "AuthenticAMD" and str(family) == "25" and "avx512f" in have
 
 
 @cache
-def cpu_vendor_family() -> tuple[str, int]:
-    """This CPU's vendor id and family number from /proc/cpuinfo (("", 0) where it has none)."""
-    vendor, family = "", 0
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "vendor_id" and not vendor:
-                vendor = value.strip()
-            elif key.strip() == "cpu family" and not family:
-                family = int(value.strip() or 0)
-            if vendor and family:
-                break
-    except (OSError, ValueError):
-        pass
-    return vendor, family
-
-
-@cache
-def _layout(segments: Segments, act_bits: int, small_256: bool = False) -> Layout:
+def _layout(segments: Segments, act_bits: int, small_path: str | None = None) -> Layout:
+    """small_path: TREADLE_SMALL_BATCH_PATH's 256 / 512, None for this CPU's choice."""
+    small_256 = prefers_256_bit_small_batches() if small_path is None else small_path == "256"
     if not 0 < len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"a weight has 1 to {MAX_SEGMENTS} segments, not {len(segments)}")
     if act_bits not in (8, 16):

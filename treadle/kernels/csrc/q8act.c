@@ -821,7 +821,7 @@ static inline __attribute__((always_inline)) void packed_direct(const int t, con
         prefetch_block(next, b, ub);
         __m256i p16[MRG]; /* Q8_0: int32 sums */
         for (int i = 0; i < NX; i++) p16[i] = _mm256_setzero_si256();
-        for (int s = 0; s < 8 * q8; s++) {
+        for (int s = 0; s < 8 * q8; s++) { /* Q8_0's steps; the loop below is Q4's (t is a constant: one of them runs) */
             const __m256i q = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s)), aq = _mm256_sign_epi8(q, q);
             for (int i = 0; i < NX; i++) {
                 int32_t v;
@@ -956,6 +956,17 @@ static inline __attribute__((always_inline)) void packed_k_direct(const int t, c
 
 #endif
 
+/* 1 when group_work reads M activation rows of type t straight into registers (the SIMD builds),
+ * no panel. */
+static int takes_registers(int t, int64_t M) {
+#ifdef TQ_AVX2
+    return (t == TQ_Q8_0 && M <= Q8_0_DIRECT) || (is_packed(t) && M <= (base_type(t) == TQ_Q6_K ? Q6K_DIRECT : MRG));
+#else
+    (void)t, (void)M;
+    return 0;
+#endif
+}
+
 #define GTILE(NG, NX) group_tile(base_type(t), panel, nb, xm, K, NG, NX, bn, out, ldy)
 
 /* Groups g and, when pair, g + 1 (weight rows 8g .. 8g+15) times every activation row; t a
@@ -968,7 +979,7 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
 #ifdef TQ_AVX2
     /* few rows: registers beat the panel (packed Q4: 1.5x at M = 1, ~1.05x at 4; Q8_0: 1.25x at 1,
      * 1.13x at 2 and 3; the same along k for unpacked Q4 measured 0.91-0.94x the panel: not taken) */
-    if (tq_q8_direct_rows(t, M)) {
+    if (takes_registers(t, M)) {
         for (int h = 0; h <= pair; h++) {
             const uint8_t *wg = w + (g + h) * GR * rbytes;
             const float *bh = bn ? bn + GR * h : NULL;
@@ -1020,17 +1031,6 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
     }
 }
 
-/* 1 when group_work reads M activation rows of type t straight into registers (the SIMD builds),
- * no panel. */
-int tq_q8_direct_rows(int t, int64_t M) {
-#ifdef TQ_AVX2
-    return (t == TQ_Q8_0 && M <= Q8_0_DIRECT) || (is_packed(t) && M <= (base_type(t) == TQ_Q6_K ? Q6K_DIRECT : MRG));
-#else
-    (void)t, (void)M;
-    return 0;
-#endif
-}
-
 /* The groups split over the threads; the type switch inside the parallel loop, so that each
  * type's copy of the loop is compiled with its type a constant (OpenMP outlines the region
  * before inlining could specialize it). */
@@ -1072,7 +1072,7 @@ static void group_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t l
  * threads: batch 1 1.35x, batch 4 1.16x faster this way; from 6 rows the strips win, 1.4x). */
 void tq_q8_rows(int qtype, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
                 int64_t N, int64_t K, int small_256) {
-    const int64_t done = small_256 && tq_q8_direct_rows(qtype, M)
+    const int64_t done = small_256 && takes_registers(qtype, M)
                              ? 0
                              : tq_q8_batch_rows(qtype, w, x, y, ldy, bias, M, N, K); /* q8batch.c: batches on AVX-512 */
     if (done < N) group_rows(qtype, w + done * row_bytes(qtype, K), x, y + done, ldy, bias ? bias + done : NULL, M, N - done, K);

@@ -159,7 +159,7 @@ static inline __attribute__((always_inline)) void strip_direct(const int t, cons
                 }
         }
 #pragma GCC unroll 4
-        for (int s = 0; s < 4 * !q8; s++) {
+        for (int s = 0; s < 4 * !q8; s++) { /* Q4's steps (Q8_0's ran above; t is a constant) */
             const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
             const __m256i hi = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + sb + 32 * s)) : _mm256_setzero_si256();
             const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
@@ -340,19 +340,17 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
             const uint8_t *wg = w + g * 8 * rbytes;
             const __mmask16 store = lone ? (__mmask16)0x00ff : (__mmask16)0xffff;
             const float *bs = bias ? bias + g * 8 : NULL;
-            if (pq8) {
-                direct_rows(TQ_PACKED + TQ_Q8_0, wg, lone ? NULL : wg + 8 * rbytes, g + 5 < groups ? wg + 2 * SGR * rbytes : NULL,
-                            x, y + g * 8, ldy, bs, M, K, store);
-                continue;
-            }
             if (direct && q8_0) {
                 q8_0_direct_rows(wg, rbytes, lone, x, y + g * 8, ldy, bs, M, K, store,
                                  g + 3 < groups ? wg + SGR * rbytes : NULL, SGR * rbytes);
                 continue;
             }
-            if (direct) {
-                const uint8_t *nextw = st + 1 < strips && g + 3 < groups ? wg + SGR * rbytes : NULL;
-                if (t == TQ_PACKED + TQ_Q4_1)
+            if (direct) { /* packed Q4 / Q8_0: the next strip prefetched (Q8_0: the one after it) */
+                const int ahead = pq8 ? 2 : 1;
+                const uint8_t *nextw = g + 2 * ahead + 1 < groups ? wg + ahead * SGR * rbytes : NULL;
+                if (pq8)
+                    direct_rows(TQ_PACKED + TQ_Q8_0, wg, lone ? NULL : wg + 8 * rbytes, nextw, x, y + g * 8, ldy, bs, M, K, store);
+                else if (t == TQ_PACKED + TQ_Q4_1)
                     direct_rows(TQ_PACKED + TQ_Q4_1, wg, lone ? NULL : wg + 8 * rbytes, nextw, x, y + g * 8, ldy, bs, M, K, store);
                 else
                     direct_rows(TQ_PACKED + TQ_Q4_0, wg, lone ? NULL : wg + 8 * rbytes, nextw, x, y + g * 8, ldy, bs, M, K, store);
