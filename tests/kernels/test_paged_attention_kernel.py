@@ -131,8 +131,8 @@ def test_bfloat16_cache_of_a_float32_model_gives_the_float32_cache_bits(
     variant: str, head_dim: int, window: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """float32 q/k/v over a bfloat16 cache (``kv_cache_dtype`` bfloat16 on a float32 model). Every
-    variant reads it with a float32 cache's arithmetic (the AVX-512 builds directly, at half the
-    bytes, where head_dim is a multiple of 16; the others widened per tile), so the output equals,
+    variant reads it in place, at half the bytes, with a float32 cache's arithmetic (each load
+    widened in the register; d40 takes the scalar tails past 8 / 16 lanes), so the output equals,
     bit for bit, that of a float32 cache holding the same values; the new rows are written rounded
     to nearest even, as torch rounds them."""
     force(monkeypatch, variant)

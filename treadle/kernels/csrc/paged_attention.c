@@ -47,10 +47,11 @@
  * chunk16's, once for the scores and once for the V sums).
  * A bfloat16 cache (TQ_KV_BF16: a bfloat16 model's, or a float32 model's with kv_cache_dtype
  * bfloat16) holds rows of head_dim bfloat16 values, no scale, written rounded to nearest even
- * (torch's float -> bfloat16). The AVX-512 builds read it directly (head_dim a multiple of 16:
- * chunk16 widens each load in the register, so the bytes read are half a float32 cache's);
- * the others take the quantized caches' path, widened to float32 exactly per tile. Either way a
- * bfloat16 cache gives the bits of a float32 cache holding the same values.
+ * (torch's float -> bfloat16). Every build reads it in place, each load widened in the register
+ * (chunk16's 16 lanes in the AVX-512 builds, 8 in the AVX2 ones, one value in plain C), so the bytes
+ * read are half a float32 cache's and a bfloat16 cache gives the bits of a float32 cache holding
+ * the same values (AVX2 forced on AMD Zen 4, batch 16 x 200 keys: 1.45-1.7x the widened copy per tile
+ * the AVX2 builds made before).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -93,33 +94,57 @@ static inline __m256 exp_nonpositive(__m256 x) {
 }
 #endif
 
-static inline float dot(const float *a, const float *b, int64_t n) {
+/* Element i of cache rows at p: float32, or (bf16) bfloat16 widened to float32 exactly (its 16 bits
+ * on top), so a bfloat16 cache is read in place, at half the bytes, with a float32 cache's
+ * arithmetic on the same values. The functions below take `rows` in elements of either kind. */
+static inline __attribute__((always_inline)) float elem(const void *p, int64_t i, const int bf16) {
+    if (bf16) {
+        const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+
+#ifdef TQ_AVX2
+static inline __attribute__((always_inline)) __m256 load8(const void *p, int64_t i, const int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+#endif
+
+/* q . row (elements r .. r + n - 1 of rows) */
+static inline __attribute__((always_inline)) float dot(const float *a, const void *rows, int64_t r, int64_t n,
+                                                       const int bf16) {
     int64_t i = 0;
     float s = 0.0f;
 #ifdef TQ_AVX2
     __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(rows, r + i, bf16), acc);
     s = hsum(acc);
 #endif
-    for (; i < n; i++) s += a[i] * b[i];
+    for (; i < n; i++) s += a[i] * elem(rows, r + i, bf16);
     return s;
 }
 
 /* s[j] = scale * q . rows[j * stride : j * stride + D] for j < n. With AVX2, 8 rows at a time:
  * 8 independent accumulators share each load of q and are reduced together (hadd tree), so
  * no row waits on a horizontal sum of its own. */
-static inline void scores(const float *q, const float *rows, int64_t stride, int64_t n, int64_t D, float scale,
-                          float *s) {
+static inline __attribute__((always_inline)) void scores(const float *q, const void *rows, int64_t stride, int64_t n,
+                                                         int64_t D, float scale, float *s, const int bf16) {
     int64_t j = 0;
 #ifdef TQ_AVX2
     const int64_t D8 = D & ~(int64_t)7;
     for (; j + 8 <= n; j += 8) {
-        const float *r = rows + j * stride;
+        const int64_t r = j * stride;
         __m256 a[8];
         for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D8; d += 8) {
             const __m256 qv = _mm256_loadu_ps(q + d);
-            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + u * stride + d), a[u]);
+            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv, load8(rows, r + u * stride + d, bf16), a[u]);
         }
         /* u = [sums of a0..a3 over their low 128 bits | over their high 128 bits], w the same for
          * a4..a7; adding the matching halves gives the 8 dot products in order */
@@ -128,10 +153,10 @@ static inline void scores(const float *q, const float *rows, int64_t stride, int
         const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u, w, 0x20), _mm256_permute2f128_ps(u, w, 0x31));
         _mm256_storeu_ps(s + j, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
         for (int64_t d = D8; d < D; d++) /* the tail of an odd head_dim */
-            for (int u = 0; u < 8; u++) s[j + u] += scale * q[d] * r[u * stride + d];
+            for (int u = 0; u < 8; u++) s[j + u] += scale * q[d] * elem(rows, r + u * stride + d, bf16);
     }
 #endif
-    for (; j < n; j++) s[j] = scale * dot(q, rows + j * stride, D);
+    for (; j < n; j++) s[j] = scale * dot(q, rows, j * stride, D, bf16);
 }
 
 /* p[j] = e^(p[j] - mx) for j < n (every p[j] <= mx); returns their sum. */
@@ -156,13 +181,13 @@ static inline float exp_sum(float *p, int n, float mx) {
 /* acc[0:8W] = c acc + sum_{j<n} p[j] rows[j * stride : j * stride + 8W], W accumulators in
  * registers over all n rows (W = 8: enough independent FMA chains to fill both FMA units). */
 static inline __attribute__((always_inline)) void accumulate_strip(float *acc, __m256 c, const float *p,
-                                                                   const float *rows, int64_t stride, int n,
-                                                                   const int W) {
+                                                                   const void *rows, int64_t r, int64_t stride, int n,
+                                                                   const int W, const int bf16) {
     __m256 a[8];
     for (int u = 0; u < W; u++) a[u] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * u), c);
     for (int j = 0; j < n; j++) {
         const __m256 pj = _mm256_set1_ps(p[j]);
-        for (int u = 0; u < W; u++) a[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(rows + j * stride + 8 * u), a[u]);
+        for (int u = 0; u < W; u++) a[u] = _mm256_fmadd_ps(pj, load8(rows, r + j * stride + 8 * u, bf16), a[u]);
     }
     for (int u = 0; u < W; u++) _mm256_storeu_ps(acc + 8 * u, a[u]);
 }
@@ -170,18 +195,18 @@ static inline __attribute__((always_inline)) void accumulate_strip(float *acc, _
 
 /* acc[0:D] = c acc + sum_{j<n} p[j] rows[j * stride : j * stride + D]: 64, 32, then 8 columns
  * at a time, then a scalar tail. */
-static void scale_accumulate(float *acc, float c, const float *p, const float *rows, int64_t stride, int n,
-                             int64_t D) {
+static void scale_accumulate(float *acc, float c, const float *p, const void *rows, int64_t stride, int n, int64_t D,
+                             const int bf16) {
     int64_t d = 0;
 #ifdef TQ_AVX2
     const __m256 vc = _mm256_set1_ps(c);
-    for (; d + 64 <= D; d += 64) accumulate_strip(acc + d, vc, p, rows + d, stride, n, 8);
-    if (d + 32 <= D) accumulate_strip(acc + d, vc, p, rows + d, stride, n, 4), d += 32;
-    for (; d + 8 <= D; d += 8) accumulate_strip(acc + d, vc, p, rows + d, stride, n, 1);
+    for (; d + 64 <= D; d += 64) accumulate_strip(acc + d, vc, p, rows, d, stride, n, 8, bf16);
+    if (d + 32 <= D) accumulate_strip(acc + d, vc, p, rows, d, stride, n, 4, bf16), d += 32;
+    for (; d + 8 <= D; d += 8) accumulate_strip(acc + d, vc, p, rows, d, stride, n, 1, bf16);
 #endif
     for (; d < D; d++) {
         float a = c * acc[d];
-        for (int j = 0; j < n; j++) a += p[j] * rows[j * stride + d];
+        for (int j = 0; j < n; j++) a += p[j] * elem(rows, j * stride + d, bf16);
         acc[d] = a;
     }
 }
@@ -298,16 +323,18 @@ static inline __attribute__((always_inline)) void accumulate16x2(float *acc0, fl
 #endif
 
 /* One online-softmax step of one query head q over the n <= TILE keys/values kr, vr (rows
- * `stride` floats apart): m, l, acc (D floats) updated as the header says; s is scratch. */
-static inline void head_tile(const float *q, const float *kr, const float *vr, int64_t stride, int n, int64_t D,
-                             float scale, float *m, float *l, float *acc, float *s) {
-    scores(q, kr, stride, n, D, scale, s);
+ * `stride` elements apart, float32 or bf16): m, l, acc (D floats) updated as the header says; s is
+ * scratch. */
+static inline __attribute__((always_inline)) void head_tile(const float *q, const void *kr, const void *vr,
+                                                            int64_t stride, int n, int64_t D, float scale, float *m,
+                                                            float *l, float *acc, float *s, const int bf16) {
+    scores(q, kr, stride, n, D, scale, s, bf16);
     float mx = *m;
     for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
     const float c = expf(*m - mx); /* 0 on the first tile (m = -inf) */
     *l = c * *l + exp_sum(s, n, mx);
     *m = mx;
-    scale_accumulate(acc, c, s, vr, stride, n, D);
+    scale_accumulate(acc, c, s, vr, stride, n, D, bf16);
 }
 
 /* The tile at key pos of a range ending at end: up to TILE keys of one block, returned, and the
@@ -467,18 +494,21 @@ static inline __attribute__((always_inline)) void chunk16(const float *q, const 
 #endif
 
 /* Online softmax of every query head of one sequence (q: H heads, D floats apart) over its keys
- * [start, end) of a float32 cache, tile by tile (the builds and head sizes chunk16 does not take),
- * into m[H], l[H], acc[H * D]; query head h reads KV head h / G. The blocks AHEAD on are prefetched
- * up to the row's last key `limit`, past the range's end: a row's chunks run one after another
- * (1.25x at 16 rows x 160 keys, AMD Zen 5, cold caches). A tile is up to TILE keys of one block:
- * whole cache rows (all KV heads, `stride` floats apart), contiguous in memory, read from DRAM
- * once and then from L1 by the G heads of each KV head. An empty range leaves m = -inf, l = 0,
- * acc = 0. */
-static void attend_range_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
-                             int64_t start, int64_t end, int64_t limit, int64_t block_size, int64_t stride, int64_t H,
-                             int64_t G, int64_t D, float scale, float *m, float *l, float *acc) {
+ * [start, end) of a float32 or (bf16) bfloat16 cache, read in place, tile by tile (the builds and
+ * head sizes chunk16 does not take), into m[H], l[H], acc[H * D]; query head h reads KV head h / G.
+ * The blocks AHEAD on are prefetched up to the row's last key `limit`, past the range's end: a row's
+ * chunks run one after another (1.25x at 16 rows x 160 keys, AMD Zen 5, cold caches). A tile is up
+ * to TILE keys of one block: whole cache rows (all KV heads, `stride` elements apart), contiguous in
+ * memory, read from DRAM once and then from L1 by the G heads of each KV head. An empty range leaves
+ * m = -inf, l = 0, acc = 0. */
+static inline __attribute__((always_inline)) void attend_rows(const float *q, const void *k_cache, const void *v_cache,
+                                                              const int32_t *table, int64_t start, int64_t end,
+                                                              int64_t limit, int64_t block_size, int64_t stride,
+                                                              int64_t H, int64_t G, int64_t D, float scale, float *m,
+                                                              float *l, float *acc, const int bf16) {
     float s[TILE];
-    const int64_t block_bytes = block_size * stride * 4, share = (block_bytes / 64 + H - 1) / H * 64;
+    const int64_t es = bf16 ? 2 : 4, block_bytes = block_size * stride * es;
+    const int64_t share = (block_bytes / 64 + H - 1) / H * 64;
     for (int64_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
     prefetch_first(k_cache, v_cache, table, start, limit, block_size, block_bytes);
@@ -489,13 +519,30 @@ static void attend_range_f32(const float *q, const float *k_cache, const float *
         for (int64_t h = 0; h < H; h++) {
             if (ahead >= 0) /* a share before each head: all at once would stall on the fill buffers */
                 prefetch_block(k_cache, v_cache, ahead, h * share, (h + 1) * share < block_bytes ? (h + 1) * share : block_bytes);
-            head_tile(q + h * D, k_cache + base + h / G * D, v_cache + base + h / G * D, stride, (int)n, D, scale, m + h,
-                      l + h, acc + h * D, s);
+            const int64_t at = (base + h / G * D) * es;
+            head_tile(q + h * D, (const char *)k_cache + at, (const char *)v_cache + at, stride, (int)n, D, scale, m + h,
+                      l + h, acc + h * D, s, bf16);
         }
     }
 }
 
-/* attend_range_f32, or chunk16 where the build and D allow (then also for a bfloat16 cache, bf16). */
+/* attend_rows for each kind of cache, one function each: both inlined into attend_range, the
+ * float32 path spilled more and ran 5-7 % slower than the float32-only function before it (AVX2
+ * build, AMD Zen 4); as two functions, 1-5 % (attention_floor_cpu.py --ref 51e7cf2) */
+__attribute__((noinline)) static void attend_rows_f32(const float *q, const void *k_cache, const void *v_cache,
+                                                      const int32_t *table, int64_t start, int64_t end, int64_t limit,
+                                                      int64_t block_size, int64_t stride, int64_t H, int64_t G,
+                                                      int64_t D, float scale, float *m, float *l, float *acc) {
+    attend_rows(q, k_cache, v_cache, table, start, end, limit, block_size, stride, H, G, D, scale, m, l, acc, 0);
+}
+__attribute__((noinline)) static void attend_rows_bf16(const float *q, const void *k_cache, const void *v_cache,
+                                                       const int32_t *table, int64_t start, int64_t end, int64_t limit,
+                                                       int64_t block_size, int64_t stride, int64_t H, int64_t G,
+                                                       int64_t D, float scale, float *m, float *l, float *acc) {
+    attend_rows(q, k_cache, v_cache, table, start, end, limit, block_size, stride, H, G, D, scale, m, l, acc, 1);
+}
+
+/* chunk16 where the build and D allow, else attend_rows; a float32 or (bf16) bfloat16 cache. */
 static void attend_range(const float *q, const void *k_cache, const void *v_cache, const int32_t *table, int64_t start,
                          int64_t end, int64_t limit, int64_t block_size, int64_t stride, int64_t H, int64_t G, int64_t D,
                          float scale, int bf16, float *m, float *l, float *acc) {
@@ -509,9 +556,8 @@ static void attend_range(const float *q, const void *k_cache, const void *v_cach
         return;
     }
 #endif
-    (void)bf16; /* a bfloat16 cache comes here only through chunk16 (bf16_direct) */
-    attend_range_f32(q, (const float *)k_cache, (const float *)v_cache, table, start, end, limit, block_size, stride, H,
-                     G, D, scale, m, l, acc);
+    (bf16 ? attend_rows_bf16 : attend_rows_f32)(q, k_cache, v_cache, table, start, end, limit, block_size, stride, H, G,
+                                                D, scale, m, l, acc);
 }
 
 /* float -> float8 e4m3fn bits, round half to even, for |x| <= 448 (the caller clamps). */
@@ -597,32 +643,9 @@ static void bf16_encode_row(const float *x, uint16_t *out, int64_t n) {
     for (; e < n; e++) out[e] = bf16_encode(x[e]);
 }
 
-/* n bfloat16 rows (`stride` bytes apart) -> n * D floats (D apart), exactly */
-static void widen_rows(const uint8_t *rows, int64_t stride, int64_t n, int64_t D, float *out) {
-    for (int64_t j = 0; j < n; j++) {
-        const uint16_t *r = (const uint16_t *)(rows + j * stride);
-        float *o = out + j * D;
-        int64_t d = 0;
-#ifdef TQ_AVX2
-        for (; d + 8 <= D; d += 8) {
-            const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(r + d)));
-            _mm256_storeu_ps(o + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-        }
-#endif
-        for (; d < D; d++) {
-            const uint32_t u = (uint32_t)r[d] << 16;
-            memcpy(o + d, &u, sizeof u);
-        }
-    }
-}
-
 /* n quantized rows (`stride` bytes apart) -> n * D floats (D apart), each value times its row's scale. */
 static void dequantize_rows(const uint8_t *rows, int64_t stride, int64_t n, int64_t D, int kv_format,
                             const float *lut, float *out) {
-    if (kv_format == TQ_KV_BF16) {
-        widen_rows(rows, stride, n, D, out);
-        return;
-    }
     for (int64_t j = 0; j < n; j++) {
         const uint8_t *r = rows + j * stride;
         float s;
@@ -642,7 +665,7 @@ static void dequantize_rows(const uint8_t *rows, int64_t stride, int64_t n, int6
     }
 }
 
-/* attend_range over a quantized or bfloat16 cache (rows of `stride` bytes, head_bytes per KV head):
+/* attend_range over an int8 / fp8 cache (rows of `stride` bytes, head_bytes per KV head):
  * each tile is dequantized per KV head into kbuf / vbuf (TILE * D floats each), which the G query
  * heads of that KV head read. */
 static void attend_range_quant(const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table,
@@ -666,7 +689,7 @@ static void attend_range_quant(const float *q, const uint8_t *k_cache, const uin
             dequantize_rows(k_cache + base + kh * head_bytes, stride, n, D, kv_format, lut, kbuf);
             dequantize_rows(v_cache + base + kh * head_bytes, stride, n, D, kv_format, lut, vbuf);
             for (int64_t h = kh * G; h < (kh + 1) * G; h++)
-                head_tile(q + h * D, kbuf, vbuf, D, (int)n, D, scale, m + h, l + h, acc + h * D, s);
+                head_tile(q + h * D, kbuf, vbuf, D, (int)n, D, scale, m + h, l + h, acc + h * D, s, 0);
         }
     }
 }
@@ -691,24 +714,13 @@ typedef struct { /* what every work item reads */
     const float *lut;
 } paged_args;
 
-/* 1: a bfloat16 cache that attend_range reads itself (the AVX-512 builds, D a multiple of 16),
- * with no widened copy per tile */
-static inline int bf16_direct(int kv_format, int64_t D) {
-#if defined(TQ_AVX2) && defined(__AVX512F__)
-    return kv_format == TQ_KV_BF16 && D % 16 == 0;
-#else
-    (void)kv_format, (void)D;
-    return 0;
-#endif
-}
-
 /* Chunk c of row i into part (m[H], l[H], acc[H * D]). */
 static void attend_chunk(const paged_args *a, int64_t i, int64_t c, float *kbuf, float *part) {
     const int64_t len = a->seq_lens[i], lo = (a->window > 0 && len > a->window) ? len - a->window : 0;
     const int64_t start = lo + c * SPLIT, end = start + SPLIT < len ? start + SPLIT : len;
     float *m = part, *l = m + a->H, *acc = l + a->H;
     const int32_t *table = a->block_tables + i * a->max_blocks;
-    const int bf16 = bf16_direct(a->kv_format, a->D);
+    const int bf16 = a->kv_format == TQ_KV_BF16;
     if (a->kv_format == TQ_KV_FLOAT32 || bf16)
         attend_range(a->q + i * a->q_stride, a->k_cache, a->v_cache, table, start, end, len, a->block_size, a->row, a->H,
                      a->G, a->D, a->scale, bf16, m, l, acc);
@@ -805,7 +817,7 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
     if (part == NULL) abort();
 #pragma omp parallel if (total * H >= PARALLEL_MIN)
     {
-        const int widened = kv_format != TQ_KV_FLOAT32 && !bf16_direct(kv_format, D); /* tiles copied into kbuf */
+        const int widened = kv_format == TQ_KV_INT8 || kv_format == TQ_KV_FP8; /* tiles dequantized into kbuf */
         float *kbuf = widened ? malloc((size_t)(2 * TILE * D) * sizeof(float)) : NULL;
         if (widened && kbuf == NULL) abort();
         int tid = 0;
