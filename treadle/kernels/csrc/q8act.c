@@ -290,9 +290,11 @@ static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 }
 static inline __m256i step16(__m256i p, __m256i u, __m256i s) { return dpbusd(p, u, s); }
 static inline __m256i widen16(__m256i p) { return p; }
+static inline __m256i join16(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
 static inline __m256i step32(__m256i p, __m256i u, __m256i s) { return dpbusd(p, u, s); }
 #else
 static inline __m256i step16(__m256i p, __m256i u, __m256i s) { return _mm256_add_epi16(p, _mm256_maddubs_epi16(u, s)); }
+static inline __m256i join16(__m256i a, __m256i b) { return _mm256_add_epi16(a, b); }
 static inline __m256i widen16(__m256i p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
 static inline __m256i step32(__m256i p, __m256i u, __m256i s) { return _mm256_add_epi32(p, widen16(_mm256_maddubs_epi16(u, s))); }
 #endif
@@ -830,6 +832,10 @@ static inline __attribute__((always_inline)) void packed_direct(const int t, con
                 __asm__("" : "+x"(p16[i]));
             }
         }
+        __m256i ph[MRG]; /* the high nibbles' sums, a second chain per row, joined after the block: the same
+                            integer (both halves < 16384 in int16), 1.04-1.07x at 1-4 rows in the VNNI
+                            builds (Zen 4, 3072 x 576), no change in AVX2 */
+        for (int i = 0; i < NX; i++) ph[i] = _mm256_setzero_si256();
         for (int s = 0; s < 4 * !q8; s++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
             const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
@@ -839,9 +845,11 @@ static inline __attribute__((always_inline)) void packed_direct(const int t, con
                 memcpy(&xl, xb + 4 * s, 4);
                 memcpy(&xh, xb + 16 + 4 * s, 4);
                 p16[i] = step16(p16[i], lo, _mm256_set1_epi32(xl));
-                p16[i] = step16(p16[i], hi, _mm256_set1_epi32(xh));
+                ph[i] = step16(ph[i], hi, _mm256_set1_epi32(xh));
             }
         }
+        if (!q8)
+            for (int i = 0; i < NX; i++) p16[i] = join16(p16[i], ph[i]);
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         const __m256 mv = base_type(t) == TQ_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * GR)))
                                                   : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
