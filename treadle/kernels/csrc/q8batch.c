@@ -1,7 +1,7 @@
 /* The batched 8-bit activation path on AVX-512 VNNI (the avx512-vnni and avx512-bf16 builds):
- * packed Q4_0 / Q4_1 / Q8_0 rows (q8act.c tq_q8_pack) and the file's Q8_0 rows at every batch (packed
+ * packed Q4_0 / Q4_1 / Q8_0 rows (q8pack.c tq_q8_pack) and the file's Q8_0 rows at every batch (packed
  * Q8_0: strip_direct's loads at every batch, no panel), Q4_K / Q5_K / Q6_K rows times M >= BATCH_MIN_K (unpack_k4_strip,
- * unpack_q6k_strip: q8act.c's unpack_kgroup values for 16 rows at a time; Q6_K's two half-block
+ * unpack_q6k_strip: q8panel.h's unpack_kgroup values for 16 rows at a time; Q6_K's two half-block
  * dots start at -32 xh and are folded with its int8 scales in int32 as q8act.c's q6_fold). Up to DIRECT_MAX_Q4 rows, a packed strip's nibbles go from the
  * packed bytes straight into zmm registers, each block unpacked once per tile of TQ_NX rows and
  * fed to all of them (strip_direct, the next strip prefetched); likewise up to DIRECT_MAX_Q8_0
@@ -120,7 +120,7 @@ static inline void prefetch_strip_block(const uint8_t *next, int64_t nb, int64_t
 }
 
 /* Packed Q4 or Q8_0 groups at w and w1 (NULL: a lone group, its lanes zero), NX activation rows, no
- * panel: each block's nibbles (Q8_0: its 8 steps, two 32-byte loads each -- q8act.c's packed layout:
+ * panel: each block's nibbles (Q8_0: its 8 steps, two 32-byte loads each -- q8pack.c's packed layout:
  * group g's step s in lanes 0..7, group g + 1's in 8..15 -- offset to unsigned) go from the packed
  * bytes straight into registers and feed every row (the same integers and float operations as
  * strip_tile, so the same bits; for Q8_0 with no transposes or gathers at any batch). The bytes of
@@ -129,7 +129,7 @@ static inline __attribute__((always_inline)) void strip_direct(const int t, cons
                                                                const uint8_t *next, int64_t nb, tq_q8acts x, int64_t K,
                                                                const int NX, const float *bias, float *out,
                                                                int64_t ostride, __mmask16 store) {
-    const int q8 = packed_q8_0(t), ub = unit_bytes(t), sb = pscale_bytes(t);
+    const int q8 = packed_q8_0(t), ub = unit_bytes(t), sb = scale_bytes(t);
     const __m512i mask = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[TQ_NX];
 #pragma GCC unroll 8

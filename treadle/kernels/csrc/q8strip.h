@@ -7,7 +7,7 @@
  *                 (8 rows of 64 bytes: row s = k 4s .. 4s+3 of the 16 weight rows)
  *   d[16], m[16] (Q6_K: sc[16], the halves' int8 scales sc0 | sc1 << 16)
  *
- * Every function makes q8act.c's unpack_kgroup / unpack_group values for 16 rows at a time; a lone
+ * Every function makes q8panel.h's unpack_kgroup / unpack_group values for 16 rows at a time; a lone
  * last group of 8 rows leaves lanes 8..15 zero. */
 #ifndef TQ_Q8STRIP_H
 #define TQ_Q8STRIP_H
@@ -32,7 +32,6 @@ typedef struct { /* one block of a strip, unpacked */
     };
 } sblock;
 
-static inline int pscale_bytes(int t) { return base_type(t) == TQ_Q4_1 ? 4 * 8 : 2 * 8; }
 
 /* 8 halves at p and 8 at p1 (NULL: zeros) -> 16 floats */
 static inline __m512 halves16(const uint8_t *p, const uint8_t *p1) {
@@ -43,7 +42,7 @@ static inline __m512 halves16(const uint8_t *p, const uint8_t *p1) {
 
 /* Packed Q4 groups g (rows at w) and g + 1 (at w1, NULL for a lone group), every block. */
 static inline void unpack_packed(int t, const uint8_t *w, const uint8_t *w1, int64_t nb, sblock *panel) {
-    const int ub = unit_bytes(t), sb = pscale_bytes(t);
+    const int ub = unit_bytes(t), sb = scale_bytes(t);
     const __m512i mask = _mm512_set1_epi8(15);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = w + b * 8 * ub, *p1 = w1 ? w1 + b * 8 * ub : NULL;
@@ -126,7 +125,7 @@ static inline __m512i two_rows(const uint8_t *w, int64_t rbytes, int j, int64_t 
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
-/* Packed K-quant rows (q8act.c tq_q8_pack): dword c of the two groups' super-block at p (rows 0..7)
+/* Packed K-quant rows (q8pack.c tq_q8_pack): dword c of the two groups' super-block at p (rows 0..7)
  * and p + 8 rbytes (rows 8..15, zero when lone) in one register, lane j = row j. */
 static inline __m512i packed_dwords(const uint8_t *p, int64_t rbytes, int c, int lone) {
     const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + 32 * c));
@@ -135,7 +134,7 @@ static inline __m512i packed_dwords(const uint8_t *p, int64_t rbytes, int c, int
 }
 
 /* Q4_K / Q5_K strips (16 rows, or 8 when lone: rows 8..15 zero) straight into 16-lane blocks, the
- * same values as q8act.c's unpack_kgroup (d sc_b, -dmin mn_b exact; the same q bytes) with half
+ * same values as q8panel.h's unpack_kgroup (d sc_b, -dmin mn_b exact; the same q bytes) with half
  * the shuffles: the 16 rows' scale bytes decoded in lanes, each 32-byte qs run of 16 rows
  * transposed once (packed Q4_K: loaded, no transposes). */
 static inline void unpack_k4_strip(int t, const uint8_t *w, int64_t rbytes, int lone, int64_t nb, sblock *panel) {

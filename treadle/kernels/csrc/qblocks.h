@@ -47,7 +47,7 @@ enum { TQ_Q4_0 = 2, TQ_Q4_1 = 3, TQ_Q5_0 = 6, TQ_Q5_1 = 7, TQ_Q8_0 = 8,
        TQ_Q2_K = 10, TQ_Q3_K = 11, TQ_Q4_K = 12, TQ_Q5_K = 13, TQ_Q6_K = 14 };
 #define QK 32
 /* TQ_PACKED + Q4_0 / Q4_1 (packed_type), + Q4_K / Q6_K (packed_k) and + Q8_0: the same blocks repacked
- * 8 rows at a time for q8act.c (its tq_q8_pack documents the layouts); same bytes per row */
+ * 8 rows at a time for the 8-bit activation path (q8pack.c's tq_q8_pack documents the layouts); same bytes per row */
 #define TQ_PACKED 100
 TQ_INLINE int packed_type(int t) { return t == TQ_PACKED + TQ_Q4_0 || t == TQ_PACKED + TQ_Q4_1; }
 TQ_INLINE int packed_k(int t) { return t == TQ_PACKED + TQ_Q4_K || t == TQ_PACKED + TQ_Q6_K; }
@@ -59,6 +59,14 @@ TQ_INLINE int is_k_quant(int t) { return base_type(t) >= TQ_Q2_K && base_type(t)
 TQ_INLINE int unit_blocks(int t) { return is_k_quant(t) ? 8 : 1; } /* blocks of 32 per unit */
 /* the K-quants with an 8-bit activation path (q8act.c, q8batch.c, q8amx.c), packed or not */
 TQ_INLINE int q8_kquant(int t) { return base_type(t) == TQ_Q4_K || base_type(t) == TQ_Q5_K || base_type(t) == TQ_Q6_K; }
+/* rows per packed group (q8pack.c's tq_q8_pack), and per group of q8act.c's panel */
+#define GR 8
+/* the bytes before a packed Q4_0 / Q4_1 / Q8_0 group block's steps: its 8 rows' d (Q4_1: then m) */
+TQ_INLINE int scale_bytes(int t) { return base_type(t) == TQ_Q4_1 ? 4 * GR : 2 * GR; }
+/* a Q4_0 / Q4_1 / Q5_0 / Q5_1 block's 16 nibble bytes (byte i: q[i] low, q[i + 16] high) */
+TQ_INLINE const uint8_t *nibbles(int t, const uint8_t *u) {
+    return u + (t == TQ_Q4_0 ? 2 : t == TQ_Q4_1 ? 4 : t == TQ_Q5_0 ? 6 : 8);
+}
 
 TQ_INLINE int unit_bytes(int t) {
     switch (base_type(t)) {
@@ -75,8 +83,14 @@ TQ_INLINE int unit_bytes(int t) {
     }
 }
 
-/* a packed K-quant super-block's whole dwords per row (q8act.c tq_q8_pack); Q6_K's 8 d follow them */
+/* a packed K-quant super-block's whole dwords per row (q8pack.c tq_q8_pack); Q6_K's 8 d follow them */
 TQ_INLINE int kwords(int t) { return unit_bytes(t) / 4; }
+/* row j's unit of a packed K-quant super-block p, as the file has it (q8pack.c's layout) */
+TQ_INLINE void unpack_kunit(int t, const uint8_t *p, int j, uint8_t *u) {
+    const int c4 = kwords(t), tail = unit_bytes(t) % 4;
+    for (int c = 0; c < c4; c++) memcpy(u + 4 * c, p + 32 * c + 4 * j, 4);
+    memcpy(u + 4 * c4, p + 32 * c4 + tail * j, (size_t)tail);
+}
 TQ_INLINE int64_t row_bytes(int t, int64_t K) { return K / (QK * unit_blocks(t)) * unit_bytes(t); }
 TQ_INLINE int split_scales(int t) { return t == TQ_Q2_K || t == TQ_Q3_K || t == TQ_Q6_K; } /* dh per 16 */
 TQ_INLINE int min_per_block(int t) { return t == TQ_Q4_1 || t == TQ_Q5_1 || t == TQ_Q4_K || t == TQ_Q5_K; }

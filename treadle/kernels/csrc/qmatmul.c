@@ -458,7 +458,7 @@ static void dequant_row(int qtype, const uint8_t *row, float *out, int64_t K) {
     }
 }
 
-/* Row n of W dequantized; packed rows (q8act.c) are first put back as the file has them. */
+/* Row n of W dequantized; packed rows (q8pack.c) are first put back as the file has them. */
 static void file_row(int qtype, const uint8_t *w, int64_t n, int64_t K, float *out) {
     const int64_t rbytes = row_bytes(qtype, K);
     if (!is_packed(qtype)) {

@@ -1,0 +1,155 @@
+/* The 8-bit activations of tq_matmul's act_bits == 8 path (tq_q8_quantize: int8 per block of 32,
+ * with the block sums q8act.c's minimum terms and Q6_K's halves need) and the packed rows that
+ * q8act.c, q8batch.c and q8amx.c read (tq_q8_pack, made once at load; tq_q8_unpack_row reads a row
+ * back as the file has it). q8act.c's header describes the arithmetic. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qblocks.h"
+
+int tq_q8_type(int t) {
+    return t == TQ_Q4_0 || t == TQ_Q4_1 || t == TQ_Q5_0 || t == TQ_Q5_1 || t == TQ_Q8_0 || q8_kquant(t) || packed_type(t) ||
+           packed_q8_0(t);
+}
+
+tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
+    const int64_t nb = K / QK;
+    float *f = (float *)malloc((size_t)(2 * M * nb) * sizeof(float));
+    int8_t *q = (int8_t *)malloc((size_t)(M * K));
+    int32_t *h = (int32_t *)malloc((size_t)(2 * M * nb) * sizeof(int32_t));
+    if (f == NULL || q == NULL || h == NULL) abort();
+    const tq_q8acts a = {q, f, f + M * nb, h};
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int64_t i = 0; i < M * nb; i++) {
+        const int64_t row = i / nb, b = i % nb;
+        const float *xb = x + row * K + b * QK;
+#ifdef TQ_AVX2 /* the same values as the loop below (tq.h) */
+        __m256 xv[4];
+        const float amax = block_absmax(xb, xv);
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        __m256i v[4], vs = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            v[j] = round_clamp(xv[j], id, 127);
+            vs = _mm256_add_epi32(vs, v[j]);
+        }
+        /* packs interleave the 128-bit halves: 0 1 | 2 3 -> dwords in order 0 2 4 6 1 3 5 7 */
+        const __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256((__m256i *)(q + i * QK), _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        const int sum = hsum_epi32(vs), half0 = hsum_epi32(_mm256_add_epi32(v[0], v[1]));
+#else
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0, half0 = 0;
+        for (int j = 0; j < QK; j++) {
+            int v = (int)nearbyintf(xb[j] * id);
+            v = v > 127 ? 127 : v < -127 ? -127 : v;
+            q[i * QK + j] = (int8_t)v;
+            sum += v;
+            if (j < QK / 2) half0 += v;
+        }
+#endif
+        f[i] = d;
+        f[M * nb + i] = d * (float)sum;
+        h[2 * i] = half0;
+        h[2 * i + 1] = sum - half0;
+    }
+    return a;
+}
+
+void tq_q8_free(tq_q8acts a) {
+    free((void *)a.q);
+    free((void *)a.d);
+    free((void *)a.h);
+}
+
+/* Packed rows (TQ_PACKED + Q4_0 / Q4_1, made by tq_q8_pack): a group's block b is one run of
+ * 8 * unit_bytes at group + 8 b * unit_bytes, so the unpacking below is loads and masks, no
+ * transposes or gathers:
+ *
+ *   d of rows 0..7 (8 halves) | m of rows 0..7 (8 halves, Q4_1 only) | nib[4][32]
+ *   nib[s] dword j = row j's nibble bytes 4s .. 4s+3 (low nibbles: k = 4s..; high: k = 16 + 4s..)
+ *
+ * Same bytes per row as the file; a weight's rows are packed only when they fill whole groups.
+ *
+ * Packed Q8_0 (TQ_PACKED + Q8_0): a group's block b is likewise one run of 8 * 34 bytes,
+ *
+ *   d of rows 0..7 (8 halves) | q[8][32]: q[s] dword j = row j's signed bytes 4s .. 4s+3
+ *
+ * which is the panel's step order (gblock.q) as it is: the unpacking is a copy, and up to MRG
+ * activation rows read the steps straight from the weight (packed_direct); q8batch.c's zmm
+ * strips read two groups' steps as the two halves of a register, with no transposes at any batch. */
+
+/* Packed Q4_K / Q6_K (TQ_PACKED + t): a group's super-block su is one run of 8 * unit_bytes at
+ * group + 8 su * unit_bytes, its 8 units transposed by dwords:
+ *
+ *   dword c (c < unit_bytes / 4) of row j at 32 c + 4 j        (Q6_K: then the 8 rows' d, 2 bytes each)
+ *
+ * so a 32-byte load is lane j = row j's dword c: Q4_K's d | dmin, its scale bytes 0-3, 4-7, 8-11
+ * (c = 0..3), then qs run p's step s (c = 4 + 8 p + s); Q6_K's ql run c's step s (8 c + s), qh
+ * run h's (32 + 8 h + s), its int8 scales 4i .. 4i+3 (48 + i). What unpack_kgroup builds with
+ * transposes on every call is then a load (kwords: qblocks.h). */
+
+static void pack_kgroup(int t, uint8_t *rows, const uint8_t *copy, int64_t rbytes, int64_t nsu) {
+    const int ub = unit_bytes(t), c4 = kwords(t), tail = ub % 4;
+    for (int64_t su = 0; su < nsu; su++) {
+        uint8_t *p = rows + su * GR * ub;
+        for (int j = 0; j < GR; j++) {
+            const uint8_t *u = copy + j * rbytes + su * ub;
+            for (int c = 0; c < c4; c++) memcpy(p + 32 * c + 4 * j, u + 4 * c, 4);
+            memcpy(p + 32 * c4 + tail * j, u + 4 * c4, (size_t)tail);
+        }
+    }
+}
+
+void tq_q8_pack(int t, uint8_t *w, int64_t N, int64_t K) {
+    const int64_t nb = K / QK, rbytes = row_bytes(t, K);
+    const int ub = unit_bytes(t), sb = scale_bytes(t);
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < N / GR; g++) {
+        uint8_t *rows = w + g * GR * rbytes, *copy = (uint8_t *)malloc((size_t)(GR * rbytes));
+        if (copy == NULL) abort();
+        memcpy(copy, rows, (size_t)(GR * rbytes));
+        if (is_k_quant(t)) {
+            pack_kgroup(t, rows, copy, rbytes, nb / 8);
+            free(copy);
+            continue;
+        }
+        for (int64_t b = 0; b < nb; b++)
+            for (int j = 0; j < GR; j++) {
+                const uint8_t *u = copy + j * rbytes + b * ub;
+                uint8_t *p = rows + b * GR * ub;
+                memcpy(p + 2 * j, u, 2);
+                if (t == TQ_Q8_0) {
+                    for (int s = 0; s < 8; s++) memcpy(p + sb + 32 * s + 4 * j, u + 2 + 4 * s, 4);
+                    continue;
+                }
+                if (t == TQ_Q4_1) memcpy(p + 2 * GR + 2 * j, u + 2, 2);
+                for (int s = 0; s < 4; s++) memcpy(p + sb + 32 * s + 4 * j, nibbles(t, u) + 4 * s, 4);
+            }
+        free(copy);
+    }
+}
+
+/* Row n of packed rows back as the file has it: out[row_bytes] (embedding lookups, dequantizing). */
+void tq_q8_unpack_row(int pt, const uint8_t *w, int64_t n, int64_t K, uint8_t *out) {
+    const int t = base_type(pt), ub = unit_bytes(t), sb = scale_bytes(t), j = (int)(n % GR);
+    const int64_t rbytes = row_bytes(t, K);
+    const uint8_t *rows = w + n / GR * GR * rbytes;
+    if (packed_k(pt)) {
+        for (int64_t su = 0; su < K / (8 * QK); su++) unpack_kunit(t, rows + su * GR * ub, j, out + su * ub);
+        return;
+    }
+    for (int64_t b = 0; b < K / QK; b++) {
+        const uint8_t *p = rows + b * GR * ub;
+        uint8_t *u = out + b * ub;
+        memcpy(u, p + 2 * j, 2);
+        if (t == TQ_Q8_0) {
+            for (int s = 0; s < 8; s++) memcpy(u + 2 + 4 * s, p + sb + 32 * s + 4 * j, 4);
+            continue;
+        }
+        if (t == TQ_Q4_1) memcpy(u + 2, p + 2 * GR + 2 * j, 2);
+        for (int s = 0; s < 4; s++) memcpy((uint8_t *)nibbles(t, u) + 4 * s, p + sb + 32 * s + 4 * j, 4);
+    }
+}
