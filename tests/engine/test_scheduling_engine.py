@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from treadle.config import TreadleError
+from treadle.core.cost_policy import predicted_remaining
 from treadle.entrypoints.llm import LLM
 from treadle.predict import prompt_set
 from treadle.sampling_params import SamplingParams
@@ -50,6 +51,27 @@ def test_predicted_admits_the_shortest_predicted_first():
         llm.shutdown()
     assert order == sorted(costs, key=lambda rid: costs[rid])
     assert order != [str(i) for i in range(len(PROMPTS))]
+
+
+def test_a_request_that_cannot_stop_early_is_predicted_at_its_max_tokens():
+    """With EOS ignored and no stop strings or ids, the output length is max_tokens exactly: the
+    cost policy and the router's load (``/load``'s predicted remaining tokens) take that, not the
+    predictor's guess at where EOS comes; with a stop string the guess stands."""
+    llm = LLM("stories260k", scheduling_policy="predicted")
+    try:
+        eng = llm.engine
+        guess = eng.length_predictor.predict([eng.tokenizer.encode(PROMPTS[0])])[0]
+        assert guess != 300
+        for rid, params in (("exact", SamplingParams(max_tokens=300, ignore_eos=True)),
+                            ("stop", SamplingParams(max_tokens=300, ignore_eos=True, stop=["."])),
+                            ("eos", SamplingParams(max_tokens=300))):
+            eng.add_request(rid, PROMPTS[0], params)
+        predicted = {r.request_id: r.predicted_output_tokens for r in eng.scheduler.requests.values()}
+        assert predicted == {"exact": 300, "stop": guess, "eos": guess}
+        remaining = sum(predicted_remaining(r) for r in eng.scheduler.requests.values())  # what /load reports
+        assert remaining == 300 + 2 * min(guess, 300)
+    finally:
+        llm.shutdown()
 
 
 def test_bad_scheduling_settings_are_clear_errors(tmp_path):

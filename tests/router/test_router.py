@@ -71,7 +71,10 @@ def test_less_loaded_instance_is_preferred(pool):
     """Two long requests sent straight to A keep it busy; the router's next requests go to B."""
     a, b, r, _, model = pool
     # A's two requests must outlast the router's four below (seen once in a full suite on a fast CPU:
-    # one of the four reached A): ~480 steps of STEP_DELAY against four requests of 4 tokens
+    # one of the four reached A): ~480 steps of STEP_DELAY against four requests of 4 tokens. They
+    # ignore EOS, so A reports their exact remaining tokens (480 - generated each); before, the
+    # length predictor's guess at their EOS could make A look lighter than B by the router's cost
+    # (the likely cause of a second such failure, a full suite on Zen 4, 2026-12-04)
     long = {"model": model, "prompt": "Once", "max_tokens": 480, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", a.url + "/v1/completions", json=long, timeout=60) as s1, \
             httpx.stream("POST", a.url + "/v1/completions", json=long, timeout=60) as s2:

@@ -187,7 +187,9 @@ class LLMEngine:
                         wait_for=child_ids[0] if i else None, seed_offset=i)
                 for i, cid in enumerate(child_ids)]
         if self.length_predictor is not None:
-            predicted = self.length_predictor.predict([ids])[0]
+            # a request that cannot stop early (EOS ignored, no stop strings or ids) runs to max_tokens
+            exact = params.ignore_eos and not params.stop and not params.stop_token_ids
+            predicted = max_tokens if exact else self.length_predictor.predict([ids])[0]
             for req in reqs:
                 req.predicted_output_tokens = predicted
         self.scheduler.check_admissible(reqs[0])
