@@ -152,8 +152,7 @@ static inline __attribute__((always_inline)) void chunk16(const float *q, const 
         n = tile_at(table, pos, end, block_size, stride, &base);
         const int64_t ahead = block_ahead(table, pos, limit, block_size, block_bytes);
         for (int64_t h = 0; h < H; h++) {
-            if (ahead >= 0) /* a share before each head: all at once would stall on the fill buffers */
-                prefetch_block(k_cache, v_cache, ahead, h * share, (h + 1) * share < block_bytes ? (h + 1) * share : block_bytes);
+            prefetch_share(k_cache, v_cache, ahead, h, share, block_bytes);
             const char *kr;
             if (quant) {
                 if (h % G == 0)

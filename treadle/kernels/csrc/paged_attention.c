@@ -249,6 +249,14 @@ static inline void prefetch_block(const void *k_cache, const void *v_cache, int6
     }
 }
 
+/* Head h's share of the block at byte `ahead` (-1: none) into L2: a share before each head, as all
+ * of it at once would stall on the fill buffers. */
+static inline void prefetch_share(const void *k_cache, const void *v_cache, int64_t ahead, int64_t h, int64_t share,
+                                  int64_t block_bytes) {
+    if (ahead >= 0)
+        prefetch_block(k_cache, v_cache, ahead, h * share, (h + 1) * share < block_bytes ? (h + 1) * share : block_bytes);
+}
+
 /* The blocks of a range after its first one, up to AHEAD, into L2 (its row's keys end at limit). */
 static inline void prefetch_first(const void *k_cache, const void *v_cache, const int32_t *table, int64_t start,
                                   int64_t limit, int64_t block_size, int64_t block_bytes) {
@@ -289,8 +297,7 @@ static inline __attribute__((always_inline)) void attend_rows(const float *q, co
         n = tile_at(table, pos, end, block_size, stride, &base);
         const int64_t ahead = block_ahead(table, pos, limit, block_size, block_bytes);
         for (int64_t h = 0; h < H; h++) {
-            if (ahead >= 0) /* a share before each head: all at once would stall on the fill buffers */
-                prefetch_block(k_cache, v_cache, ahead, h * share, (h + 1) * share < block_bytes ? (h + 1) * share : block_bytes);
+            prefetch_share(k_cache, v_cache, ahead, h, share, block_bytes);
             const int64_t at = (base + h / G * D) * es;
             head_tile(q + h * D, (const char *)k_cache + at, (const char *)v_cache + at, stride, (int)n, D, scale, m + h,
                       l + h, acc + h * D, s, bf16);

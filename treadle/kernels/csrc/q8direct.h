@@ -6,6 +6,16 @@
 #define TQ_Q8DIRECT_H
 
 #ifdef TQ_AVX2
+/* y = acc (+ bias) for NX rows of 8 outputs, `ostride` floats apart: every register path's end */
+static inline __attribute__((always_inline)) void store_rows(const __m256 *acc, const int NX, const float *bias,
+                                                             float *out, int64_t ostride) {
+    for (int i = 0; i < NX; i++) {
+        __m256 o = acc[i];
+        if (bias) o = _mm256_add_ps(o, _mm256_loadu_ps(bias));
+        _mm256_storeu_ps(out + i * ostride, o);
+    }
+}
+
 /* Q8_0 up to Q8_0_DIRECT activation rows: one group straight from the file's rows, no panel. Each row's
  * block dot is taken along k (|q| times x with q's sign, pairs widened) and the 8 rows' partial
  * sums reduced to one vector of exact block dots, lane j = row j -- the same integers as the
@@ -41,11 +51,7 @@ static inline __attribute__((always_inline)) void q8_0_direct(const uint8_t *w, 
                                      acc[i]);
         }
     }
-    for (int i = 0; i < NX; i++) {
-        __m256 o = acc[i];
-        if (bias) o = _mm256_add_ps(o, _mm256_loadu_ps(bias));
-        _mm256_storeu_ps(out + i * ostride, o);
-    }
+    store_rows(acc, NX, bias, out, ostride);
 }
 
 /* Packed Q4_0 / Q4_1 / Q8_0, NX (<= MRG) activation rows: a group's steps straight from the packed
@@ -100,11 +106,7 @@ static inline __attribute__((always_inline)) void packed_direct(const int t, con
             if (!q8) acc[i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(x.s + i * nb + b), acc[i]);
         }
     }
-    for (int i = 0; i < NX; i++) {
-        __m256 o = acc[i];
-        if (bias) o = _mm256_add_ps(o, _mm256_loadu_ps(bias));
-        _mm256_storeu_ps(out + i * ostride, o);
-    }
+    store_rows(acc, NX, bias, out, ostride);
 }
 
 /* Packed Q4_K / Q6_K, NX (<= MRG) activation rows: a group's super-block straight from its packed
@@ -196,11 +198,7 @@ static inline __attribute__((always_inline)) void packed_k_direct(const int t, c
             }
         }
     }
-    for (int i = 0; i < NX; i++) {
-        __m256 o = acc[i];
-        if (bias) o = _mm256_add_ps(o, _mm256_loadu_ps(bias));
-        _mm256_storeu_ps(out + i * ostride, o);
-    }
+    store_rows(acc, NX, bias, out, ostride);
 }
 
 #endif
