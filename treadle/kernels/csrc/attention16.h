@@ -132,6 +132,17 @@ typedef struct {
     int64_t head_bytes;
 } quant_src;
 
+/* Query head h's K or V rows of the tile at `base`: in place (float32 / bfloat16, es bytes an
+ * element), or (quant) dequantized into buf once per KV head, for its G query heads to read. */
+static inline __attribute__((always_inline)) const char *head_rows(const void *cache, float *buf, int64_t base, int64_t h,
+                                                                  int64_t n, const int quant, const int64_t es,
+                                                                  int64_t stride, int64_t G, int64_t D, quant_src src) {
+    if (!quant) return (const char *)cache + (base + h / G * D) * es;
+    if (h % G == 0)
+        dequantize_rows((const uint8_t *)cache + base + h / G * src.head_bytes, stride, n, D, src.kv_format, src.lut, buf);
+    return (const char *)buf;
+}
+
 static inline __attribute__((always_inline)) void chunk16(const float *q, const void *k_cache, const void *v_cache,
                                                          const int32_t *table, int64_t start, int64_t end,
                                                          int64_t limit, int64_t block_size, int64_t stride, int64_t H,
@@ -153,15 +164,7 @@ static inline __attribute__((always_inline)) void chunk16(const float *q, const 
         const int64_t ahead = block_ahead(table, pos, limit, block_size, block_bytes);
         for (int64_t h = 0; h < H; h++) {
             prefetch_share(k_cache, v_cache, ahead, h, share, block_bytes);
-            const char *kr;
-            if (quant) {
-                if (h % G == 0)
-                    dequantize_rows((const uint8_t *)k_cache + base + h / G * src.head_bytes, stride, n, D, src.kv_format,
-                                    src.lut, src.kbuf);
-                kr = (const char *)src.kbuf;
-            } else {
-                kr = (const char *)k_cache + (base + h / G * D) * es;
-            }
+            const char *kr = head_rows(k_cache, src.kbuf, base, h, n, quant, es, stride, G, D, src);
             for (int64_t j = 0; j < n; j += 16) {
                 const int w = n - j < 16 ? (int)(n - j) : 16;
                 const void *k = kr + j * rs * (quant ? 4 : es);
@@ -203,15 +206,7 @@ static inline __attribute__((always_inline)) void chunk16(const float *q, const 
         int64_t base;
         n = tile_at(table, pos, end, block_size, stride, &base);
         for (int64_t h = 0; h < H; h++) {
-            const char *vr;
-            if (quant) {
-                if (h % G == 0)
-                    dequantize_rows((const uint8_t *)v_cache + base + h / G * src.head_bytes, stride, n, D, src.kv_format,
-                                    src.lut, src.vbuf);
-                vr = (const char *)src.vbuf;
-            } else {
-                vr = (const char *)v_cache + (base + h / G * D) * es;
-            }
+            const char *vr = head_rows(v_cache, src.vbuf, base, h, n, quant, es, stride, G, D, src);
             const int pair = h % G + 1 < G && D % 64 == 0; /* heads h and h + 1 read the same KV head */
             for (int64_t j = 0; j < n; j += 16) {
                 const int w = n - j < 16 ? (int)(n - j) : 16;
