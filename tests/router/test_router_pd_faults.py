@@ -119,21 +119,31 @@ def _post(url: str, body: dict) -> tuple[int, str]:
 
 
 def test_freezing_the_only_decode_instance_costs_no_request_a_503(pd):
-    """SIGSTOP on the decode instance (its server and engine) for 3 s while requests arrive:
-    the router's health check fails (the instance backs off), and every request is answered
-    once it is resumed, with the output it gives when nothing goes wrong."""
+    """SIGSTOP on the decode instance (its server and engine) while requests arrive, until the
+    router's health check has failed (the instance backs off) and a few more have arrived: every
+    request is answered once it is resumed, with the output it gives when nothing goes wrong."""
     producer, consumer, front, _ = pd
     want = {p: _post(consumer.url, _body(p))[1] for p in PROMPTS}
     jobs = [_body(PROMPTS[i % len(PROMPTS)], stream=i % 2 == 1) for i in range(14)]
     noticed = []
+
+    def submit(batch: list[dict]) -> None:
+        for job in batch:  # one every 0.25 s
+            futures.append(ex.submit(_post, front.url, job))
+            time.sleep(0.25)
+            noticed.append(router_metric(front.url, "treadle:router_instance_failures", role="decode"))
+
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
         os.killpg(consumer.proc.pid, signal.SIGSTOP)
         try:
-            futures = []
-            for job in jobs:  # one every 0.25 s: before and after the router notices
-                futures.append(ex.submit(_post, front.url, job))
-                time.sleep(0.25)
-                noticed.append(router_metric(front.url, "treadle:router_instance_failures", role="decode"))
+            futures: list[concurrent.futures.Future] = []
+            submit(jobs[:7])  # before the router notices
+            # a health check fails after the poll's 2 s timeout, later on a loaded machine (a poll
+            # that was reading /load when the instance stopped waits out that timeout first)
+            wait_until(lambda: router_metric(front.url, "treadle:router_instance_failures", role="decode") >= 1, 20,
+                       "the router to notice the frozen instance", interval=0.1)
+            noticed.append(router_metric(front.url, "treadle:router_instance_failures", role="decode"))
+            submit(jobs[7:])  # after it noticed
         finally:
             os.killpg(consumer.proc.pid, signal.SIGCONT)
         while not all(f.done() for f in futures):
