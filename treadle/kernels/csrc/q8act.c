@@ -266,10 +266,13 @@ static void single_row(int t, const uint8_t *row, tq_q8acts x, float *y, int64_t
 
 
 /* 1 when group_work reads M activation rows of type t straight into registers (the SIMD builds),
- * no panel. */
+ * no panel: few rows, or packed Q8_0 at every batch, MRG rows at a time over the group's bytes (in
+ * L1 after the first tile: the panel's tiles of 2 rows re-take |q| per step for fewer rows; lm_head
+ * 49152 x 576, forced avx2 build on AMD Zen 4, one thread: 1.9x at 5 rows, 1.4x at 16 and 32). */
 static int takes_registers(int t, int64_t M) {
 #ifdef TQ_AVX2
-    return (t == TQ_Q8_0 && M <= Q8_0_DIRECT) || (is_packed(t) && M <= (base_type(t) == TQ_Q6_K ? Q6K_DIRECT : MRG));
+    return (t == TQ_Q8_0 && M <= Q8_0_DIRECT) || packed_q8_0(t) ||
+           (is_packed(t) && M <= (base_type(t) == TQ_Q6_K ? Q6K_DIRECT : MRG));
 #else
     (void)t, (void)M;
     return 0;
@@ -277,6 +280,17 @@ static int takes_registers(int t, int64_t M) {
 }
 
 #define GTILE(NG, NX) group_tile(base_type(t), panel, nb, xm, K, NG, NX, bn, out, ldy)
+/* CALL(NX) for the activation rows m0.. of M, NX = min(M - m0, MAXR) a constant in each copy (MAXR 3 or 4) */
+#define ROW_TILE(CALL, MAXR)                              \
+    switch (M - m0 < (MAXR) ? (int)(M - m0) : (MAXR)) {   \
+        case 1: CALL(1); break;                           \
+        case 2: CALL(2); break;                           \
+        case 3: CALL(3); break;                           \
+        default: CALL(MAXR); break;                       \
+    }
+#define Q8D(NX) q8_0_direct(wg, rbytes, nb, xm, K, NX, bh, ym, ldy)
+#define PKD(NX) packed_k_direct(t, wg, nb, xm, K, NX, bh, ym, ldy)
+#define PD(NX) packed_direct(t, wg, nb, xm, K, NX, bh, ym, ldy)
 
 /* Groups g and, when pair, g + 1 (weight rows 8g .. 8g+15) times every activation row; t a
  * constant after inlining. */
@@ -287,38 +301,21 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
     const float *bn = bias ? bias + g * GR : NULL;
 #ifdef TQ_AVX2
     /* few rows: registers beat the panel (packed Q4: 1.5x at M = 1, ~1.05x at 4; Q8_0: 1.25x at 1,
-     * 1.13x at 2 and 3; the same along k for unpacked Q4 measured 0.91-0.94x the panel: not taken).
-     * Packed Q8_0 takes them at every batch, 4 rows at a time over the group's bytes (in L1 after the
-     * first tile): the panel's tiles of 2 rows re-take |q| per step for fewer rows (lm_head
-     * 49152 x 576, forced avx2 build on AMD Zen 4, one thread: 1.9x at 5 rows, 1.4x at 16 and 32). */
-    if (takes_registers(t, M) || packed_q8_0(t)) {
+     * 1.13x at 2 and 3; the same along k for unpacked Q4 measured 0.91-0.94x the panel: not taken) */
+    if (takes_registers(t, M)) {
+        const int64_t step = t == TQ_Q8_0 ? Q8_0_DIRECT : MRG; /* one tile, but for packed Q8_0 */
         for (int h = 0; h <= pair; h++) {
             const uint8_t *wg = w + (g + h) * GR * rbytes;
             const float *bh = bn ? bn + GR * h : NULL;
-            float *yh = y + (g + h) * GR;
-            if (t == TQ_Q8_0) {
-                switch (M) {
-                    case 1: q8_0_direct(wg, rbytes, nb, x, K, 1, bh, yh, ldy); break;
-                    case 2: q8_0_direct(wg, rbytes, nb, x, K, 2, bh, yh, ldy); break;
-                    default: q8_0_direct(wg, rbytes, nb, x, K, 3, bh, yh, ldy); break;
-                }
-            } else if (packed_k(t)) {
-                switch (M) {
-                    case 1: packed_k_direct(t, wg, nb, x, K, 1, bh, yh, ldy); break;
-                    case 2: packed_k_direct(t, wg, nb, x, K, 2, bh, yh, ldy); break;
-                    case 3: packed_k_direct(t, wg, nb, x, K, 3, bh, yh, ldy); break;
-                    default: packed_k_direct(t, wg, nb, x, K, MRG, bh, yh, ldy); break;
-                }
-            } else {
-                for (int64_t m0 = 0; m0 < M; m0 += MRG) {
-                    const tq_q8acts xm = tq_q8_rows_from(x, m0, K);
-                    float *ym = yh + m0 * ldy;
-                    switch (M - m0 < MRG ? M - m0 : MRG) {
-                        case 1: packed_direct(t, wg, nb, xm, K, 1, bh, ym, ldy); break;
-                        case 2: packed_direct(t, wg, nb, xm, K, 2, bh, ym, ldy); break;
-                        case 3: packed_direct(t, wg, nb, xm, K, 3, bh, ym, ldy); break;
-                        default: packed_direct(t, wg, nb, xm, K, MRG, bh, ym, ldy); break;
-                    }
+            for (int64_t m0 = 0; m0 < M; m0 += step) {
+                const tq_q8acts xm = tq_q8_rows_from(x, m0, K);
+                float *ym = y + m0 * ldy + (g + h) * GR;
+                if (t == TQ_Q8_0) {
+                    ROW_TILE(Q8D, Q8_0_DIRECT);
+                } else if (packed_k(t)) {
+                    ROW_TILE(PKD, MRG);
+                } else {
+                    ROW_TILE(PD, MRG);
                 }
             }
         }
@@ -383,12 +380,12 @@ static void group_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t l
         single_row(t, w + n * rbytes, x, y + n, ldy, bias ? bias + n : NULL, M, K);
 }
 
-/* small_256 (tq_layout): batches that group_work reads straight into 256-bit registers skip q8batch.c,
+/* small_256 (tq_layout): batches of up to MRG rows that group_work reads straight into 256-bit registers skip q8batch.c,
  * whose zmm strips read two groups' bytes at once (AMD Zen 4, decode steps of SmolLM2 Q4_1 at 2
  * threads: batch 1 1.35x, batch 4 1.16x faster this way; from 6 rows the strips win, 1.4x). */
 void tq_q8_rows(int qtype, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
                 int64_t N, int64_t K, int small_256) {
-    const int64_t done = small_256 && takes_registers(qtype, M)
+    const int64_t done = small_256 && M <= MRG && takes_registers(qtype, M)
                              ? 0
                              : tq_q8_batch_rows(qtype, w, x, y, ldy, bias, M, N, K); /* q8batch.c: batches on AVX-512 */
     if (done < N) group_rows(qtype, w + done * row_bytes(qtype, K), x, y + done, ldy, bias ? bias + done : NULL, M, N - done, K);

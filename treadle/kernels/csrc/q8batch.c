@@ -157,21 +157,22 @@ static inline __attribute__((always_inline)) void strip_direct(const int t, cons
                     memcpy(&v, x.q + i * K + b * QK + 4 * s, 4);
                     acc_i[i] = _mm512_dpbusd_epi32(acc_i[i], q[s], _mm512_set1_epi32(v));
                 }
-        }
+        } else { /* Q4's steps (t is a constant: one branch is compiled) */
 #pragma GCC unroll 4
-        for (int s = 0; s < 4 * !q8; s++) { /* Q4's steps (Q8_0's ran above; t is a constant) */
-            const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
-            const __m256i hi = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + sb + 32 * s)) : _mm256_setzero_si256();
-            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            const __m512i ql = _mm512_and_si512(v, mask), qh = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+            for (int s = 0; s < 4; s++) {
+                const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
+                const __m256i hi = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + sb + 32 * s)) : _mm256_setzero_si256();
+                const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                const __m512i ql = _mm512_and_si512(v, mask), qh = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
 #pragma GCC unroll 8
-            for (int i = 0; i < NX; i++) {
-                int32_t xl, xh;
-                memcpy(&xl, x.q + i * K + b * QK + 4 * s, 4);
-                memcpy(&xh, x.q + i * K + b * QK + 16 + 4 * s, 4);
-                acc_i[i] = _mm512_dpbusd_epi32(acc_i[i], ql, _mm512_set1_epi32(xl));
-                acc_i[i] = _mm512_dpbusd_epi32(acc_i[i], qh, _mm512_set1_epi32(xh));
-                __asm__("" : "+v"(acc_i[i]));
+                for (int i = 0; i < NX; i++) {
+                    int32_t xl, xh;
+                    memcpy(&xl, x.q + i * K + b * QK + 4 * s, 4);
+                    memcpy(&xh, x.q + i * K + b * QK + 16 + 4 * s, 4);
+                    acc_i[i] = _mm512_dpbusd_epi32(acc_i[i], ql, _mm512_set1_epi32(xl));
+                    acc_i[i] = _mm512_dpbusd_epi32(acc_i[i], qh, _mm512_set1_epi32(xh));
+                    __asm__("" : "+v"(acc_i[i]));
+                }
             }
         }
         const __m512 dw = halves16(p, p1);
