@@ -9,10 +9,11 @@ import time
 import pytest
 
 from treadle.router.config import Role, RouterConfig
-from treadle.router.forward import Forwarder, Job, Relay, UpstreamFailure
+from treadle.router.forward import Forwarder
 from treadle.router.instances import FailurePolicy, Instance, InstancePool
 from treadle.router.metrics import RouterMetrics
 from treadle.router.policy import choose
+from treadle.router.upstream import Job, Relay, UpstreamFailure
 
 POLICY = FailurePolicy(max_failures=4, backoff_s=0.05)
 

@@ -14,12 +14,13 @@ import pytest
 from router_harness import instance, router, router_metric, running
 from server_harness import wait_until
 
-from treadle.core.cost_policy import COST_HALF
+from treadle.core.cost_policy import COST_HALF, PREFILL_TOKEN_COST, UNKNOWN_OUTPUT_TOKENS
 from treadle.router.config import Role, RouterConfig
 from treadle.router.forward import Forwarder
 from treadle.router.instances import Instance, InstanceLoad, InstancePool
 from treadle.router.metrics import RouterMetrics
 from treadle.router.queue import DispatchQueue, Waiter
+from treadle.router.upstream import Job
 
 
 def _pool(*slots: int | None) -> InstancePool:
@@ -138,6 +139,25 @@ def test_the_count_bound_defaults_to_20_per_generating_instance():
     assert forwarder.queue is not None and forwarder.queue.max_passed_over == 40
     config = RouterConfig(backend=("http://a", "http://b"), queue="predicted", queue_max_passed_over=7)
     assert Forwarder(config, pool, RouterMetrics(pool), None, None).queue.max_passed_over == 7  # type: ignore[arg-type,union-attr]
+
+
+def test_a_request_that_cannot_stop_early_costs_its_max_tokens_in_the_queue():
+    """As in the engine: EOS ignored with no stop strings or ids runs to max_tokens, so that is its
+    output cost, not the (shorter) guess; one that may stop keeps the guess, capped at max_tokens.
+    Token-id prompts ask no instance (/tokenize takes text): the prompt counts its ids."""
+    config = RouterConfig(backend=("http://a",), queue="predicted")
+    pool = InstancePool([Instance(u, Role.BACKEND) for u in config.backend], 0.5, 1.0)
+    forwarder = Forwarder(config, pool, RouterMetrics(pool), None, None)  # type: ignore[arg-type]
+
+    def cost(**extra: object) -> float:
+        job = Job("/v1/completions", {"prompt": [1, 2, 3, 4], "max_tokens": 400, **extra}, {})
+        return asyncio.run(forwarder.predicted_cost(job)) - PREFILL_TOKEN_COST * job.prompt_tokens
+
+    assert cost(ignore_eos=True) == 400
+    assert cost(ignore_eos=True, n=2) == 2 * 400 + PREFILL_TOKEN_COST * 4
+    assert cost() == UNKNOWN_OUTPUT_TOKENS < 400
+    assert cost(ignore_eos=True, stop=["."]) == cost(ignore_eos=True, stop_token_ids=[7]) == UNKNOWN_OUTPUT_TOKENS
+    assert cost(ignore_eos=True, max_tokens=5) == 5
 
 
 # --- two real instances behind `treadle router --queue predicted` -------------------------------

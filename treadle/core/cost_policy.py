@@ -63,6 +63,12 @@ COST_HALF = 128.0  # remaining cost (decode tokens) at which a request's delay i
 UNKNOWN_OUTPUT_TOKENS = 128  # predicted output when a request carries no prediction
 
 
+def runs_to_max_tokens(ignore_eos: Any, stop: Any, stop_token_ids: Any) -> bool:
+    """A request that cannot stop early (EOS ignored, no stop strings or ids) runs to its
+    max_tokens: its output length is known, not predicted (the engine and the router's queue)."""
+    return ignore_eos is True and not stop and not stop_token_ids
+
+
 def predicted_total(req: Request) -> int:
     """The output length this request is expected to reach: its prediction (or
     UNKNOWN_OUTPUT_TOKENS), at most ``max_tokens``. Once it has generated that many and goes on

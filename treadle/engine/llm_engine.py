@@ -20,6 +20,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from treadle.config import EngineConfig, EngineDeadError, InvalidRequestError, StepFailedError, TreadleError
+from treadle.core.cost_policy import runs_to_max_tokens
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.kv_groups import kv_groups
 from treadle.core.request import Request, RequestStatus
@@ -187,8 +188,7 @@ class LLMEngine:
                         wait_for=child_ids[0] if i else None, seed_offset=i)
                 for i, cid in enumerate(child_ids)]
         if self.length_predictor is not None:
-            # a request that cannot stop early (EOS ignored, no stop strings or ids) runs to max_tokens
-            exact = params.ignore_eos and not params.stop and not params.stop_token_ids
+            exact = runs_to_max_tokens(params.ignore_eos, params.stop, params.stop_token_ids)
             predicted = max_tokens if exact else self.length_predictor.predict([ids])[0]
             for req in reqs:
                 req.predicted_output_tokens = predicted

@@ -21,9 +21,10 @@ from starlette.responses import Response, StreamingResponse
 import treadle
 from treadle.asgi.disconnect import until_disconnect
 from treadle.router.config import Role, RouterConfig
-from treadle.router.forward import Forwarder, Job, OpenStream, Relay, error_body
+from treadle.router.forward import Forwarder
 from treadle.router.instances import FailurePolicy, Instance, InstancePool
 from treadle.router.metrics import RouterMetrics
+from treadle.router.upstream import Job, OpenStream, Relay, error_body
 
 _PASSED_HEADERS = ("authorization",)
 MAX_BODY_BYTES = 64 << 20  # the instances apply their own (smaller) limits; this one guards the router

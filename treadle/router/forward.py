@@ -1,4 +1,5 @@
-"""Sending a request on: instance choice, timeouts, retries, and the P/D prefill step.
+"""Sending a request on: instance choice, timeouts, retries, and the P/D prefill step (one
+call's pieces, the job and its errors and streams: ``upstream.py``).
 
 With ``--queue`` the generating step first waits in the router's dispatch queue for a free
 batch slot among the generating instances (``queue.py``), and holds the slot until its answer
@@ -32,121 +33,31 @@ does not cut it: the call ends in the background and what it returns is released
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import httpx
 import zmq
 from starlette.responses import Response
 
-from treadle.core.cost_policy import PREFILL_TOKEN_COST, UNKNOWN_OUTPUT_TOKENS
+from treadle.core.cost_policy import PREFILL_TOKEN_COST, UNKNOWN_OUTPUT_TOKENS, runs_to_max_tokens
 from treadle.core.kv_connector_data import RemotePrefill
 from treadle.kv_transfer.release import send_release
 from treadle.router.config import Role, RouterConfig
 from treadle.router.instances import Instance, InstancePool, describe
 from treadle.router.metrics import RouterMetrics
-from treadle.router.policy import PrefixIndex, choose, estimate_prompt_tokens, prompt_text
+from treadle.router.policy import PrefixIndex, choose
 from treadle.router.queue import DispatchQueue
+from treadle.router.upstream import Job, OpenStream, Relay, UpstreamFailure, error_body, first_event, upstream_errors
 
 logger = logging.getLogger("treadle.router")
 T = TypeVar("T")
 PASSES_PER_INSTANCE = 20  # the engine's default count bound (scheduling_max_passed_over)
 
 SSE_DONE = "data: [DONE]\n\n"
-
-
-def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-class Relay(Exception):
-    """An answer that goes to the client as it is: an instance's 4xx, or the router's own error."""
-
-    def __init__(self, status: int, content: bytes, media_type: str = "application/json") -> None:
-        super().__init__(f"HTTP {status}")
-        self.status, self.content, self.media_type = status, content, media_type
-
-    @staticmethod
-    def error(status: int, message: str, type_: str, code: str) -> Relay:
-        return Relay(status, json.dumps(error_body(message, type_, code)).encode())
-
-    @staticmethod
-    def of(resp: httpx.Response) -> Relay:
-        return Relay(resp.status_code, resp.content, resp.headers.get("content-type", "application/json"))
-
-    def response(self) -> Response:
-        return Response(self.content, self.status, media_type=self.media_type)
-
-
-class UpstreamFailure(Exception):
-    """The instance failed before the client saw anything: try another one."""
-
-    def __init__(self, message: str, down: bool) -> None:
-        super().__init__(message)
-        self.down = down  # unreachable: out of rotation until a health check passes
-
-
-@contextlib.contextmanager
-def upstream_errors() -> Iterator[None]:
-    """httpx's failures of one upstream call as UpstreamFailures (``down``: the instance could
-    not be reached; a read timeout is not that)."""
-    try:
-        yield
-    except httpx.ConnectTimeout as e:
-        raise UpstreamFailure(describe(e), down=True) from None
-    except httpx.TimeoutException as e:
-        raise UpstreamFailure(f"timed out ({type(e).__name__})", down=False) from None
-    except httpx.HTTPError as e:
-        raise UpstreamFailure(describe(e), down=True) from None
-
-
-@dataclass
-class Job:
-    """One client request as the forwarder sees it."""
-    path: str  # /v1/completions or /v1/chat/completions
-    body: dict[str, Any]
-    headers: dict[str, str]  # passed on to instances (authorization)
-
-    @property
-    def text(self) -> str:
-        return prompt_text(self.body)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return estimate_prompt_tokens(self.body)
-
-
-@dataclass
-class OpenStream:
-    """An upstream stream whose first event has arrived."""
-    instance: Instance
-    response: httpx.Response
-    lines: AsyncIterator[str]
-    first: str  # the first "data: ..." line
-    prompt_tokens: int  # what the instance's in-flight count was raised by
-    closed: bool = False
-    on_close: Callable[[], None] | None = None  # gives the dispatch queue's slot back
-
-    async def close(self) -> None:
-        """Idempotent: closing the upstream connection makes the instance abort the request."""
-        if not self.closed:
-            self.closed = True
-            self.instance.end(self.prompt_tokens)
-            if self.on_close is not None:
-                self.on_close()
-            await self.response.aclose()
-
-
-async def _first_event(lines: AsyncIterator[str]) -> str | None:
-    async for line in lines:
-        if line.startswith("data:"):
-            return line
-    return None
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -278,7 +189,7 @@ class Forwarder:
                 self._count(inst, resp.status_code)
                 raise Relay.of(resp)
             lines = resp.aiter_lines()
-            first = await _first_event(lines)
+            first = await first_event(lines)
             if first is None or first.startswith("data: {\"error\""):
                 raise UpstreamFailure(f"the stream ended before its first token: {first}", down=False)
         except httpx.HTTPError as e:
@@ -353,7 +264,8 @@ class Forwarder:
 
     async def predicted_cost(self, job: Job) -> float:
         """The request's predicted work in decode tokens: PREFILL_TOKEN_COST x prompt tokens +
-        predicted output tokens (at most max_tokens), times n. The prompt's tokens and the
+        predicted output tokens (at most max_tokens; exactly max_tokens for a request that cannot
+        stop early, as the engine counts it), times n. The prompt's tokens and the
         prediction come from a generating instance's /tokenize; when it cannot say (token-id or
         batched prompts, an instance without a length predictor, an error), the prompt is
         estimated from its size and the output counts as UNKNOWN_OUTPUT_TOKENS."""
@@ -381,7 +293,8 @@ class Forwarder:
                 logger.debug("%s/tokenize: no prediction (%s)", inst.url, describe(e))
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         if isinstance(limit, int) and limit > 0:
-            output = min(output, limit)
+            exact = runs_to_max_tokens(body.get("ignore_eos"), body.get("stop"), body.get("stop_token_ids"))
+            output = limit if exact else min(output, limit)
         n = body.get("n", 1)
         return (n if isinstance(n, int) and n > 0 else 1) * (PREFILL_TOKEN_COST * prompt_tokens + output)
 
