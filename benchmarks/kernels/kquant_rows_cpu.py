@@ -34,7 +34,8 @@ from treadle.kernels import native
 
 SHAPES = [("qkv", 2560, 2048), ("o", 2048, 2048), ("gate_up", 11264, 2048), ("down", 2048, 5632)]
 TYPES = ["Q4_K", "Q6_K", "Q4_0"]
-BYTES = {"Q4_K": 144 / 256, "Q5_K": 176 / 256, "Q6_K": 210 / 256, "Q4_0": 18 / 32}  # per weight
+BYTES = {"Q4_K": 144 / 256, "Q5_K": 176 / 256, "Q6_K": 210 / 256, "Q4_0": 18 / 32, "Q4_1": 20 / 32,  # per weight
+         "Q5_0": 22 / 32, "Q5_1": 24 / 32, "Q8_0": 34 / 32}
 
 
 def main() -> None:
