@@ -28,7 +28,7 @@ BATCHES = (1, 2, 4, 5, 7, 16, 17, 64, 71)
 # (K, N): SmolLM2's hidden size (18 blocks); its MLP width (48 blocks); N = 5 groups (two strips
 # and a lone group), N = 24 + 3 (a lone group, then rows that go alone)
 SHAPES = ((576, 40), (1536, 24))
-TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 AMX_AFTER_ONEDNN_TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K"]
 
 
@@ -39,7 +39,7 @@ def inputs(qtype: str, k: int) -> int:
 
 def weights(qtype: str, n: int, k: int, seed: int, edit: Callable[[torch.Tensor], None] | None = None,
             pack: bool = True) -> tuple[tuple[tuple[str, int], ...], torch.Tensor]:
-    """Random ``qtype`` rows as the engine holds them: Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K whole groups
+    """Random ``qtype`` rows as the engine holds them: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K whole groups
     of 8 packed (as with 8-bit activations; ``pack=False``: as the file has them), the rows past
     them a segment of their own; ``edit`` changes the file layout's bytes before they are packed."""
     w = random_blocks(qtype, n, k, seed=seed).data.reshape(-1).clone()

@@ -110,7 +110,7 @@ def test_bad_activation_bits_is_one_clear_error(monkeypatch: pytest.MonkeyPatch)
 
 
 @VARIANTS
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_packed_rows_give_the_file_layouts_bits(variant: str, qtype: str) -> None:
     """``native.pack_rows`` (8 rows at a time, in place): the same bits as the file's layout
     for batches on both packed paths (registers up to 4 rows, the panel beyond), in every build;

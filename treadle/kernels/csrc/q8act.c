@@ -85,11 +85,10 @@ typedef struct { /* one block of a group, unpacked */
 
 static inline int five_bit(int t) { return t == TQ_Q5_0 || t == TQ_Q5_1 || t == TQ_Q5_K; }
 static inline int has_min(int t) { return t != TQ_Q8_0 && t != TQ_Q6_K; }
-static inline int q_bias(int t) { return t == TQ_Q4_0 ? 8 : t == TQ_Q5_0 ? 16 : 0; } /* stored q - bias */
 
 /* A legacy block's minimum: Q4_1 / Q5_1 store it; Q4_0 / Q5_0 read as unsigned q with -8 d / -16 d */
 static inline float block_min(int t, const uint8_t *u) {
-    return t == TQ_Q4_1 || t == TQ_Q5_1 ? half_to_float(u + 2) : -(float)q_bias(t) * half_to_float(u);
+    return stores_min(t) ? half_to_float(u + 2) : -(float)q_bias(t) * half_to_float(u);
 }
 
 /* Block sub (0..7) of K-quant unit u as the panel holds it: its 32 unsigned q (Q6_K: the stored
@@ -365,6 +364,8 @@ static void group_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t l
                 case TQ_Q5_1: group_work(TQ_Q5_1, w, x, y, ldy, bias, M, K, g, pair, panel); break;
                 case TQ_PACKED + TQ_Q4_0: group_work(TQ_PACKED + TQ_Q4_0, w, x, y, ldy, bias, M, K, g, pair, panel); break;
                 case TQ_PACKED + TQ_Q4_1: group_work(TQ_PACKED + TQ_Q4_1, w, x, y, ldy, bias, M, K, g, pair, panel); break;
+                case TQ_PACKED + TQ_Q5_0: group_work(TQ_PACKED + TQ_Q5_0, w, x, y, ldy, bias, M, K, g, pair, panel); break;
+                case TQ_PACKED + TQ_Q5_1: group_work(TQ_PACKED + TQ_Q5_1, w, x, y, ldy, bias, M, K, g, pair, panel); break;
                 case TQ_Q4_K: group_work(TQ_Q4_K, w, x, y, ldy, bias, M, K, g, pair, panel); break;
                 case TQ_Q5_K: group_work(TQ_Q5_K, w, x, y, ldy, bias, M, K, g, pair, panel); break;
                 case TQ_Q6_K: group_work(TQ_Q6_K, w, x, y, ldy, bias, M, K, g, pair, panel); break;

@@ -54,14 +54,25 @@ static inline __attribute__((always_inline)) void q8_0_direct(const uint8_t *w, 
     store_rows(acc, NX, bias, out, ostride);
 }
 
-/* Packed Q4_0 / Q4_1 / Q8_0, NX (<= MRG) activation rows: a group's steps straight from the packed
- * block into registers, no panel; the same integers and float operations as group_tile, so the
- * same bits (Q8_0: its 8 steps as stored, |q| times x with q's sign, widened per step). */
+/* v + 16 in the bytes whose bit is set in m (packed Q5_0 / Q5_1's fifth bits for one step) */
+static inline __m256i add_fifth(__m256i v, uint32_t m) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_mask_add_epi8(v, (__mmask32)m, v, _mm256_set1_epi8(16));
+#else
+    return _mm256_or_si256(v, _mm256_and_si256(bits_to_bytes(m), _mm256_set1_epi8(16)));
+#endif
+}
+
+/* Packed Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, NX (<= MRG) activation rows: a group's steps straight
+ * from the packed block into registers, no panel; the same integers and float operations as
+ * group_tile, so the same bits (Q8_0: its 8 steps as stored, |q| times x with q's sign, widened per
+ * step; Q5_0 / Q5_1: each step's fifth bits added from its mask, and the low and high halves'
+ * int16 sums widened apart, as the panel's 5-bit steps are). */
 static inline __attribute__((always_inline)) void packed_direct(const int t, const uint8_t *w, int64_t nb,
                                                                 tq_q8acts x, int64_t K, const int NX,
                                                                 const float *bias, float *out, int64_t ostride) {
     const __m256i mask = _mm256_set1_epi8(15);
-    const int q8 = packed_q8_0(t), ub = unit_bytes(t), sb = scale_bytes(t);
+    const int q8 = packed_q8_0(t), five = packed_five(t), ub = unit_bytes(t), sb = step_offset(t);
     const uint8_t *next = w + GR * nb * ub;
     __m256 acc[MRG];
     for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_ps();
@@ -85,7 +96,12 @@ static inline __attribute__((always_inline)) void packed_direct(const int t, con
         for (int i = 0; i < NX; i++) ph[i] = _mm256_setzero_si256();
         for (int s = 0; s < 4 * !q8; s++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
-            const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            if (five) {
+                uint32_t hb[2];
+                memcpy(hb, p + scale_bytes(t) + 8 * s, 8);
+                lo = add_fifth(lo, hb[0]), hi = add_fifth(hi, hb[1]);
+            }
             for (int i = 0; i < NX; i++) {
                 const int8_t *xb = x.q + i * K + b * QK;
                 int32_t xl, xh;
@@ -95,13 +111,13 @@ static inline __attribute__((always_inline)) void packed_direct(const int t, con
                 ph[i] = step16(ph[i], hi, _mm256_set1_epi32(xh));
             }
         }
-        if (!q8)
-            for (int i = 0; i < NX; i++) p16[i] = join16(p16[i], ph[i]);
+        for (int i = 0; i < NX; i++) /* Q4: both halves < 16384 in int16; 5-bit halves reach 31496 */
+            p16[i] = q8 ? p16[i] : five ? _mm256_add_epi32(widen16(p16[i]), widen16(ph[i])) : widen16(join16(p16[i], ph[i]));
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-        const __m256 mv = base_type(t) == TQ_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * GR)))
-                                                  : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
+        const __m256 mv = stores_min(t) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * GR)))
+                                        : _mm256_mul_ps(dv, _mm256_set1_ps(-(float)q_bias(t)));
         for (int i = 0; i < NX; i++) {
-            const __m256 isum = _mm256_cvtepi32_ps(q8 ? p16[i] : widen16(p16[i]));
+            const __m256 isum = _mm256_cvtepi32_ps(p16[i]);
             acc[i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dv, _mm256_broadcast_ss(x.d + i * nb + b)), acc[i]);
             if (!q8) acc[i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(x.s + i * nb + b), acc[i]);
         }

@@ -10,7 +10,7 @@
 
 int tq_q8_type(int t) {
     return t == TQ_Q4_0 || t == TQ_Q4_1 || t == TQ_Q5_0 || t == TQ_Q5_1 || t == TQ_Q8_0 || q8_kquant(t) || packed_type(t) ||
-           packed_q8_0(t);
+           packed_five(t) || packed_q8_0(t);
 }
 
 tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
@@ -73,6 +73,14 @@ void tq_q8_free(tq_q8acts a) {
  *
  * Same bytes per row as the file; a weight's rows are packed only when they fill whole groups.
  *
+ * Packed Q5_0 / Q5_1 (TQ_PACKED + t, packed_five) add the rows' fifth bits between the scales and
+ * the nibbles, one 32-bit mask per step and half, bit 4 j + c for byte 4 j + c of the step:
+ *
+ *   d (8 halves) | m (8 halves, Q5_1 only) | hb[4][2]: hb[s][0] bit 4j+c = row j's qh bit 4s+c,
+ *   hb[s][1] bit 4j+c = row j's qh bit 16+4s+c (the high nibbles' elements) | nib[4][32]
+ *
+ * so a step's 32 bytes take their fifth bits from one mask (a masked add in the AVX-512 builds).
+ *
  * Packed Q8_0 (TQ_PACKED + Q8_0): a group's block b is likewise one run of 8 * 34 bytes,
  *
  *   d of rows 0..7 (8 halves) | q[8][32]: q[s] dword j = row j's signed bytes 4s .. 4s+3
@@ -105,7 +113,8 @@ static void pack_kgroup(int t, uint8_t *rows, const uint8_t *copy, int64_t rbyte
 
 void tq_q8_pack(int t, uint8_t *w, int64_t N, int64_t K) {
     const int64_t nb = K / QK, rbytes = row_bytes(t, K);
-    const int ub = unit_bytes(t), sb = scale_bytes(t);
+    const int ub = unit_bytes(t), sb = scale_bytes(t), five = t == TQ_Q5_0 || t == TQ_Q5_1;
+    const int so = sb + (five ? 4 * GR : 0); /* step_offset of the packed type */
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < N / GR; g++) {
         uint8_t *rows = w + g * GR * rbytes, *copy = (uint8_t *)malloc((size_t)(GR * rbytes));
@@ -116,18 +125,30 @@ void tq_q8_pack(int t, uint8_t *w, int64_t N, int64_t K) {
             free(copy);
             continue;
         }
-        for (int64_t b = 0; b < nb; b++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *p = rows + b * GR * ub;
+            uint32_t hb[4][2] = {{0}};
             for (int j = 0; j < GR; j++) {
                 const uint8_t *u = copy + j * rbytes + b * ub;
-                uint8_t *p = rows + b * GR * ub;
                 memcpy(p + 2 * j, u, 2);
                 if (t == TQ_Q8_0) {
                     for (int s = 0; s < 8; s++) memcpy(p + sb + 32 * s + 4 * j, u + 2 + 4 * s, 4);
                     continue;
                 }
-                if (t == TQ_Q4_1) memcpy(p + 2 * GR + 2 * j, u + 2, 2);
-                for (int s = 0; s < 4; s++) memcpy(p + sb + 32 * s + 4 * j, nibbles(t, u) + 4 * s, 4);
+                if (stores_min(t)) memcpy(p + 2 * GR + 2 * j, u + 2, 2);
+                for (int s = 0; s < 4; s++) memcpy(p + so + 32 * s + 4 * j, nibbles(t, u) + 4 * s, 4);
+                if (five) {
+                    uint32_t qh;
+                    memcpy(&qh, nibbles(t, u) - 4, 4);
+                    for (int s = 0; s < 4; s++)
+                        for (int c = 0; c < 4; c++) {
+                            hb[s][0] |= (qh >> (4 * s + c) & 1u) << (4 * j + c);
+                            hb[s][1] |= (qh >> (16 + 4 * s + c) & 1u) << (4 * j + c);
+                        }
+                }
             }
+            if (five) memcpy(p + sb, hb, sizeof hb);
+        }
         free(copy);
     }
 }
@@ -149,7 +170,17 @@ void tq_q8_unpack_row(int pt, const uint8_t *w, int64_t n, int64_t K, uint8_t *o
             for (int s = 0; s < 8; s++) memcpy(u + 2 + 4 * s, p + sb + 32 * s + 4 * j, 4);
             continue;
         }
-        if (t == TQ_Q4_1) memcpy(u + 2, p + 2 * GR + 2 * j, 2);
-        for (int s = 0; s < 4; s++) memcpy((uint8_t *)nibbles(t, u) + 4 * s, p + sb + 32 * s + 4 * j, 4);
+        if (stores_min(t)) memcpy(u + 2, p + 2 * GR + 2 * j, 2);
+        for (int s = 0; s < 4; s++) memcpy((uint8_t *)nibbles(t, u) + 4 * s, p + step_offset(pt) + 32 * s + 4 * j, 4);
+        if (packed_five(pt)) {
+            uint32_t hb[4][2], qh = 0;
+            memcpy(hb, p + sb, sizeof hb);
+            for (int s = 0; s < 4; s++)
+                for (int c = 0; c < 4; c++) {
+                    qh |= (hb[s][0] >> (4 * j + c) & 1u) << (4 * s + c);
+                    qh |= (hb[s][1] >> (4 * j + c) & 1u) << (16 + 4 * s + c);
+                }
+            memcpy((uint8_t *)nibbles(t, u) - 4, &qh, 4);
+        }
     }
 }

@@ -161,17 +161,23 @@ static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gb
         prefetch_block(next, b, ub);
 #ifdef TQ_AVX2
         __m256i step[GR];
-        if (packed_type(t)) {
+        if (packed_type(t) || packed_five(t)) {
             const uint8_t *p = w + b * GR * ub;
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
             _mm256_store_ps(g->d, dv);
-            _mm256_store_ps(g->m, base_type(t) == TQ_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * GR)))
-                                                          : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f)));
-            const __m256i mask = _mm256_set1_epi8(15);
+            _mm256_store_ps(g->m, stores_min(t) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * GR)))
+                                                : _mm256_mul_ps(dv, _mm256_set1_ps(-(float)q_bias(t))));
+            const __m256i mask = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);
             for (int s = 0; s < 4; s++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + scale_bytes(t) + 32 * s));
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + step_offset(t) + 32 * s));
                 step[s] = _mm256_and_si256(v, mask);
                 step[s + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                if (packed_five(t)) { /* the step's fifth bits (tq_q8_pack's masks) */
+                    uint32_t hb[2];
+                    memcpy(hb, p + scale_bytes(t) + 8 * s, 8);
+                    step[s] = _mm256_or_si256(step[s], _mm256_and_si256(bits_to_bytes(hb[0]), sixteen));
+                    step[s + 4] = _mm256_or_si256(step[s + 4], _mm256_and_si256(bits_to_bytes(hb[1]), sixteen));
+                }
             }
         } else if (packed_q8_0(t)) { /* the steps as they are stored */
             const uint8_t *p = w + b * GR * ub;
@@ -230,15 +236,18 @@ static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gb
             for (int j = 0; j < GR; j++) g->d[j] = half_to_float(p + 2 * j), g->m[j] = 0.0f;
             continue;
         }
-        if (packed_type(t)) {
-            const uint8_t *p = w + b * GR * ub, *nib = p + scale_bytes(t);
+        if (packed_type(t) || packed_five(t)) {
+            const uint8_t *p = w + b * GR * ub, *nib = p + step_offset(t);
             for (int j = 0; j < GR; j++) {
                 for (int k = 0; k < QK; k++) {
-                    const uint8_t byte = nib[32 * (k % 16 / 4) + 4 * j + k % 4];
-                    g->q[32 * (k / 4) + 4 * j + k % 4] = k < 16 ? byte & 15 : byte >> 4;
+                    const int s = k % 16 / 4, c = 4 * j + k % 4; /* step s, byte c; k >= 16: the high nibbles */
+                    const uint8_t byte = nib[32 * s + c];
+                    uint32_t hb = 0;
+                    if (packed_five(t)) memcpy(&hb, p + scale_bytes(t) + 8 * s + 4 * (k >= 16), 4);
+                    g->q[32 * (k / 4) + c] = (uint8_t)((k < 16 ? byte & 15 : byte >> 4) | (hb >> c & 1u) << 4);
                 }
                 g->d[j] = half_to_float(p + 2 * j);
-                g->m[j] = base_type(t) == TQ_Q4_1 ? half_to_float(p + 2 * GR + 2 * j) : -8.0f * g->d[j];
+                g->m[j] = stores_min(t) ? half_to_float(p + 2 * GR + 2 * j) : -(float)q_bias(t) * g->d[j];
             }
             continue;
         }

@@ -46,13 +46,15 @@
 enum { TQ_Q4_0 = 2, TQ_Q4_1 = 3, TQ_Q5_0 = 6, TQ_Q5_1 = 7, TQ_Q8_0 = 8,
        TQ_Q2_K = 10, TQ_Q3_K = 11, TQ_Q4_K = 12, TQ_Q5_K = 13, TQ_Q6_K = 14 };
 #define QK 32
-/* TQ_PACKED + Q4_0 / Q4_1 (packed_type), + Q4_K / Q6_K (packed_k) and + Q8_0: the same blocks repacked
- * 8 rows at a time for the 8-bit activation path (q8pack.c's tq_q8_pack documents the layouts); same bytes per row */
+/* TQ_PACKED + Q4_0 / Q4_1 (packed_type), + Q5_0 / Q5_1 (packed_five), + Q4_K / Q6_K (packed_k) and + Q8_0:
+ * the same blocks repacked 8 rows at a time for the 8-bit activation path (q8pack.c's tq_q8_pack
+ * documents the layouts); same bytes per row */
 #define TQ_PACKED 100
 TQ_INLINE int packed_type(int t) { return t == TQ_PACKED + TQ_Q4_0 || t == TQ_PACKED + TQ_Q4_1; }
+TQ_INLINE int packed_five(int t) { return t == TQ_PACKED + TQ_Q5_0 || t == TQ_PACKED + TQ_Q5_1; }
 TQ_INLINE int packed_k(int t) { return t == TQ_PACKED + TQ_Q4_K || t == TQ_PACKED + TQ_Q6_K; }
 TQ_INLINE int packed_q8_0(int t) { return t == TQ_PACKED + TQ_Q8_0; }
-TQ_INLINE int is_packed(int t) { return packed_type(t) || packed_k(t) || packed_q8_0(t); }
+TQ_INLINE int is_packed(int t) { return packed_type(t) || packed_five(t) || packed_k(t) || packed_q8_0(t); }
 TQ_INLINE int base_type(int t) { return is_packed(t) ? t - TQ_PACKED : t; }
 
 TQ_INLINE int is_k_quant(int t) { return base_type(t) >= TQ_Q2_K && base_type(t) <= TQ_Q6_K; }
@@ -61,8 +63,14 @@ TQ_INLINE int unit_blocks(int t) { return is_k_quant(t) ? 8 : 1; } /* blocks of 
 TQ_INLINE int q8_kquant(int t) { return base_type(t) == TQ_Q4_K || base_type(t) == TQ_Q5_K || base_type(t) == TQ_Q6_K; }
 /* rows per packed group (q8pack.c's tq_q8_pack), and per group of q8act.c's panel */
 #define GR 8
-/* the bytes before a packed Q4_0 / Q4_1 / Q8_0 group block's steps: its 8 rows' d (Q4_1: then m) */
-TQ_INLINE int scale_bytes(int t) { return base_type(t) == TQ_Q4_1 ? 4 * GR : 2 * GR; }
+/* a packed Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 group block's scales: its 8 rows' d (Q4_1 / Q5_1: then m) */
+TQ_INLINE int scale_bytes(int t) { return base_type(t) == TQ_Q4_1 || base_type(t) == TQ_Q5_1 ? 4 * GR : 2 * GR; }
+/* the bytes before its steps: the scales, and for Q5_0 / Q5_1 the rows' fifth bits (tq_q8_pack) */
+TQ_INLINE int step_offset(int t) { return scale_bytes(t) + (packed_five(t) ? 4 * GR : 0); }
+/* a Q4_1 / Q5_1 block (packed or not) stores its minimum; Q4_0 / Q5_0 read as unsigned q with
+ * minimum -q_bias d */
+TQ_INLINE int stores_min(int t) { return base_type(t) == TQ_Q4_1 || base_type(t) == TQ_Q5_1; }
+TQ_INLINE int q_bias(int t) { return base_type(t) == TQ_Q4_0 ? 8 : base_type(t) == TQ_Q5_0 ? 16 : 0; }
 /* a Q4_0 / Q4_1 / Q5_0 / Q5_1 block's 16 nibble bytes (byte i: q[i] low, q[i + 16] high) */
 TQ_INLINE const uint8_t *nibbles(int t, const uint8_t *u) {
     return u + (t == TQ_Q4_0 ? 2 : t == TQ_Q4_1 ? 4 : t == TQ_Q5_0 ? 6 : 8);

@@ -93,7 +93,7 @@ tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K);
 void tq_q8_free(tq_q8acts a);
 void tq_q8_rows(int qtype, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
                 int64_t N, int64_t K, int small_256);
-void tq_q8_pack(int qtype, uint8_t *w, int64_t N, int64_t K); /* Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K rows, N % 8 == 0, in place */
+void tq_q8_pack(int qtype, uint8_t *w, int64_t N, int64_t K); /* Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K rows, N % 8 == 0, in place */
 void tq_q8_unpack_row(int packed_qtype, const uint8_t *w, int64_t n, int64_t K, uint8_t *out);
 /* q8batch.c: the whole groups of packed Q4 / Q8_0 / Q4_K / Q5_K / Q6_K rows at batches it takes (AVX-512 VNNI builds);
  * returns the rows done (0: none, the caller does them) */

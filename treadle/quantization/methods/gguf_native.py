@@ -135,8 +135,8 @@ class GGUFBlockMethod(LinearMethod):
         layer.weight.data[offset : offset + blocks.data.numel()] = blocks.data.reshape(-1)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        """With 8-bit activations (``TREADLE_ACTIVATION_BITS=8`` at load), Q4_0 / Q4_1 / Q4_K / Q6_K
-        segments of whole groups of 8 rows are repacked in place (``native.pack_rows``: same bytes,
+        """With 8-bit activations (``TREADLE_ACTIVATION_BITS=8`` at load), Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+        Q8_0 / Q4_K / Q6_K segments of whole groups of 8 rows are repacked in place (``native.pack_rows``: same bytes,
         so resident memory is unchanged), so the kernel reads a group's block with loads and
         masks instead of transposing 8 rows on every call. Packed rows always take 8-bit
         activations; embedding lookups read them back as the file had them."""
