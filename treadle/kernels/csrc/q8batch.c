@@ -1,5 +1,5 @@
 /* The batched 8-bit activation path on AVX-512 VNNI (the avx512-vnni and avx512-bf16 builds):
- * packed Q4_0 / Q4_1 / Q8_0 rows (q8pack.c tq_q8_pack) and the file's Q8_0 rows at every batch (packed
+ * packed Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows (q8pack.c tq_q8_pack) and the file's Q8_0 rows at every batch (packed
  * Q8_0: strip_direct's loads at every batch, no panel), Q4_K / Q5_K / Q6_K rows times M >= BATCH_MIN_K (unpack_k4_strip,
  * unpack_q6k_strip: q8panel.h's unpack_kgroup values for 16 rows at a time; Q6_K's two half-block
  * dots start at -32 xh and are folded with its int8 scales in int32 as q8act.c's q6_fold). Up to DIRECT_MAX_Q4 rows, a packed strip's nibbles go from the
@@ -38,8 +38,8 @@
  * lm_head 49152 x 576 on AMD EPYC Zen 5, one thread, against q8act.c's 256-bit q8_0_direct below 4
  * rows and the panel above: about 1.0x at 1 row, 1.3-1.55x at 2-4, 1.2x at 8; 9 rows, one tile of 8
  * and one of 1 each transposing the strip again, 0.9x, 12 and 16: 0.85-0.88x, so those keep the panel).
- * Packed Q4 takes every batch: up to DIRECT_MAX_Q4 rows without a panel (strip_direct), more
- * through the panel. */
+ * Packed Q4 and Q5 take every batch: up to DIRECT_MAX_Q4 rows without a panel (strip_direct), more
+ * through the panel (Q5: the fifth bits added from the step's masks, one masked byte add per register). */
 #define BATCH_MIN_Q8_0 1
 #define DIRECT_MAX_Q8_0 8
 #define DIRECT_MAX_Q4 16
@@ -129,8 +129,8 @@ static inline __attribute__((always_inline)) void strip_direct(const int t, cons
                                                                const uint8_t *next, int64_t nb, tq_q8acts x, int64_t K,
                                                                const int NX, const float *bias, float *out,
                                                                int64_t ostride, __mmask16 store) {
-    const int q8 = packed_q8_0(t), ub = unit_bytes(t), sb = scale_bytes(t);
-    const __m512i mask = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    const int q8 = packed_q8_0(t), five = packed_five(t), ub = unit_bytes(t), sb = step_offset(t);
+    const __m512i mask = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80), sixteen = _mm512_set1_epi8(16);
     __m512 acc[TQ_NX];
 #pragma GCC unroll 8
     for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
@@ -163,7 +163,11 @@ static inline __attribute__((always_inline)) void strip_direct(const int t, cons
                 const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
                 const __m256i hi = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + sb + 32 * s)) : _mm256_setzero_si256();
                 const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                const __m512i ql = _mm512_and_si512(v, mask), qh = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+                __m512i ql = _mm512_and_si512(v, mask), qh = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+                if (five) { /* Q5_0 / Q5_1: the step's fifth bits */
+                    ql = _mm512_mask_add_epi8(ql, fifth_bits(p, p1, scale_bytes(t), s, 0), ql, sixteen);
+                    qh = _mm512_mask_add_epi8(qh, fifth_bits(p, p1, scale_bytes(t), s, 1), qh, sixteen);
+                }
 #pragma GCC unroll 8
                 for (int i = 0; i < NX; i++) {
                     int32_t xl, xh;
@@ -176,8 +180,8 @@ static inline __attribute__((always_inline)) void strip_direct(const int t, cons
             }
         }
         const __m512 dw = halves16(p, p1);
-        const __m512 mw = base_type(t) == TQ_Q4_1 ? halves16(p + 16, p1 ? p1 + 16 : NULL)
-                                                  : _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
+        const __m512 mw = stores_min(t) ? halves16(p + 16, p1 ? p1 + 16 : NULL)
+                                        : _mm512_mul_ps(dw, _mm512_set1_ps(-(float)q_bias(t)));
 #pragma GCC unroll 8
         for (int i = 0; i < NX; i++) {
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_i[i]), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i * nb + b])),
@@ -326,9 +330,10 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
     const int64_t amx = tq_q8_amx_rows(t, w, x, y, ldy, bias, M, N, K); /* q8amx.c, the amx build */
     if (amx) return amx;
     const int q8_0 = t == TQ_Q8_0, kq = q8_kquant(t), pq8 = packed_q8_0(t);
-    if (!(packed_type(t) || q8_0 || kq || pq8) || (q8_0 && M < BATCH_MIN_Q8_0) || (kq && M < BATCH_MIN_K)) return 0;
+    const int pq4 = packed_type(t) || packed_five(t); /* packed Q4_0 / Q4_1 / Q5_0 / Q5_1 */
+    if (!(pq4 || q8_0 || kq || pq8) || (q8_0 && M < BATCH_MIN_Q8_0) || (kq && M < BATCH_MIN_K)) return 0;
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
-    const int direct = (packed_type(t) && M <= DIRECT_MAX_Q4) || (q8_0 && M <= DIRECT_MAX_Q8_0) || pq8;
+    const int direct = (pq4 && M <= DIRECT_MAX_Q4) || (q8_0 && M <= DIRECT_MAX_Q8_0) || pq8;
     const int mode = q8_0 ? MODE_Q8_0 : base_type(t) == TQ_Q6_K ? MODE_Q6_K : MODE_MIN;
 #pragma omp parallel
     {
@@ -353,6 +358,10 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
                     direct_rows(TQ_PACKED + TQ_Q8_0, wg, lone ? NULL : wg + 8 * rbytes, nextw, x, y + g * 8, ldy, bs, M, K, store);
                 else if (t == TQ_PACKED + TQ_Q4_1)
                     direct_rows(TQ_PACKED + TQ_Q4_1, wg, lone ? NULL : wg + 8 * rbytes, nextw, x, y + g * 8, ldy, bs, M, K, store);
+                else if (t == TQ_PACKED + TQ_Q5_0)
+                    direct_rows(TQ_PACKED + TQ_Q5_0, wg, lone ? NULL : wg + 8 * rbytes, nextw, x, y + g * 8, ldy, bs, M, K, store);
+                else if (t == TQ_PACKED + TQ_Q5_1)
+                    direct_rows(TQ_PACKED + TQ_Q5_1, wg, lone ? NULL : wg + 8 * rbytes, nextw, x, y + g * 8, ldy, bs, M, K, store);
                 else
                     direct_rows(TQ_PACKED + TQ_Q4_0, wg, lone ? NULL : wg + 8 * rbytes, nextw, x, y + g * 8, ldy, bs, M, K, store);
                 continue;
