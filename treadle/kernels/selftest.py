@@ -115,6 +115,7 @@ def run(variant: str) -> list[Check]:
     return [_w8a8(variant), _blocks_check(variant, "Q8_0", 8), _blocks_check(variant, "Q4_1", 8),
             _blocks_check(variant, "Q4_K", 8), _blocks_check(variant, "Q6_K", 8), _packed(variant, "Q4_1", 64),
             _packed(variant, "Q8_0", 16), _packed(variant, "Q4_K", 1), _packed(variant, "Q6_K", 1),
+            _packed(variant, "Q5_0", 1), _packed(variant, "Q5_1", 64),
             _blocks_check(variant, "Q4_1", 16), _blocks_check(variant, "Q6_K", 16), _bf16(variant)]
 
 
