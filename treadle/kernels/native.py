@@ -263,10 +263,8 @@ def available() -> bool:
 
 # the block types the kernels read, by GGML's own type numbers (csrc/qblocks.h)
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-# Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K rows repacked 8 at a time for 8-bit activations (csrc/q8pack.c
-# tq_q8_pack; qblocks.h TQ_PACKED)
-PACKED = {"Q4_0x8": "Q4_0", "Q4_1x8": "Q4_1", "Q5_0x8": "Q5_0", "Q5_1x8": "Q5_1", "Q8_0x8": "Q8_0", "Q4_Kx8": "Q4_K",
-          "Q6_Kx8": "Q6_K"}
+# rows repacked 8 at a time for 8-bit activations (csrc/q8pack.c tq_q8_pack; qblocks.h TQ_PACKED): packed name -> block type
+PACKED = {f"{t}x8": t for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")}
 # tq_layout segments may also be bfloat16 rows (tq.h TQ_W_BF16) or packed rows (always 8-bit activations)
 _PACKED_BASE = 100  # qblocks.h TQ_PACKED: a packed type's number is this plus its block type's
 LAYOUT_TYPES = {**QTYPES, "BF16": 30, **{p: _PACKED_BASE + QTYPES[b] for p, b in PACKED.items()}}

@@ -165,8 +165,8 @@ static inline __attribute__((always_inline)) void strip_direct(const int t, cons
                 const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
                 __m512i ql = _mm512_and_si512(v, mask), qh = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
                 if (five) { /* Q5_0 / Q5_1: the step's fifth bits */
-                    ql = _mm512_mask_add_epi8(ql, fifth_bits(p, p1, scale_bytes(t), s, 0), ql, sixteen);
-                    qh = _mm512_mask_add_epi8(qh, fifth_bits(p, p1, scale_bytes(t), s, 1), qh, sixteen);
+                    ql = _mm512_mask_add_epi8(ql, fifth_bits(t, p, p1, s, 0), ql, sixteen);
+                    qh = _mm512_mask_add_epi8(qh, fifth_bits(t, p, p1, s, 1), qh, sixteen);
                 }
 #pragma GCC unroll 8
                 for (int i = 0; i < NX; i++) {
@@ -180,8 +180,7 @@ static inline __attribute__((always_inline)) void strip_direct(const int t, cons
             }
         }
         const __m512 dw = halves16(p, p1);
-        const __m512 mw = stores_min(t) ? halves16(p + 16, p1 ? p1 + 16 : NULL)
-                                        : _mm512_mul_ps(dw, _mm512_set1_ps(-(float)q_bias(t)));
+        const __m512 mw = packed_mins16(t, p, p1, dw);
 #pragma GCC unroll 8
         for (int i = 0; i < NX; i++) {
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_i[i]), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i * nb + b])),

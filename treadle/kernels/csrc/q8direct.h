@@ -97,11 +97,7 @@ static inline __attribute__((always_inline)) void packed_direct(const int t, con
         for (int s = 0; s < 4 * !q8; s++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
             __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-            if (five) {
-                uint32_t hb[2];
-                memcpy(hb, p + scale_bytes(t) + 8 * s, 8);
-                lo = add_fifth(lo, hb[0]), hi = add_fifth(hi, hb[1]);
-            }
+            if (five) lo = add_fifth(lo, fifth_mask(t, p, s, 0)), hi = add_fifth(hi, fifth_mask(t, p, s, 1));
             for (int i = 0; i < NX; i++) {
                 const int8_t *xb = x.q + i * K + b * QK;
                 int32_t xl, xh;
@@ -114,8 +110,7 @@ static inline __attribute__((always_inline)) void packed_direct(const int t, con
         for (int i = 0; i < NX; i++) /* Q4: both halves < 16384 in int16; 5-bit halves reach 31496 */
             p16[i] = q8 ? p16[i] : five ? _mm256_add_epi32(widen16(p16[i]), widen16(ph[i])) : widen16(join16(p16[i], ph[i]));
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-        const __m256 mv = stores_min(t) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * GR)))
-                                        : _mm256_mul_ps(dv, _mm256_set1_ps(-(float)q_bias(t)));
+        const __m256 mv = packed_mins(t, p, dv);
         for (int i = 0; i < NX; i++) {
             const __m256 isum = _mm256_cvtepi32_ps(p16[i]);
             acc[i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dv, _mm256_broadcast_ss(x.d + i * nb + b)), acc[i]);

@@ -113,8 +113,7 @@ static void pack_kgroup(int t, uint8_t *rows, const uint8_t *copy, int64_t rbyte
 
 void tq_q8_pack(int t, uint8_t *w, int64_t N, int64_t K) {
     const int64_t nb = K / QK, rbytes = row_bytes(t, K);
-    const int ub = unit_bytes(t), sb = scale_bytes(t), five = t == TQ_Q5_0 || t == TQ_Q5_1;
-    const int so = sb + (five ? 4 * GR : 0); /* step_offset of the packed type */
+    const int ub = unit_bytes(t), sb = scale_bytes(t), five = packed_five(TQ_PACKED + t), so = step_offset(TQ_PACKED + t);
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < N / GR; g++) {
         uint8_t *rows = w + g * GR * rbytes, *copy = (uint8_t *)malloc((size_t)(GR * rbytes));
@@ -173,12 +172,11 @@ void tq_q8_unpack_row(int pt, const uint8_t *w, int64_t n, int64_t K, uint8_t *o
         if (stores_min(t)) memcpy(u + 2, p + 2 * GR + 2 * j, 2);
         for (int s = 0; s < 4; s++) memcpy((uint8_t *)nibbles(t, u) + 4 * s, p + step_offset(pt) + 32 * s + 4 * j, 4);
         if (packed_five(pt)) {
-            uint32_t hb[4][2], qh = 0;
-            memcpy(hb, p + sb, sizeof hb);
+            uint32_t qh = 0;
             for (int s = 0; s < 4; s++)
                 for (int c = 0; c < 4; c++) {
-                    qh |= (hb[s][0] >> (4 * j + c) & 1u) << (4 * s + c);
-                    qh |= (hb[s][1] >> (4 * j + c) & 1u) << (16 + 4 * s + c);
+                    qh |= (fifth_mask(pt, p, s, 0) >> (4 * j + c) & 1u) << (4 * s + c);
+                    qh |= (fifth_mask(pt, p, s, 1) >> (4 * j + c) & 1u) << (16 + 4 * s + c);
                 }
             memcpy((uint8_t *)nibbles(t, u) - 4, &qh, 4);
         }

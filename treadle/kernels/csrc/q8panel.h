@@ -147,6 +147,14 @@ static inline void prefetch_block(const uint8_t *next, int64_t b, int ub) {
     for (int64_t off = b * GR * ub; off < (b + 1) * GR * ub; off += 64) __builtin_prefetch(next + off);
 }
 
+#ifdef TQ_AVX2
+/* packed Q4 / Q5 group block p's 8 minimum terms: stored (Q4_1 / Q5_1), or -q_bias d (dv: its d) */
+static inline __m256 packed_mins(int t, const uint8_t *p, __m256 dv) {
+    return stores_min(t) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * GR)))
+                         : _mm256_mul_ps(dv, _mm256_set1_ps(-(float)q_bias(t)));
+}
+#endif
+
 /* Rows n0 .. n0 + 7 of w unpacked into panel[nb]: q unsigned (the stored q plus q_bias) for the
  * 4/5-bit types, int8 for Q8_0. */
 static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gblock *panel) {
@@ -165,18 +173,15 @@ static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gb
             const uint8_t *p = w + b * GR * ub;
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
             _mm256_store_ps(g->d, dv);
-            _mm256_store_ps(g->m, stores_min(t) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * GR)))
-                                                : _mm256_mul_ps(dv, _mm256_set1_ps(-(float)q_bias(t))));
+            _mm256_store_ps(g->m, packed_mins(t, p, dv));
             const __m256i mask = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);
             for (int s = 0; s < 4; s++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(p + step_offset(t) + 32 * s));
                 step[s] = _mm256_and_si256(v, mask);
                 step[s + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
                 if (packed_five(t)) { /* the step's fifth bits (tq_q8_pack's masks) */
-                    uint32_t hb[2];
-                    memcpy(hb, p + scale_bytes(t) + 8 * s, 8);
-                    step[s] = _mm256_or_si256(step[s], _mm256_and_si256(bits_to_bytes(hb[0]), sixteen));
-                    step[s + 4] = _mm256_or_si256(step[s + 4], _mm256_and_si256(bits_to_bytes(hb[1]), sixteen));
+                    step[s] = _mm256_or_si256(step[s], _mm256_and_si256(bits_to_bytes(fifth_mask(t, p, s, 0)), sixteen));
+                    step[s + 4] = _mm256_or_si256(step[s + 4], _mm256_and_si256(bits_to_bytes(fifth_mask(t, p, s, 1)), sixteen));
                 }
             }
         } else if (packed_q8_0(t)) { /* the steps as they are stored */
@@ -242,8 +247,7 @@ static void unpack_group(int t, const uint8_t *w, int64_t rbytes, int64_t nb, gb
                 for (int k = 0; k < QK; k++) {
                     const int s = k % 16 / 4, c = 4 * j + k % 4; /* step s, byte c; k >= 16: the high nibbles */
                     const uint8_t byte = nib[32 * s + c];
-                    uint32_t hb = 0;
-                    if (packed_five(t)) memcpy(&hb, p + scale_bytes(t) + 8 * s + 4 * (k >= 16), 4);
+                    const uint32_t hb = packed_five(t) ? fifth_mask(t, p, s, k >= 16) : 0;
                     g->q[32 * (k / 4) + c] = (uint8_t)((k < 16 ? byte & 15 : byte >> 4) | (hb >> c & 1u) << 4);
                 }
                 g->d[j] = half_to_float(p + 2 * j);

@@ -40,13 +40,15 @@ static inline __m512 halves16(const uint8_t *p, const uint8_t *p1) {
     return _mm512_cvtph_ps(_mm256_set_m128i(hi, lo));
 }
 
-/* Packed Q5_0 / Q5_1 groups' fifth bits for step s, half h (0: the low nibbles' elements, 1: the
- * high ones'): group g's in bytes 0..31, group g + 1's in 32..63 (q8pack.c's masks) */
-static inline __mmask64 fifth_bits(const uint8_t *p, const uint8_t *p1, int sb, int s, int h) {
-    uint32_t lo, hi = 0;
-    memcpy(&lo, p + sb + 8 * s + 4 * h, 4);
-    if (p1) memcpy(&hi, p1 + sb + 8 * s + 4 * h, 4);
-    return (__mmask64)lo | (__mmask64)hi << 32;
+/* Packed Q5_0 / Q5_1 groups' fifth bits for step s, half h (fifth_mask): group g's (block p) in
+ * bytes 0..31, group g + 1's (p1, NULL for a lone group) in 32..63 */
+static inline __mmask64 fifth_bits(int t, const uint8_t *p, const uint8_t *p1, int s, int h) {
+    return (__mmask64)fifth_mask(t, p, s, h) | (__mmask64)(p1 ? fifth_mask(t, p1, s, h) : 0) << 32;
+}
+
+/* packed Q4 / Q5 groups' 16 minimum terms: stored (Q4_1 / Q5_1), or -q_bias d (dv: their d) */
+static inline __m512 packed_mins16(int t, const uint8_t *p, const uint8_t *p1, __m512 dv) {
+    return stores_min(t) ? halves16(p + 2 * GR, p1 ? p1 + 2 * GR : NULL) : _mm512_mul_ps(dv, _mm512_set1_ps(-(float)q_bias(t)));
 }
 
 /* Packed Q4 / Q5 groups g (rows at w) and g + 1 (at w1, NULL for a lone group), every block. */
@@ -58,8 +60,7 @@ static inline void unpack_packed(int t, const uint8_t *w, const uint8_t *w1, int
         sblock *g = panel + b;
         const __m512 dv = halves16(p, p1);
         _mm512_store_ps(g->d, dv);
-        _mm512_store_ps(g->m, stores_min(t) ? halves16(p + 16, p1 ? p1 + 16 : NULL)
-                                            : _mm512_mul_ps(dv, _mm512_set1_ps(-(float)q_bias(t))));
+        _mm512_store_ps(g->m, packed_mins16(t, p, p1, dv));
         for (int s = 0; s < 4; s++) {
             const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + so + 32 * s));
             const __m256i hi = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + so + 32 * s)) : _mm256_setzero_si256();
@@ -67,8 +68,8 @@ static inline void unpack_packed(int t, const uint8_t *w, const uint8_t *w1, int
             g->q[s] = _mm512_and_si512(v, mask);
             g->q[s + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
             if (packed_five(t)) {
-                g->q[s] = _mm512_mask_add_epi8(g->q[s], fifth_bits(p, p1, scale_bytes(t), s, 0), g->q[s], sixteen);
-                g->q[s + 4] = _mm512_mask_add_epi8(g->q[s + 4], fifth_bits(p, p1, scale_bytes(t), s, 1), g->q[s + 4], sixteen);
+                g->q[s] = _mm512_mask_add_epi8(g->q[s], fifth_bits(t, p, p1, s, 0), g->q[s], sixteen);
+                g->q[s + 4] = _mm512_mask_add_epi8(g->q[s + 4], fifth_bits(t, p, p1, s, 1), g->q[s + 4], sixteen);
             }
         }
     }

@@ -67,6 +67,13 @@ TQ_INLINE int q8_kquant(int t) { return base_type(t) == TQ_Q4_K || base_type(t) 
 TQ_INLINE int scale_bytes(int t) { return base_type(t) == TQ_Q4_1 || base_type(t) == TQ_Q5_1 ? 4 * GR : 2 * GR; }
 /* the bytes before its steps: the scales, and for Q5_0 / Q5_1 the rows' fifth bits (tq_q8_pack) */
 TQ_INLINE int step_offset(int t) { return scale_bytes(t) + (packed_five(t) ? 4 * GR : 0); }
+/* packed Q5_0 / Q5_1 group block p's fifth bits for step s, half h (0: the low nibbles' elements,
+ * 1: the high ones'): bit 4 j + c belongs to byte 4 j + c of the step */
+TQ_INLINE uint32_t fifth_mask(int t, const uint8_t *p, int s, int h) {
+    uint32_t m;
+    memcpy(&m, p + scale_bytes(t) + 8 * s + 4 * h, 4);
+    return m;
+}
 /* a Q4_1 / Q5_1 block (packed or not) stores its minimum; Q4_0 / Q5_0 read as unsigned q with
  * minimum -q_bias d */
 TQ_INLINE int stores_min(int t) { return base_type(t) == TQ_Q4_1 || base_type(t) == TQ_Q5_1; }
