@@ -104,11 +104,14 @@ def test_packed_fused_layers_equal_the_file_layout(tmp_path: Path, monkeypatch: 
                                                   qtype: str) -> None:
     """With 8-bit activations at load, Q4_0 / Q4_1 weights are packed 8 rows at a time
     (GGUFBlockMethod.process_weights_after_loading); the fused packed layers give the bits of
-    the module path on the file's layout with 8-bit activations."""
+    the module path on the file's layout with 8-bit activations. (The file's layout: loaded at
+    16 bits by the plain-C build, which does not pack them then, native.packs_at_16_bits.)"""
     path = make_tiny_model(tmp_path / "llama", "llama", seed=4, hidden_size=64, intermediate_size=96,
                            num_attention_heads=4, num_key_value_heads=2)
     monkeypatch.setenv("TREADLE_ACTIVATION_BITS", "16")
-    modules = gguf_block_model(path, qtype)
+    with monkeypatch.context() as mp:
+        mp.setenv("TREADLE_CPU_KERNELS", "plain")
+        modules = gguf_block_model(path, qtype)
     monkeypatch.setenv("TREADLE_ACTIVATION_BITS", "8")
     packed = gguf_block_model(path, qtype)
     assert packed.model.layers[0].mlp.gate_up_proj.method.segments == ((qtype + "x8", 192),)

@@ -88,16 +88,17 @@ def _blocks_check(variant: str, qtype: str, act_bits: int) -> Check:
     return _check(variant, f"{qtype}, {act_bits}-bit activations", got, ref, act_bits == 8)
 
 
-def _packed(variant: str, qtype: str, rows: int) -> Check:
+def _packed(variant: str, qtype: str, rows: int, bits: int = 8) -> Check:
     """``qtype`` rows packed 8 at a time (the layout is the same in every build): at 64 activation
     rows the batched 8-bit path where the build has one (csrc/q8batch.c; q8amx.c from 32 rows), at
-    1 row q8act.c's registers."""
+    1 row q8act.c's registers; at 16 bits the legacy types' split activations (csrc/q8pack.c
+    tq_q16_split), the plain-C reference's bits too."""
     n = 32
     w, x = _blocks(qtype, seed=9, n=n).clone(), _rand(rows, K, seed=10)
     seg = ((native.pack_rows(qtype, w, n, K), n),)
-    got = native.qmatmul(seg, w, x, variant=variant, act_bits=8)
-    return _check(variant, f"{qtype} packed x8, 8-bit activations, {rows} row{'s' * (rows > 1)}", got,
-                  native.qmatmul(seg, w, x, plain=True, act_bits=8), True)
+    got = native.qmatmul(seg, w, x, variant=variant, act_bits=bits)
+    return _check(variant, f"{qtype} packed x8, {bits}-bit activations, {rows} row{'s' * (rows > 1)}", got,
+                  native.qmatmul(seg, w, x, plain=True, act_bits=bits), True)
 
 
 def _bf16(variant: str) -> Check:
@@ -115,7 +116,8 @@ def run(variant: str) -> list[Check]:
     return [_w8a8(variant), _blocks_check(variant, "Q8_0", 8), _blocks_check(variant, "Q4_1", 8),
             _blocks_check(variant, "Q4_K", 8), _blocks_check(variant, "Q6_K", 8), _packed(variant, "Q4_1", 64),
             _packed(variant, "Q8_0", 16), _packed(variant, "Q4_K", 1), _packed(variant, "Q6_K", 1),
-            _packed(variant, "Q5_0", 1), _packed(variant, "Q5_1", 64),
+            _packed(variant, "Q5_0", 1), _packed(variant, "Q5_1", 64), _packed(variant, "Q8_0", 1, 16),
+            _packed(variant, "Q4_1", 16, 16),
             _blocks_check(variant, "Q4_1", 16), _blocks_check(variant, "Q6_K", 16), _bf16(variant)]
 
 

@@ -58,6 +58,15 @@
  *
  * Q6_K's steps widen per step in the AVX2 build (2 * 63 * 127 per pair).
  *
+ * Split 16-bit activations (tq_q8acts.l set: q8pack.c tq_q16_split, a layout's act_bits 16 on packed
+ * Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows): qmatmul.c's 16-bit values v (xd = max|x| / 32767) as
+ * v = 256 hi + lo, hi int8 in q, lo 0..255 in l. The zmm builds take both halves with vpdpbusd
+ * (packed_split here up to 4 rows, q8batch.c's strip_split at every batch): the weights times hi as
+ * the 8-bit path does, and lo (the unsigned operand) times the weights, so isum = 256 hi-dot +
+ * lo-dot is the exact block dot of the 16-bit values (|isum| < 2^28), then the float operations
+ * above with xd and xs = xd * sum(v). Other builds take them in plain C (group_tile_c), with the
+ * same bits; their loader leaves these rows unpacked at 16 bits (native.packs_at_16_bits).
+ *
  * Packed Q4_0 / Q4_1 (types TQ_PACKED + t, made once at load by tq_q8_pack, same bytes): a group's
  * block is its 8 d, 8 m and 4 vectors of nibbles already in step order, so the panel is filled
  * with masks and shifts, and up to 4 activation rows skip the panel (packed_direct: the steps go
@@ -121,6 +130,31 @@ static inline int q6_fold(int32_t sc, int dot0, int dot1, const int32_t *xh) {
 
 #include "q8lanes.h"
 #include "q8panel.h"
+
+/* group_tile in plain C: every build's reference, and the non-zmm builds' path for split 16-bit
+ * activations (x.l: q8_value, exact in int32 for the legacy types). Each output: the exact integer
+ * block dot, then acc = fma(isum, d xd, acc) and acc = fma(m, xs, acc), block by block. */
+static void group_tile_c(const int t, const gblock *panel, int64_t nb, tq_q8acts x, int64_t K, const int NG,
+                         const int NX, const float *bias, float *out, int64_t ostride) {
+    for (int i = 0; i < NX; i++)
+        for (int j = 0; j < GR * NG; j++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const gblock *g = panel + (j / GR) * nb + b;
+                const int64_t xq = i * K + b * QK;
+                int dot[2] = {0, 0};
+                for (int k = 0; k < QK; k++) {
+                    const uint8_t q = g->q[32 * (k / 4) + 4 * (j % GR) + k % 4];
+                    dot[k / 16] += (t == TQ_Q8_0 ? (int)(int8_t)q : (int)q) * q8_value(x, xq + k);
+                }
+                const int isum = t == TQ_Q6_K ? q6_fold(g->sc[j % GR], dot[0], dot[1], x.h + 2 * (i * nb + b))
+                                              : dot[0] + dot[1];
+                acc = fmaf((float)isum, g->d[j % GR] * x.d[i * nb + b], acc);
+                if (has_min(t)) acc = fmaf(g->m[j % GR], x.s[i * nb + b], acc);
+            }
+            out[i * ostride + j] = bias ? acc + bias[j] : acc;
+        }
+}
 
 /* NX (<= MRG) activation rows times NG (1 or 2) groups, group h's panel at panel + h nb:
  * out[i * ostride + 8 h + j], j < 8. Two groups share each activation broadcast (NX <= MR2). */
@@ -207,24 +241,7 @@ static inline __attribute__((always_inline)) void group_tile(const int t, const 
             _mm256_storeu_ps(out + i * ostride + GR * h, o);
         }
 #else
-    for (int i = 0; i < NX; i++)
-        for (int j = 0; j < GR * NG; j++) {
-            float acc = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                const gblock *g = panel + (j / GR) * nb + b;
-                const int8_t *xq = x.q + i * K + b * QK;
-                int dot[2] = {0, 0};
-                for (int k = 0; k < QK; k++) {
-                    const uint8_t q = g->q[32 * (k / 4) + 4 * (j % GR) + k % 4];
-                    dot[k / 16] += (t == TQ_Q8_0 ? (int)(int8_t)q : (int)q) * xq[k];
-                }
-                const int isum = t == TQ_Q6_K ? q6_fold(g->sc[j % GR], dot[0], dot[1], x.h + 2 * (i * nb + b))
-                                              : dot[0] + dot[1];
-                acc = fmaf((float)isum, g->d[j % GR] * x.d[i * nb + b], acc);
-                if (has_min(t)) acc = fmaf(g->m[j % GR], x.s[i * nb + b], acc);
-            }
-            out[i * ostride + j] = bias ? acc + bias[j] : acc;
-        }
+    group_tile_c(t, panel, nb, x, K, NG, NX, bias, out, ostride);
 #endif
 }
 
@@ -300,8 +317,14 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
     const float *bn = bias ? bias + g * GR : NULL;
 #ifdef TQ_AVX2
     /* few rows: registers beat the panel (packed Q4: 1.5x at M = 1, ~1.05x at 4; Q8_0: 1.25x at 1,
-     * 1.13x at 2 and 3; the same along k for unpacked Q4 measured 0.91-0.94x the panel: not taken) */
-    if (takes_registers(t, M)) {
+     * 1.13x at 2 and 3; the same along k for unpacked Q4 measured 0.91-0.94x the panel: not taken).
+     * Split 16-bit activations: packed_direct in the zmm builds, group_tile_c otherwise. */
+#ifdef TQ_ZMM
+    const int registers = takes_registers(t, M);
+#else
+    const int registers = takes_registers(t, M) && !x.l;
+#endif
+    if (registers) {
         const int64_t step = t == TQ_Q8_0 ? Q8_0_DIRECT : MRG; /* one tile, but for packed Q8_0 */
         for (int h = 0; h <= pair; h++) {
             const uint8_t *wg = w + (g + h) * GR * rbytes;
@@ -322,6 +345,11 @@ static inline __attribute__((always_inline)) void group_work(const int t, const 
     }
 #endif
     for (int h = 0; h <= pair; h++) unpack_group(t, w + (g + h) * GR * rbytes, rbytes, nb, panel + h * nb);
+    if (x.l) { /* split 16-bit activations in plain C (the zmm builds take them in registers) */
+        for (int64_t m0 = 0; m0 < M; m0++)
+            group_tile_c(base_type(t), panel, nb, tq_q8_rows_from(x, m0, K), K, pair + 1, 1, bn, y + m0 * ldy + g * GR, ldy);
+        return;
+    }
     const int mr = pair ? MR2 : MRG;
     for (int64_t m0 = 0; m0 < M; m0 += mr) {
         const tq_q8acts xm = tq_q8_rows_from(x, m0, K);

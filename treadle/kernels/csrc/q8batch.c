@@ -119,6 +119,89 @@ static inline void prefetch_strip_block(const uint8_t *next, int64_t nb, int64_t
         }
 }
 
+/* strip_direct for split 16-bit activations (x.l): each step's weights times the high bytes as there
+ * (Q8_0 from -128 times their block sum) and, as the unsigned operand, the low bytes times the
+ * weights (nibbles, or Q8_0's int8); isum = 256 hi + lo, the exact block dot of the 16-bit values,
+ * then strip_direct's float operations: packed_split's bits (q8direct.h). */
+static inline __attribute__((always_inline)) void strip_split(const int t, const uint8_t *w, const uint8_t *w1,
+                                                              const uint8_t *next, int64_t nb, tq_q8acts x, int64_t K,
+                                                              const int NX, const float *bias, float *out,
+                                                              int64_t ostride, __mmask16 store) {
+    const int q8 = packed_q8_0(t), five = packed_five(t), ub = unit_bytes(t), sb = step_offset(t);
+    const __m512i mask = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80), sixteen = _mm512_set1_epi8(16);
+    __m512 acc[TQ_NX];
+#pragma GCC unroll 8
+    for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * 8 * ub, *p1 = w1 ? w1 + b * 8 * ub : NULL;
+        prefetch_strip_block(next, nb, b, ub);
+        /* up to 4 rows, the high nibbles' sums (Q8_0: the odd steps') in chains of their own (ph2, pl2: dpbusd's
+         * latency), joined per block */
+        __m512i ph[TQ_NX], pl[TQ_NX], ph2[TQ_NX / 2], pl2[TQ_NX / 2];
+        const int chains4 = NX <= TQ_NX / 2;
+#pragma GCC unroll 8
+        for (int i = 0; i < NX; i++)
+            ph[i] = q8 ? _mm512_set1_epi32(-128 * q8_block_sum(x, i * nb + b)) : _mm512_setzero_si512(), pl[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int i = 0; i < TQ_NX / 2; i++) ph2[i] = pl2[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int s = 0; s < 4 * (1 + q8); s++) { /* Q8_0: 8 steps of 4 bytes; Q4 / Q5: 4 of 4 + 4 (the two nibbles) */
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
+            const __m256i hi = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + sb + 32 * s)) : _mm256_setzero_si256();
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            __m512i qa = q8 ? v : _mm512_and_si512(v, mask), qb = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+            if (five) {
+                qa = _mm512_mask_add_epi8(qa, fifth_bits(t, p, p1, s, 0), qa, sixteen);
+                qb = _mm512_mask_add_epi8(qb, fifth_bits(t, p, p1, s, 1), qb, sixteen);
+            }
+            const __m512i qu = q8 ? _mm512_xor_si512(v, flip) : qa; /* the unsigned form: Q8_0's byte + 128 */
+#pragma GCC unroll 8
+            for (int i = 0; i < NX; i++) {
+                const int64_t e = i * K + b * QK + 4 * s;
+                int32_t h0, l0;
+                memcpy(&h0, x.q + e, 4), memcpy(&l0, x.l + e, 4);
+                if (chains4 && q8 && s % 2) { /* Q8_0's odd steps */
+                    ph2[i % (TQ_NX / 2)] = _mm512_dpbusd_epi32(ph2[i % (TQ_NX / 2)], qu, _mm512_set1_epi32(h0));
+                    pl2[i % (TQ_NX / 2)] = _mm512_dpbusd_epi32(pl2[i % (TQ_NX / 2)], _mm512_set1_epi32(l0), qa);
+                } else {
+                    ph[i] = _mm512_dpbusd_epi32(ph[i], qu, _mm512_set1_epi32(h0));
+                    pl[i] = _mm512_dpbusd_epi32(pl[i], _mm512_set1_epi32(l0), qa);
+                }
+                if (chains4 && !q8) {
+                    int32_t h1, l1;
+                    memcpy(&h1, x.q + e + 16, 4), memcpy(&l1, x.l + e + 16, 4);
+                    ph2[i % (TQ_NX / 2)] = _mm512_dpbusd_epi32(ph2[i % (TQ_NX / 2)], qb, _mm512_set1_epi32(h1));
+                    pl2[i % (TQ_NX / 2)] = _mm512_dpbusd_epi32(pl2[i % (TQ_NX / 2)], _mm512_set1_epi32(l1), qb);
+                } else if (!q8) {
+                    int32_t h1, l1;
+                    memcpy(&h1, x.q + e + 16, 4), memcpy(&l1, x.l + e + 16, 4);
+                    ph[i] = _mm512_dpbusd_epi32(ph[i], qb, _mm512_set1_epi32(h1));
+                    pl[i] = _mm512_dpbusd_epi32(pl[i], _mm512_set1_epi32(l1), qb);
+                }
+                __asm__("" : "+v"(ph[i]), "+v"(pl[i]));
+            }
+        }
+        if (chains4)
+#pragma GCC unroll 4
+            for (int i = 0; i < NX; i++)
+                ph[i] = _mm512_add_epi32(ph[i], ph2[i % (TQ_NX / 2)]), pl[i] = _mm512_add_epi32(pl[i], pl2[i % (TQ_NX / 2)]);
+        const __m512 dw = halves16(p, p1);
+        const __m512 mw = packed_mins16(t, p, p1, dw);
+#pragma GCC unroll 8
+        for (int i = 0; i < NX; i++) {
+            const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(ph[i], 8), pl[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i * nb + b])), acc[i]);
+            if (!q8) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[i * nb + b]), acc[i]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < NX; i++) {
+        __m512 o = acc[i];
+        if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(store, bias));
+        _mm512_mask_storeu_ps(out + i * ostride, store, o);
+    }
+}
+
 /* Packed Q4 or Q8_0 groups at w and w1 (NULL: a lone group, its lanes zero), NX activation rows, no
  * panel: each block's nibbles (Q8_0: its 8 steps, two 32-byte loads each -- q8pack.c's packed layout:
  * group g's step s in lanes 0..7, group g + 1's in 8..15 -- offset to unsigned) go from the packed
@@ -131,6 +214,10 @@ static inline __attribute__((always_inline)) void strip_direct(const int t, cons
                                                                int64_t ostride, __mmask16 store) {
     const int q8 = packed_q8_0(t), five = packed_five(t), ub = unit_bytes(t), sb = step_offset(t);
     const __m512i mask = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80), sixteen = _mm512_set1_epi8(16);
+    if (x.l) {
+        strip_split(t, w, w1, next, nb, x, K, NX, bias, out, ostride, store);
+        return;
+    }
     __m512 acc[TQ_NX];
 #pragma GCC unroll 8
     for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
@@ -326,13 +413,14 @@ static void strip_rows(int mode, const sblock *panel, tq_q8acts x, float *y, int
 int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
                          int64_t N, int64_t K) {
 #ifdef TQ_ZMM
-    const int64_t amx = tq_q8_amx_rows(t, w, x, y, ldy, bias, M, N, K); /* q8amx.c, the amx build */
-    if (amx) return amx;
     const int q8_0 = t == TQ_Q8_0, kq = q8_kquant(t), pq8 = packed_q8_0(t);
     const int pq4 = packed_type(t) || packed_five(t); /* packed Q4_0 / Q4_1 / Q5_0 / Q5_1 */
+    if (x.l && !(pq4 || pq8)) return 0; /* split 16-bit activations: packed legacy rows, strip_split at every batch */
+    const int64_t amx = x.l ? 0 : tq_q8_amx_rows(t, w, x, y, ldy, bias, M, N, K); /* q8amx.c, the amx build */
+    if (amx) return amx;
     if (!(pq4 || q8_0 || kq || pq8) || (q8_0 && M < BATCH_MIN_Q8_0) || (kq && M < BATCH_MIN_K)) return 0;
     const int64_t nb = K / QK, rbytes = row_bytes(t, K), groups = N / 8, strips = (groups + 1) / 2;
-    const int direct = (pq4 && M <= DIRECT_MAX_Q4) || (q8_0 && M <= DIRECT_MAX_Q8_0) || pq8;
+    const int direct = (pq4 && (M <= DIRECT_MAX_Q4 || x.l)) || (q8_0 && M <= DIRECT_MAX_Q8_0) || pq8;
     const int mode = q8_0 ? MODE_Q8_0 : base_type(t) == TQ_Q6_K ? MODE_Q6_K : MODE_MIN;
 #pragma omp parallel
     {

@@ -68,9 +68,75 @@ static inline __m256i add_fifth(__m256i v, uint32_t m) {
  * group_tile, so the same bits (Q8_0: its 8 steps as stored, |q| times x with q's sign, widened per
  * step; Q5_0 / Q5_1: each step's fifth bits added from its mask, and the low and high halves'
  * int16 sums widened apart, as the panel's 5-bit steps are). */
+#ifdef TQ_ZMM
+/* packed_direct for split 16-bit activations (x.l; the zmm builds' VNNI): each step's weight bytes
+ * times the high bytes (int8, as the 8-bit path; Q8_0's q + 128 from -128 times their sum, as the strips:
+ * hi reaches -128, which the sign trick cannot flip) and, as the unsigned operand, the low bytes
+ * times the weights (nibbles, or Q8_0's int8) -- isum = 256 hi + lo, the exact block dot of the 16-bit
+ * values (|isum| < 2^28) -- then the 8-bit path's float operations, so strip_direct's bits. */
+static inline __attribute__((always_inline)) void packed_split(const int t, const uint8_t *w, int64_t nb,
+                                                               tq_q8acts x, int64_t K, const int NX,
+                                                               const float *bias, float *out, int64_t ostride) {
+    const __m256i mask = _mm256_set1_epi8(15);
+    const int q8 = packed_q8_0(t), five = packed_five(t), ub = unit_bytes(t), sb = step_offset(t);
+    const uint8_t *next = w + GR * nb * ub;
+    __m256 acc[MRG];
+    for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * GR * ub;
+        prefetch_block(next, b, ub);
+        __m256i ph[MRG], pl[MRG], ph2[MRG], pl2[MRG]; /* the nibbles' sums in separate chains, joined per block */
+        for (int i = 0; i < NX; i++) ph2[i] = pl2[i] = _mm256_setzero_si256();
+        for (int i = 0; i < NX; i++) /* Q8_0: hi reaches -128, which q's sign cannot flip: q + 128 from -128 sum(hi) */
+            ph[i] = q8 ? _mm256_set1_epi32(-128 * q8_block_sum(x, i * nb + b)) : _mm256_setzero_si256(), pl[i] = _mm256_setzero_si256();
+        for (int s = 0; s < 8 * q8; s++) { /* Q8_0: (q + 128) times hi; lo times q */
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
+            const __m256i qu = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
+            for (int i = 0; i < NX; i++) {
+                int32_t vh, vl;
+                memcpy(&vh, x.q + i * K + b * QK + 4 * s, 4);
+                memcpy(&vl, x.l + i * K + b * QK + 4 * s, 4);
+                ph[i] = _mm256_dpbusd_epi32(ph[i], qu, _mm256_set1_epi32(vh));
+                pl[i] = _mm256_dpbusd_epi32(pl[i], _mm256_set1_epi32(vl), q);
+            }
+        }
+        for (int s = 0; s < 4 * !q8; s++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
+            __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            if (five) lo = add_fifth(lo, fifth_mask(t, p, s, 0)), hi = add_fifth(hi, fifth_mask(t, p, s, 1));
+            for (int i = 0; i < NX; i++) {
+                const int64_t e = i * K + b * QK + 4 * s;
+                int32_t h0, h1, l0, l1;
+                memcpy(&h0, x.q + e, 4), memcpy(&h1, x.q + e + 16, 4);
+                memcpy(&l0, x.l + e, 4), memcpy(&l1, x.l + e + 16, 4);
+                ph[i] = _mm256_dpbusd_epi32(ph[i], lo, _mm256_set1_epi32(h0));
+                pl[i] = _mm256_dpbusd_epi32(pl[i], _mm256_set1_epi32(l0), lo);
+                ph2[i] = _mm256_dpbusd_epi32(ph2[i], hi, _mm256_set1_epi32(h1));
+                pl2[i] = _mm256_dpbusd_epi32(pl2[i], _mm256_set1_epi32(l1), hi);
+            }
+        }
+        for (int i = 0; i < NX; i++) ph[i] = _mm256_add_epi32(ph[i], ph2[i]), pl[i] = _mm256_add_epi32(pl[i], pl2[i]);
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        const __m256 mv = packed_mins(t, p, dv);
+        for (int i = 0; i < NX; i++) {
+            const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ph[i], 8), pl[i]));
+            acc[i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dv, _mm256_broadcast_ss(x.d + i * nb + b)), acc[i]);
+            if (!q8) acc[i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(x.s + i * nb + b), acc[i]);
+        }
+    }
+    store_rows(acc, NX, bias, out, ostride);
+}
+#endif
+
 static inline __attribute__((always_inline)) void packed_direct(const int t, const uint8_t *w, int64_t nb,
                                                                 tq_q8acts x, int64_t K, const int NX,
                                                                 const float *bias, float *out, int64_t ostride) {
+#ifdef TQ_ZMM
+    if (x.l) {
+        packed_split(t, w, nb, x, K, NX, bias, out, ostride);
+        return;
+    }
+#endif
     const __m256i mask = _mm256_set1_epi8(15);
     const int q8 = packed_q8_0(t), five = packed_five(t), ub = unit_bytes(t), sb = step_offset(t);
     const uint8_t *next = w + GR * nb * ub;

@@ -58,10 +58,69 @@ tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
     return a;
 }
 
+/* The 16-bit activations of qmatmul.c (per block of 32: xd = max|x| / 32767, v = round(x / xd) clamped
+ * to +-32767, the same values as its quantize_rows) for the packed legacy rows, each v split in
+ * two bytes, v = 256 hi + lo: q = hi (int8), l = lo (0..255), so the 8-bit kernels' vpdpbusd forms
+ * both halves' exact integer dots (q8act.c). d = xd, s = xd * sum(v) (quantize_rows' xs), h = the
+ * halves' sums of hi (the packed Q8_0 offset's term). */
+tq_q8acts tq_q16_split(const float *x, int64_t M, int64_t K) {
+    const int64_t nb = K / QK;
+    float *f = (float *)malloc((size_t)(2 * M * nb) * sizeof(float));
+    int8_t *q = (int8_t *)malloc((size_t)(M * K));
+    uint8_t *l = (uint8_t *)malloc((size_t)(M * K));
+    int32_t *h = (int32_t *)malloc((size_t)(2 * M * nb) * sizeof(int32_t));
+    if (f == NULL || q == NULL || l == NULL || h == NULL) abort();
+    const tq_q8acts a = {q, f, f + M * nb, h, l};
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int64_t i = 0; i < M * nb; i++) {
+        const float *xb = x + (i / nb) * K + (i % nb) * QK;
+        int sum = 0, hi[2] = {0, 0};
+#ifdef TQ_AVX2 /* the same values as the loop below (tq.h) */
+        __m256 xv[4];
+        const float amax = block_absmax(xb, xv);
+        const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        __m256i v[4], vs = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            v[j] = round_clamp(xv[j], id, 32767);
+            vs = _mm256_add_epi32(vs, v[j]);
+        }
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), low = _mm256_set1_epi32(255);
+        __m256i hv[4], lv[4];
+        for (int j = 0; j < 4; j++) hv[j] = _mm256_srai_epi32(v[j], 8), lv[j] = _mm256_and_si256(v[j], low);
+        /* packs interleave the 128-bit halves: 0 1 | 2 3 -> dwords in order 0 2 4 6 1 3 5 7 */
+        const __m256i h8 = _mm256_packs_epi16(_mm256_packs_epi32(hv[0], hv[1]), _mm256_packs_epi32(hv[2], hv[3]));
+        const __m256i l8 = _mm256_packus_epi16(_mm256_packs_epi32(lv[0], lv[1]), _mm256_packs_epi32(lv[2], lv[3]));
+        _mm256_storeu_si256((__m256i *)(q + i * QK), _mm256_permutevar8x32_epi32(h8, order));
+        _mm256_storeu_si256((__m256i *)(l + i * QK), _mm256_permutevar8x32_epi32(l8, order));
+        sum = hsum_epi32(vs);
+        hi[0] = hsum_epi32(_mm256_add_epi32(hv[0], hv[1]));
+        hi[1] = hsum_epi32(_mm256_add_epi32(hv[2], hv[3]));
+#else
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int j = 0; j < QK; j++) {
+            int v = (int)nearbyintf(xb[j] * id);
+            v = v > 32767 ? 32767 : v < -32767 ? -32767 : v;
+            q[i * QK + j] = (int8_t)(v >> 8); /* arithmetic: floor(v / 256) */
+            l[i * QK + j] = (uint8_t)(v & 255);
+            sum += v;
+            hi[j / 16] += v >> 8;
+        }
+#endif
+        f[i] = d;
+        f[M * nb + i] = d * (float)sum;
+        h[2 * i] = hi[0];
+        h[2 * i + 1] = hi[1];
+    }
+    return a;
+}
+
 void tq_q8_free(tq_q8acts a) {
     free((void *)a.q);
     free((void *)a.d);
     free((void *)a.h);
+    free((void *)a.l);
 }
 
 /* Packed rows (TQ_PACKED + Q4_0 / Q4_1, made by tq_q8_pack): a group's block b is one run of

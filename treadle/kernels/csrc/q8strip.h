@@ -16,9 +16,6 @@
 
 #include "qblocks.h"
 
-#if defined(TQ_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define TQ_ZMM 1
-#endif
 
 #define SGR 16 /* weight rows per strip */
 

@@ -316,12 +316,16 @@ static void weight_rows(int qtype, const uint8_t *w, qacts x, float *y, int64_t 
 void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float *y, const float *bias, int64_t M,
                int64_t N, int64_t K) {
     const int64_t nb = K / QK;
-    int use8[TQ_MAX_SEGMENTS] = {0}, any16 = 0, any8 = 0;
+    int use8[TQ_MAX_SEGMENTS] = {0}, split[TQ_MAX_SEGMENTS] = {0}, any16 = 0, any8 = 0, anysplit = 0;
     for (int s = 0; s < layout->count; s++) {
-        if (layout->qtype[s] == TQ_W_BF16) continue; /* takes x as it is */
-        use8[s] = tq_q8_type(layout->qtype[s]) && (layout->act_bits == 8 || is_packed(layout->qtype[s]));
+        const int t = layout->qtype[s];
+        if (t == TQ_W_BF16) continue; /* takes x as it is */
+        /* packed legacy rows at 16 bits: the same 16-bit values, split in two bytes for q8act.c */
+        split[s] = layout->act_bits == 16 && (packed_type(t) || packed_five(t) || packed_q8_0(t));
+        use8[s] = !split[s] && tq_q8_type(t) && (layout->act_bits == 8 || is_packed(t));
         any8 |= use8[s];
-        any16 |= !use8[s];
+        anysplit |= split[s];
+        any16 |= !use8[s] && !split[s];
     }
     int16_t *xq = NULL;
     float *xf = NULL;
@@ -336,6 +340,7 @@ void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float 
         xa = (qacts){xq, xf, xf + M * nb, xf + 2 * M * nb, lanes};
     }
     const tq_q8acts x8 = any8 ? tq_q8_quantize(x, M, K) : (tq_q8acts){0};
+    const tq_q8acts xs = anysplit ? tq_q16_split(x, M, K) : (tq_q8acts){0};
     int64_t n0 = 0;
     for (int s = 0; s < layout->count; s++) {
         const int qtype = layout->qtype[s];
@@ -346,14 +351,15 @@ void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float 
             n0 += rows;
             continue;
         }
-        if (use8[s])
-            tq_q8_rows(qtype, w, x8, y + n0, N, bias ? bias + n0 : NULL, M, rows, K, layout->small_256);
+        if (use8[s] || split[s])
+            tq_q8_rows(qtype, w, split[s] ? xs : x8, y + n0, N, bias ? bias + n0 : NULL, M, rows, K, layout->small_256);
         else
             weight_rows(qtype, w, xa, y + n0, N, bias ? bias + n0 : NULL, M, rows, K);
         w += rows * row_bytes(qtype, K);
         n0 += rows;
     }
     if (any8) tq_q8_free(x8);
+    if (anysplit) tq_q8_free(xs);
     free(xq);
     free(xf);
     free(lanes);

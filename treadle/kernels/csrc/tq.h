@@ -3,6 +3,7 @@
 #ifndef TQ_H
 #define TQ_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* TQ_PLAIN_C: build the plain-C reference paths even where the CPU has SIMD (tests compare both) */
@@ -48,6 +49,11 @@ static inline int hsum_epi32(__m256i v) { /* the sum of 8 int32 lanes (exact) */
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define TQ_BF16 1
 #endif
+/* AVX-512 with BW, VL and VNNI (the avx512-vnni, avx512-bf16 and amx builds): q8batch.c's zmm strips,
+ * and the packed rows' 16-bit activations (tq_q16_split) at their speed */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define TQ_ZMM 1
+#endif
 #endif
 
 /* qmatmul.c */
@@ -75,21 +81,25 @@ void tq_bf16_matmul(const uint16_t *w, const void *x, int x_bf16, void *y, int y
 void tq_bf16_rows(const uint16_t *w, const void *x, int x_bf16, void *y, int y_bf16, int64_t ldy, const float *bias,
                   int64_t M, int64_t N, int64_t K); /* y's rows ldy elements apart */
 /* q8act.c: tq_matmul's 8-bit activation path */
-typedef struct { /* activation rows as int8 blocks of 32 */
-    const int8_t *q; /* [M, K] */
-    const float *d, *s; /* [M, K/32] scales; [M, K/32] scale * sum(q) */
+typedef struct { /* activation rows as int8 blocks of 32, or (l set) 16-bit ones split in two bytes */
+    const int8_t *q; /* [M, K]; split: the high bytes, v >> 8 */
+    const float *d, *s; /* [M, K/32] scales; [M, K/32] scale * sum of the block's values */
     const int32_t *h; /* [M, 2 K/32]: sum(q) of each half block of 16 (Q6_K's q - 32 term; both: Q8_0's offset) */
+    const uint8_t *l; /* NULL, or (tq_q16_split) [M, K] the low bytes, v & 255: v = 256 q + l */
 } tq_q8acts;
 /* rows m0.. of x */
 static inline tq_q8acts tq_q8_rows_from(tq_q8acts x, int64_t m0, int64_t K) {
     const int64_t nb = K / 32;
-    const tq_q8acts r = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb, x.h + 2 * m0 * nb};
+    const tq_q8acts r = {x.q + m0 * K, x.d + m0 * nb, x.s + m0 * nb, x.h + 2 * m0 * nb, x.l ? x.l + m0 * K : NULL};
     return r;
 }
+/* activation element i's value: q, or 256 q + l when split */
+static inline int32_t q8_value(tq_q8acts x, int64_t i) { return x.l ? 256 * (int32_t)x.q[i] + x.l[i] : x.q[i]; }
 /* the integer sum of activation block i (Q8_0's +128 offset term): its two halves' */
 static inline int32_t q8_block_sum(tq_q8acts x, int64_t i) { return x.h[2 * i] + x.h[2 * i + 1]; }
 int tq_q8_type(int qtype);
 tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K);
+tq_q8acts tq_q16_split(const float *x, int64_t M, int64_t K); /* qmatmul.c's 16-bit rounding, split in two bytes */
 void tq_q8_free(tq_q8acts a);
 void tq_q8_rows(int qtype, const uint8_t *w, tq_q8acts x, float *y, int64_t ldy, const float *bias, int64_t M,
                 int64_t N, int64_t K, int small_256);

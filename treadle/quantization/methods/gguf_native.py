@@ -138,14 +138,23 @@ class GGUFBlockMethod(LinearMethod):
         """With 8-bit activations (``TREADLE_ACTIVATION_BITS=8`` at load), Q4_0 / Q4_1 / Q5_0 / Q5_1 /
         Q8_0 / Q4_K / Q6_K segments of whole groups of 8 rows are repacked in place (``native.pack_rows``: same bytes,
         so resident memory is unchanged), so the kernel reads a group's block with loads and
-        masks instead of transposing 8 rows on every call. Packed rows always take 8-bit
-        activations; embedding lookups read them back as the file had them."""
-        if envs.activation_bits() != 8 or not native.available():
+        masks instead of transposing 8 rows on every call; with 16-bit ones, in the zmm builds
+        (``native.packs_at_16_bits``), the Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 segments, which then take
+        the same 16-bit activations split in two bytes. Packed K-quant rows always take 8-bit
+        activations; embedding lookups read packed rows back as the file had them."""
+        if not native.available():
+            return
+        bits = envs.activation_bits()
+        if bits == 8:
+            packable = set(native.PACKED.values())
+        elif native.packs_at_16_bits():
+            packable = set(native.SPLIT_16)
+        else:
             return
         segments, offset = [], 0
         for qtype, rows in self.segments:
             nbytes = rows * row_bytes(native.PACKED.get(qtype, qtype), layer.in_features)
-            if qtype in native.PACKED.values() and rows % 8 == 0:
+            if qtype in packable and rows % 8 == 0:
                 qtype = native.pack_rows(qtype, layer.weight.data[offset : offset + nbytes], rows, layer.in_features)
             segments.append((qtype, rows))
             offset += nbytes
