@@ -114,8 +114,8 @@ def test_bad_activation_bits_is_one_clear_error(monkeypatch: pytest.MonkeyPatch)
 def test_packed_rows_give_the_file_layouts_bits(variant: str, qtype: str) -> None:
     """``native.pack_rows`` (8 rows at a time, in place): the same bits as the file's layout
     for batches on both packed paths (registers up to 4 rows, the panel beyond), in every build;
-    packed K-quant rows take 8-bit activations whatever is asked (the legacy types' take 16-bit ones
-    split in two bytes: test_split16_activations.py); lookups read the file's values back."""
+    packed Q6_K rows take 8-bit activations whatever is asked (the others take 16-bit ones split in
+    two bytes: test_split16_activations.py); lookups read the file's values back."""
     runnable(variant)
     n, K = 40, inputs(qtype)
     blocks = random_blocks(qtype, n, K, seed=61)
@@ -128,7 +128,7 @@ def test_packed_rows_give_the_file_layouts_bits(variant: str, qtype: str) -> Non
         x = rand(rows, K, seed=63 + rows)
         ref = native.qmatmul(((qtype, n),), w, x, bias, plain=True, act_bits=8)
         assert torch.equal(native.qmatmul(((name, n),), packed, x, bias, variant=variant, act_bits=8), ref)
-        if qtype.endswith("_K"):
+        if qtype not in native.SPLIT_16:
             assert torch.equal(native.qmatmul(((name, n),), packed, x, bias, plain=True, act_bits=16), ref)
     ids = torch.tensor([0, 7, 8, 39, 21])
     assert torch.equal(native.gather_rows(name, packed, ids, K), native.gather_rows(qtype, w, ids, K))

@@ -207,8 +207,9 @@ def _choose(forced: str | None) -> str | None:
 
 def packs_at_16_bits(variant: str | None = None) -> bool:
     """Whether ``variant`` (default: the selected one) is a zmm build (AVX-512 BW + VNNI), where
-    packed Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows take 16-bit activations split in two bytes at the
-    8-bit path's speed (csrc/q8pack.c tq_q16_split): the loader packs them at 16 bits there too."""
+    packed Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K rows take 16-bit activations split in two bytes
+    at about the 8-bit path's speed (csrc/q8pack.c tq_q16_split): the loader packs them at 16 bits
+    there too (``SPLIT_16``)."""
     name = variant or selected_variant()
     return name is not None and {"-mavx512bw", "-mavx512vnni"} <= set(_BY_NAME[name].flags)
 
@@ -274,8 +275,8 @@ QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3
 # rows repacked 8 at a time for 8-bit activations (csrc/q8pack.c tq_q8_pack; qblocks.h TQ_PACKED): packed name -> block type
 PACKED = {f"{t}x8": t for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")}
 # the packed types whose rows at 16 bits take the 16-bit activations split in two bytes (packs_at_16_bits)
-SPLIT_16 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-# tq_layout segments may also be bfloat16 rows (tq.h TQ_W_BF16) or packed rows (K-quants: always 8-bit activations)
+SPLIT_16 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K")
+# tq_layout segments may also be bfloat16 rows (tq.h TQ_W_BF16) or packed rows (Q6_K: always 8-bit activations)
 _PACKED_BASE = 100  # qblocks.h TQ_PACKED: a packed type's number is this plus its block type's
 LAYOUT_TYPES = {**QTYPES, "BF16": 30, **{p: _PACKED_BASE + QTYPES[b] for p, b in PACKED.items()}}
 MAX_SEGMENTS = 4

@@ -49,6 +49,66 @@
 enum { MODE_MIN, MODE_Q8_0, MODE_Q6_K }; /* strip_tile: q - minimum terms; Q8_0's offset; Q6_K's two halves */
 
 #ifdef TQ_ZMM
+/* strip_tile for split 16-bit activations (x.l) on a panel of unsigned q with minimum terms (packed
+ * Q4_K at 16 bits): per step the panel's q times the high bytes and, as the unsigned operand, the
+ * low bytes times q (q <= 31: a valid int8), isum = 256 hi + lo, then strip_tile's float operations;
+ * the even and odd steps in chains of their own up to 4 rows (vpdpbusd's latency). */
+static inline __attribute__((always_inline)) void strip_tile_split(const sblock *panel, int64_t nb, tq_q8acts x,
+                                                                   int64_t K, const int NX, const float *bias,
+                                                                   float *out, int64_t ostride, __mmask16 store,
+                                                                   const uint8_t *pf, int64_t pfbytes) {
+    __m512 acc[TQ_NX];
+    const int64_t chunk = (pfbytes / nb + 127) / 64 * 64;
+    const int chains4 = NX <= TQ_NX / 2;
+#pragma GCC unroll 8
+    for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const sblock *g = panel + b;
+        if (pf)
+            for (int64_t off = b * chunk; off < (b + 1) * chunk && off < pfbytes; off += 64) __builtin_prefetch(pf + off);
+        const int64_t e0 = b * QK;
+        __m512i ph[TQ_NX], pl[TQ_NX], ph2[TQ_NX / 2], pl2[TQ_NX / 2];
+#pragma GCC unroll 8
+        for (int i = 0; i < NX; i++) ph[i] = pl[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int i = 0; i < TQ_NX / 2; i++) ph2[i] = pl2[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            const __m512i q = _mm512_load_si512(g->q + s);
+#pragma GCC unroll 8
+            for (int i = 0; i < NX; i++) {
+                int32_t h, l;
+                memcpy(&h, x.q + i * K + e0 + 4 * s, 4), memcpy(&l, x.l + i * K + e0 + 4 * s, 4);
+                if (chains4 && s % 2) {
+                    ph2[i % (TQ_NX / 2)] = _mm512_dpbusd_epi32(ph2[i % (TQ_NX / 2)], q, _mm512_set1_epi32(h));
+                    pl2[i % (TQ_NX / 2)] = _mm512_dpbusd_epi32(pl2[i % (TQ_NX / 2)], _mm512_set1_epi32(l), q);
+                } else {
+                    ph[i] = _mm512_dpbusd_epi32(ph[i], q, _mm512_set1_epi32(h));
+                    pl[i] = _mm512_dpbusd_epi32(pl[i], _mm512_set1_epi32(l), q);
+                }
+                __asm__("" : "+v"(ph[i]), "+v"(pl[i]));
+            }
+        }
+        if (chains4)
+#pragma GCC unroll 4
+            for (int i = 0; i < NX; i++)
+                ph[i] = _mm512_add_epi32(ph[i], ph2[i % (TQ_NX / 2)]), pl[i] = _mm512_add_epi32(pl[i], pl2[i % (TQ_NX / 2)]);
+        const __m512 dw = _mm512_load_ps(g->d), mw = _mm512_load_ps(g->m);
+#pragma GCC unroll 8
+        for (int i = 0; i < NX; i++) {
+            const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(ph[i], 8), pl[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i * nb + b])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[i * nb + b]), acc[i]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < NX; i++) {
+        __m512 o = acc[i];
+        if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(store, bias));
+        _mm512_mask_storeu_ps(out + i * ostride, store, o);
+    }
+}
+
 /* NX activation rows times one strip: out[i * ostride + j], j < 16 (8 when lone). The pf bytes (the
  * next strip's rows, or none) are prefetched a share per block, so the memory reads run beside
  * the arithmetic rather than in a burst while the panel is filled. */
@@ -57,6 +117,10 @@ static inline __attribute__((always_inline)) void strip_tile(const int mode, con
                                                              const float *bias, float *out, int64_t ostride,
                                                              __mmask16 store, const uint8_t *pf, int64_t pfbytes) {
     const int q8_0 = mode == MODE_Q8_0, q6 = mode == MODE_Q6_K;
+    if (x.l) { /* split 16-bit activations: a minimum-term panel's (packed Q4_K at 16 bits) */
+        strip_tile_split(panel, nb, x, K, NX, bias, out, ostride, store, pf, pfbytes);
+        return;
+    }
     __m512 acc[TQ_NX];
     const int64_t chunk = (pfbytes / nb + 127) / 64 * 64;
 #pragma GCC unroll 8
@@ -415,7 +479,8 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
 #ifdef TQ_ZMM
     const int q8_0 = t == TQ_Q8_0, kq = q8_kquant(t), pq8 = packed_q8_0(t);
     const int pq4 = packed_type(t) || packed_five(t); /* packed Q4_0 / Q4_1 / Q5_0 / Q5_1 */
-    if (x.l && !(pq4 || pq8)) return 0; /* split 16-bit activations: packed legacy rows, strip_split at every batch */
+    /* split 16-bit activations: packed legacy rows (strip_split at every batch) and packed Q4_K (its panel) */
+    if (x.l && !(pq4 || pq8 || t == TQ_PACKED + TQ_Q4_K)) return 0;
     const int64_t amx = x.l ? 0 : tq_q8_amx_rows(t, w, x, y, ldy, bias, M, N, K); /* q8amx.c, the amx build */
     if (amx) return amx;
     if (!(pq4 || q8_0 || kq || pq8) || (q8_0 && M < BATCH_MIN_Q8_0) || (kq && M < BATCH_MIN_K)) return 0;

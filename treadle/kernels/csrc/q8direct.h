@@ -210,6 +210,30 @@ static inline __attribute__((always_inline)) void packed_k_direct(const int t, c
                 const int64_t b = 8 * su + 2 * r;
                 __m256i lo16[MRG], hi16[MRG];
                 for (int i = 0; i < NX; i++) lo16[i] = hi16[i] = _mm256_setzero_si256();
+#ifdef TQ_ZMM
+                if (x.l) { /* split 16-bit activations: each block's hi and lo dots, isum = 256 hi + lo */
+                    __m256i lol[MRG], hil[MRG];
+                    for (int i = 0; i < NX; i++) lol[i] = hil[i] = _mm256_setzero_si256();
+                    for (int s = 0; s < 8; s++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * (4 + 8 * r + s)));
+                        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                        for (int i = 0; i < NX; i++) {
+                            const int64_t e = i * K + b * QK + 4 * s;
+                            int32_t h0, h1, l0, l1;
+                            memcpy(&h0, x.q + e, 4), memcpy(&h1, x.q + e + QK, 4);
+                            memcpy(&l0, x.l + e, 4), memcpy(&l1, x.l + e + QK, 4);
+                            lo16[i] = _mm256_dpbusd_epi32(lo16[i], lo, _mm256_set1_epi32(h0));
+                            hi16[i] = _mm256_dpbusd_epi32(hi16[i], hi, _mm256_set1_epi32(h1));
+                            lol[i] = _mm256_dpbusd_epi32(lol[i], _mm256_set1_epi32(l0), lo);
+                            hil[i] = _mm256_dpbusd_epi32(hil[i], _mm256_set1_epi32(l1), hi);
+                        }
+                    }
+                    for (int i = 0; i < NX; i++) {
+                        lo16[i] = _mm256_add_epi32(_mm256_slli_epi32(lo16[i], 8), lol[i]);
+                        hi16[i] = _mm256_add_epi32(_mm256_slli_epi32(hi16[i], 8), hil[i]);
+                    }
+                } else
+#endif
                 for (int s = 0; s < 8; s++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * (4 + 8 * r + s)));
                     const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);

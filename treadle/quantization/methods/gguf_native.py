@@ -139,8 +139,8 @@ class GGUFBlockMethod(LinearMethod):
         Q8_0 / Q4_K / Q6_K segments of whole groups of 8 rows are repacked in place (``native.pack_rows``: same bytes,
         so resident memory is unchanged), so the kernel reads a group's block with loads and
         masks instead of transposing 8 rows on every call; with 16-bit ones, in the zmm builds
-        (``native.packs_at_16_bits``), the Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 segments, which then take
-        the same 16-bit activations split in two bytes. Packed K-quant rows always take 8-bit
+        (``native.packs_at_16_bits``), the Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K segments, which then
+        take the same 16-bit activations split in two bytes. Packed Q6_K rows always take 8-bit
         activations; embedding lookups read packed rows back as the file had them."""
         if not native.available():
             return
