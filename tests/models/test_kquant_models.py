@@ -86,10 +86,10 @@ def test_every_linear_stays_in_the_files_blocks(models, kquant_gguf: Path) -> No
         "qkv0": layer0.self_attn.qkv_proj.method.segments, "gate_up0": layer0.mlp.gate_up_proj.method.segments,
         "qkv1": layer1.self_attn.qkv_proj.method.segments, "gate_up1": layer1.mlp.gate_up_proj.method.segments,
     }
-    legacy = "x8" if native.packs_at_16_bits() else ""  # Q5_0 / Q8_0 repacked at 16 bits in the zmm builds
+    x8 = "x8" if native.packs_at_16_bits() else ""  # Q5_0 / Q8_0 / Q4_K repacked at 16 bits in the zmm builds
     assert segments == {
-        "qkv0": (("Q4_K", 384), ("Q6_K", 128)), "gate_up0": (("Q2_K", 1024),),
-        "qkv1": (("Q5_0" + legacy, 384), ("Q8_0" + legacy, 128)), "gate_up1": (("Q4_K", 512), ("Q5_K", 512)),
+        "qkv0": (("Q4_K" + x8, 384), ("Q6_K", 128)), "gate_up0": (("Q2_K", 1024),),
+        "qkv1": (("Q5_0" + x8, 384), ("Q8_0" + x8, 128)), "gate_up1": (("Q4_K" + x8, 512), ("Q5_K", 512)),
     }
     linears = [m for m in native_lm.model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * 2 + 2 and all(isinstance(m.method, GGUFBlockMethod) for m in linears)
