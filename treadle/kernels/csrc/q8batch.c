@@ -49,6 +49,26 @@
 enum { MODE_MIN, MODE_Q8_0, MODE_Q6_K }; /* strip_tile: q - minimum terms; Q8_0's offset; Q6_K's two halves */
 
 #ifdef TQ_ZMM
+/* The end of a block of a split tile (strip_split, strip_tile_split): the 4-row tiles' second chains
+ * joined, isum = 256 hi + lo (the exact block dot of the 16-bit values), then strip_direct's float
+ * operations with the block's d (and, with_min, its minimum term). */
+static inline __attribute__((always_inline)) void split_block_end(__m512 *acc, __m512i *ph, __m512i *pl,
+                                                                  const __m512i *ph2, const __m512i *pl2,
+                                                                  const int chains4, const int NX, __m512 dw,
+                                                                  __m512 mw, const int with_min, tq_q8acts x,
+                                                                  int64_t nb, int64_t b) {
+    if (chains4)
+#pragma GCC unroll 4
+        for (int i = 0; i < NX; i++)
+            ph[i] = _mm512_add_epi32(ph[i], ph2[i % (TQ_NX / 2)]), pl[i] = _mm512_add_epi32(pl[i], pl2[i % (TQ_NX / 2)]);
+#pragma GCC unroll 8
+    for (int i = 0; i < NX; i++) {
+        const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(ph[i], 8), pl[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i * nb + b])), acc[i]);
+        if (with_min) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[i * nb + b]), acc[i]);
+    }
+}
+
 /* strip_tile for split 16-bit activations (x.l) on a panel of unsigned q with minimum terms (packed
  * Q4_K at 16 bits): per step the panel's q times the high bytes and, as the unsigned operand, the
  * low bytes times q (q <= 31: a valid int8), isum = 256 hi + lo, then strip_tile's float operations;
@@ -89,17 +109,7 @@ static inline __attribute__((always_inline)) void strip_tile_split(const sblock 
                 __asm__("" : "+v"(ph[i]), "+v"(pl[i]));
             }
         }
-        if (chains4)
-#pragma GCC unroll 4
-            for (int i = 0; i < NX; i++)
-                ph[i] = _mm512_add_epi32(ph[i], ph2[i % (TQ_NX / 2)]), pl[i] = _mm512_add_epi32(pl[i], pl2[i % (TQ_NX / 2)]);
-        const __m512 dw = _mm512_load_ps(g->d), mw = _mm512_load_ps(g->m);
-#pragma GCC unroll 8
-        for (int i = 0; i < NX; i++) {
-            const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(ph[i], 8), pl[i]);
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i * nb + b])), acc[i]);
-            acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[i * nb + b]), acc[i]);
-        }
+        split_block_end(acc, ph, pl, ph2, pl2, chains4, NX, _mm512_load_ps(g->d), _mm512_load_ps(g->m), 1, x, nb, b);
     }
 #pragma GCC unroll 8
     for (int i = 0; i < NX; i++) {
@@ -245,18 +255,8 @@ static inline __attribute__((always_inline)) void strip_split(const int t, const
                 __asm__("" : "+v"(ph[i]), "+v"(pl[i]));
             }
         }
-        if (chains4)
-#pragma GCC unroll 4
-            for (int i = 0; i < NX; i++)
-                ph[i] = _mm512_add_epi32(ph[i], ph2[i % (TQ_NX / 2)]), pl[i] = _mm512_add_epi32(pl[i], pl2[i % (TQ_NX / 2)]);
         const __m512 dw = halves16(p, p1);
-        const __m512 mw = packed_mins16(t, p, p1, dw);
-#pragma GCC unroll 8
-        for (int i = 0; i < NX; i++) {
-            const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(ph[i], 8), pl[i]);
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i * nb + b])), acc[i]);
-            if (!q8) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[i * nb + b]), acc[i]);
-        }
+        split_block_end(acc, ph, pl, ph2, pl2, chains4, NX, dw, packed_mins16(t, p, p1, dw), !q8, x, nb, b);
     }
 #pragma GCC unroll 8
     for (int i = 0; i < NX; i++) {

@@ -13,13 +13,24 @@ int tq_q8_type(int t) {
            packed_five(t) || packed_q8_0(t);
 }
 
+/* Buffers for M rows' activations: q [M, K], f = d | s [2, M, K/32], h [M, 2 K/32], and (split) l [M, K] */
+static void acts_alloc(int64_t M, int64_t K, int split, int8_t **q, float **f, int32_t **h, uint8_t **l) {
+    const int64_t nb = K / QK;
+    *f = (float *)malloc((size_t)(2 * M * nb) * sizeof(float));
+    *q = (int8_t *)malloc((size_t)(M * K));
+    *h = (int32_t *)malloc((size_t)(2 * M * nb) * sizeof(int32_t));
+    *l = split ? (uint8_t *)malloc((size_t)(M * K)) : NULL;
+    if (*f == NULL || *q == NULL || *h == NULL || (split && *l == NULL)) abort();
+}
+
 tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
     const int64_t nb = K / QK;
-    float *f = (float *)malloc((size_t)(2 * M * nb) * sizeof(float));
-    int8_t *q = (int8_t *)malloc((size_t)(M * K));
-    int32_t *h = (int32_t *)malloc((size_t)(2 * M * nb) * sizeof(int32_t));
-    if (f == NULL || q == NULL || h == NULL) abort();
-    const tq_q8acts a = {q, f, f + M * nb, h};
+    int8_t *q;
+    float *f;
+    int32_t *h;
+    uint8_t *unused;
+    acts_alloc(M, K, 0, &q, &f, &h, &unused);
+    const tq_q8acts a = {q, f, f + M * nb, h, NULL};
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t i = 0; i < M * nb; i++) {
         const int64_t row = i / nb, b = i % nb;
@@ -65,11 +76,11 @@ tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
  * halves' sums of hi (the packed Q8_0 offset's term). */
 tq_q8acts tq_q16_split(const float *x, int64_t M, int64_t K) {
     const int64_t nb = K / QK;
-    float *f = (float *)malloc((size_t)(2 * M * nb) * sizeof(float));
-    int8_t *q = (int8_t *)malloc((size_t)(M * K));
-    uint8_t *l = (uint8_t *)malloc((size_t)(M * K));
-    int32_t *h = (int32_t *)malloc((size_t)(2 * M * nb) * sizeof(int32_t));
-    if (f == NULL || q == NULL || l == NULL || h == NULL) abort();
+    int8_t *q;
+    float *f;
+    int32_t *h;
+    uint8_t *l;
+    acts_alloc(M, K, 1, &q, &f, &h, &l);
     const tq_q8acts a = {q, f, f + M * nb, h, l};
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t i = 0; i < M * nb; i++) {
