@@ -1,26 +1,19 @@
 """Build and load Treadle's C kernels (``csrc/*.c``, one shared library) with ctypes.
 
 The C sources include no torch or Python headers; the first build takes ~20 s on 2 cores
-(``gcc -O3 -fopenmp`` and the variant's flags, one process per file; most of it the matmuls
-specialized per GGUF block type); the library is cached under
-``$TREADLE_CACHE_DIR`` (default ``~/.cache/treadle``) by a hash of the source, the
-flags and the CPU, and written atomically under a file lock, so concurrent processes are safe and
-build each library once (the others wait for it). OpenMP
-resolves to the ``libgomp.so.1`` torch already loaded, so the kernels share torch's
-threads and ``torch.set_num_threads``.
+(``gcc -O3 -fopenmp`` and the variant's flags, one process per file); the library is cached under
+``$TREADLE_CACHE_DIR`` (default ``~/.cache/treadle``) by a hash of the source, the flags and the
+CPU, written atomically under a file lock, so concurrent processes build each library once (the
+others wait for it). OpenMP resolves to the ``libgomp.so.1`` torch already loaded, so the kernels
+share torch's threads and ``torch.set_num_threads``. ``TREADLE_NATIVE_KERNELS=0`` turns them off;
+so does a machine without a C compiler (one warning, then callers fall back to plain torch).
 
-``TREADLE_NATIVE_KERNELS=0`` turns the kernels off; so does a machine without a C
-compiler (one warning, then callers fall back to plain torch).
-
-Runtime dispatch: the same sources are built once per *variant* (``VARIANTS``, best first:
-AVX-512 BF16, AVX-512 VNNI, AVX2, plain C), each with its own ``-m`` flags; the first variant whose CPU
-features (``/proc/cpuinfo`` flags) this machine has, and that builds, is chosen once per process
-and logged (``describe()``, also shown by ``treadle --version`` and ``treadle doctor``).
-``TREADLE_CPU_KERNELS=<name>`` forces one variant instead (a name the CPU cannot run, or an
-unknown one, is a one-line ``TreadleError`` naming the missing features or the valid names).
-``plain=True`` or
-``variant="plain"`` (tests) builds and calls the plain-C reference paths (``-DTQ_PLAIN_C``)
-even where the machine has the SIMD ones; a variant the CPU lacks is never built or run.
+Runtime dispatch: the sources are built once per *variant* (``VARIANTS``, best first, each with its
+own ``-m`` flags); the first whose CPU features (``/proc/cpuinfo``) this machine has, and that builds,
+is chosen once per process and logged (``describe()``; ``treadle --version``, ``treadle doctor``).
+``TREADLE_CPU_KERNELS=<name>`` forces one (a name the CPU cannot run, or an unknown one: a one-line
+``TreadleError``). ``plain=True`` / ``variant="plain"`` (tests) calls the plain-C reference build
+(``-DTQ_PLAIN_C``); a variant the CPU lacks is never built or run.
 """
 from __future__ import annotations
 
@@ -60,17 +53,14 @@ class Variant:
 
 
 _AVX2 = ("avx2", "fma", "f16c")
-_AVX512_BF16 = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16")
+_AVX512_VNNI = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+_AVX512_NEEDS = (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 VARIANTS = (  # best first; "plain" (the reference) runs everywhere
     # amx: avx512-bf16 plus AMX tiles for the batched 8-bit matmul (csrc/q8amx.c: AMX-INT8, and AMX-BF16 for Q6_K)
-    Variant("amx", (*_AVX512_BF16, "-mamx-tile", "-mamx-int8", "-mamx-bf16", "-mtune=native"),
-            (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
-             "amx_bf16")),
-    Variant("avx512-bf16", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-                            "-mavx512bf16", "-mtune=native"),
-            (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")),
-    Variant("avx512-vnni", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-                            "-mtune=native"), (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+    Variant("amx", (*_AVX512_VNNI, "-mavx512bf16", "-mamx-tile", "-mamx-int8", "-mamx-bf16", "-mtune=native"),
+            (*_AVX512_NEEDS, "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")),
+    Variant("avx512-bf16", (*_AVX512_VNNI, "-mavx512bf16", "-mtune=native"), (*_AVX512_NEEDS, "avx512_bf16")),
+    Variant("avx512-vnni", (*_AVX512_VNNI, "-mtune=native"), _AVX512_NEEDS),
     Variant("avx-vnni", ("-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-mtune=native"), (*_AVX2, "avx_vnni")),
     Variant("avx2", ("-mavx2", "-mfma", "-mf16c", "-mtune=native"), _AVX2),
     Variant("plain", ("-march=native", "-DTQ_PLAIN_C"), ()),
@@ -206,12 +196,11 @@ def _choose(forced: str | None) -> str | None:
 
 
 def packs_at_16_bits(variant: str | None = None) -> bool:
-    """Whether ``variant`` (default: the selected one) is a zmm build (AVX-512 BW + VNNI), where
-    packed Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K rows take 16-bit activations split in two bytes
-    at about the 8-bit path's speed (csrc/q8pack.c tq_q16_split): the loader packs them at 16 bits
-    there too (``SPLIT_16``)."""
+    """Whether ``variant`` (default: the selected one) is a zmm build (csrc/tq.h TQ_ZMM), whose
+    packed ``SPLIT_16`` rows take 16-bit activations split in two bytes at about the 8-bit path's
+    speed (csrc/q8pack.c tq_q16_split), so the loader packs them at 16 bits too."""
     name = variant or selected_variant()
-    return name is not None and {"-mavx512bw", "-mavx512vnni"} <= set(_BY_NAME[name].flags)
+    return name is not None and set(_AVX512_VNNI) <= set(_BY_NAME[name].flags)
 
 
 def selected_variant() -> str | None:
@@ -274,10 +263,9 @@ def available() -> bool:
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 # rows repacked 8 at a time for 8-bit activations (csrc/q8pack.c tq_q8_pack; qblocks.h TQ_PACKED): packed name -> block type
 PACKED = {f"{t}x8": t for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")}
-# the packed types whose rows at 16 bits take the 16-bit activations split in two bytes (packs_at_16_bits)
+# packed types whose rows take 16-bit activations split in two bytes (qblocks.h packed_split16); Q6_K's: 8-bit ones
 SPLIT_16 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K")
-# tq_layout segments may also be bfloat16 rows (tq.h TQ_W_BF16) or packed rows (Q6_K: always 8-bit activations)
-_PACKED_BASE = 100  # qblocks.h TQ_PACKED: a packed type's number is this plus its block type's
+_PACKED_BASE = 100  # qblocks.h TQ_PACKED: a packed type's number is this plus its block type's (bfloat16 rows: TQ_W_BF16)
 LAYOUT_TYPES = {**QTYPES, "BF16": 30, **{p: _PACKED_BASE + QTYPES[b] for p, b in PACKED.items()}}
 MAX_SEGMENTS = 4
 
@@ -354,9 +342,8 @@ def dequantize(qtype: str, weight: torch.Tensor, n: int, k: int, plain: bool = F
 
 
 def pack_rows(qtype: str, weight: torch.Tensor, n: int, k: int) -> str:
-    """Repack ``n`` rows (a multiple of 8) of ``qtype`` blocks in ``weight`` (contiguous uint8) in
-    place for 8-bit activations (csrc/q8pack.c); returns the packed type's name. The packed
-    layout is the same in every build, so any variant reads what another packed."""
+    """Repack ``n`` rows (a multiple of 8) of ``qtype`` blocks in ``weight`` (contiguous uint8) in place
+    (csrc/q8pack.c, the same layout in every build); returns the packed type's name."""
     packed = next(p for p, b in PACKED.items() if b == qtype)
     if n % 8 or not weight.is_contiguous() or weight.dtype != torch.uint8:
         raise ValueError(f"packing takes contiguous uint8 rows in groups of 8, not {n} rows of {weight.dtype}")

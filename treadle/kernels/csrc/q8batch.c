@@ -201,8 +201,8 @@ static inline __attribute__((always_inline)) void strip_split(const int t, const
                                                               const uint8_t *next, int64_t nb, tq_q8acts x, int64_t K,
                                                               const int NX, const float *bias, float *out,
                                                               int64_t ostride, __mmask16 store) {
-    const int q8 = packed_q8_0(t), five = packed_five(t), ub = unit_bytes(t), sb = step_offset(t);
-    const __m512i mask = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80), sixteen = _mm512_set1_epi8(16);
+    const int q8 = packed_q8_0(t), ub = unit_bytes(t), sb = step_offset(t);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[TQ_NX];
 #pragma GCC unroll 8
     for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
@@ -220,15 +220,12 @@ static inline __attribute__((always_inline)) void strip_split(const int t, const
         for (int i = 0; i < TQ_NX / 2; i++) ph2[i] = pl2[i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int s = 0; s < 4 * (1 + q8); s++) { /* Q8_0: 8 steps of 4 bytes; Q4 / Q5: 4 of 4 + 4 (the two nibbles) */
-            const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
-            const __m256i hi = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + sb + 32 * s)) : _mm256_setzero_si256();
-            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            __m512i qa = q8 ? v : _mm512_and_si512(v, mask), qb = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-            if (five) {
-                qa = _mm512_mask_add_epi8(qa, fifth_bits(t, p, p1, s, 0), qa, sixteen);
-                qb = _mm512_mask_add_epi8(qb, fifth_bits(t, p, p1, s, 1), qb, sixteen);
-            }
-            const __m512i qu = q8 ? _mm512_xor_si512(v, flip) : qa; /* the unsigned form: Q8_0's byte + 128 */
+            __m512i qa, qb = _mm512_setzero_si512(); /* Q8_0: the step's signed bytes; Q4 / Q5: the two nibbles */
+            if (q8)
+                qa = packed_bytes16(p, p1, sb + 32 * s);
+            else
+                packed_nibbles16(t, p, p1, s, &qa, &qb);
+            const __m512i qu = q8 ? _mm512_xor_si512(qa, flip) : qa; /* the unsigned form: Q8_0's byte + 128 */
 #pragma GCC unroll 8
             for (int i = 0; i < NX; i++) {
                 const int64_t e = i * K + b * QK + 4 * s;
@@ -276,8 +273,8 @@ static inline __attribute__((always_inline)) void strip_direct(const int t, cons
                                                                const uint8_t *next, int64_t nb, tq_q8acts x, int64_t K,
                                                                const int NX, const float *bias, float *out,
                                                                int64_t ostride, __mmask16 store) {
-    const int q8 = packed_q8_0(t), five = packed_five(t), ub = unit_bytes(t), sb = step_offset(t);
-    const __m512i mask = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80), sixteen = _mm512_set1_epi8(16);
+    const int q8 = packed_q8_0(t), ub = unit_bytes(t), sb = step_offset(t);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     if (x.l) {
         strip_split(t, w, w1, next, nb, x, K, NX, bias, out, ostride, store);
         return;
@@ -295,11 +292,7 @@ static inline __attribute__((always_inline)) void strip_direct(const int t, cons
         if (q8) {
             __m512i q[8];
 #pragma GCC unroll 8
-            for (int s = 0; s < 8; s++) {
-                const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
-                const __m256i hi = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + sb + 32 * s)) : _mm256_setzero_si256();
-                q[s] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), flip);
-            }
+            for (int s = 0; s < 8; s++) q[s] = _mm512_xor_si512(packed_bytes16(p, p1, sb + 32 * s), flip);
 #pragma GCC unroll 8
             for (int s = 0; s < 8; s++)
 #pragma GCC unroll 8
@@ -311,14 +304,8 @@ static inline __attribute__((always_inline)) void strip_direct(const int t, cons
         } else { /* Q4's steps (t is a constant: one branch is compiled) */
 #pragma GCC unroll 4
             for (int s = 0; s < 4; s++) {
-                const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
-                const __m256i hi = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + sb + 32 * s)) : _mm256_setzero_si256();
-                const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                __m512i ql = _mm512_and_si512(v, mask), qh = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-                if (five) { /* Q5_0 / Q5_1: the step's fifth bits */
-                    ql = _mm512_mask_add_epi8(ql, fifth_bits(t, p, p1, s, 0), ql, sixteen);
-                    qh = _mm512_mask_add_epi8(qh, fifth_bits(t, p, p1, s, 1), qh, sixteen);
-                }
+                __m512i ql, qh;
+                packed_nibbles16(t, p, p1, s, &ql, &qh);
 #pragma GCC unroll 8
                 for (int i = 0; i < NX; i++) {
                     int32_t xl, xh;
@@ -480,7 +467,7 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
     const int q8_0 = t == TQ_Q8_0, kq = q8_kquant(t), pq8 = packed_q8_0(t);
     const int pq4 = packed_type(t) || packed_five(t); /* packed Q4_0 / Q4_1 / Q5_0 / Q5_1 */
     /* split 16-bit activations: packed legacy rows (strip_split at every batch) and packed Q4_K (its panel) */
-    if (x.l && !(pq4 || pq8 || t == TQ_PACKED + TQ_Q4_K)) return 0;
+    if (x.l && !packed_split16(t)) return 0;
     const int64_t amx = x.l ? 0 : tq_q8_amx_rows(t, w, x, y, ldy, bias, M, N, K); /* q8amx.c, the amx build */
     if (amx) return amx;
     if (!(pq4 || q8_0 || kq || pq8) || (q8_0 && M < BATCH_MIN_Q8_0) || (kq && M < BATCH_MIN_K)) return 0;

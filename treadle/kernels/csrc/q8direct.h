@@ -63,11 +63,15 @@ static inline __m256i add_fifth(__m256i v, uint32_t m) {
 #endif
 }
 
-/* Packed Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, NX (<= MRG) activation rows: a group's steps straight
- * from the packed block into registers, no panel; the same integers and float operations as
- * group_tile, so the same bits (Q8_0: its 8 steps as stored, |q| times x with q's sign, widened per
- * step; Q5_0 / Q5_1: each step's fifth bits added from its mask, and the low and high halves'
- * int16 sums widened apart, as the panel's 5-bit steps are). */
+/* Step s of a packed Q4 / Q5 group's block at p: the low nibbles (k = 4s..) in *lo, the high ones
+ * (k = 16 + 4s..) in *hi, unsigned bytes, Q5's fifth bits added from the step's masks */
+static inline __attribute__((always_inline)) void packed_nibbles(int t, const uint8_t *p, int s, __m256i *lo, __m256i *hi) {
+    const __m256i mask = _mm256_set1_epi8(15);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(p + step_offset(t) + 32 * s));
+    *lo = _mm256_and_si256(v, mask), *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    if (packed_five(t)) *lo = add_fifth(*lo, fifth_mask(t, p, s, 0)), *hi = add_fifth(*hi, fifth_mask(t, p, s, 1));
+}
+
 #ifdef TQ_ZMM
 /* packed_direct for split 16-bit activations (x.l; the zmm builds' VNNI): each step's weight bytes
  * times the high bytes (int8, as the 8-bit path; Q8_0's q + 128 from -128 times their sum, as the strips:
@@ -77,8 +81,7 @@ static inline __m256i add_fifth(__m256i v, uint32_t m) {
 static inline __attribute__((always_inline)) void packed_split(const int t, const uint8_t *w, int64_t nb,
                                                                tq_q8acts x, int64_t K, const int NX,
                                                                const float *bias, float *out, int64_t ostride) {
-    const __m256i mask = _mm256_set1_epi8(15);
-    const int q8 = packed_q8_0(t), five = packed_five(t), ub = unit_bytes(t), sb = step_offset(t);
+    const int q8 = packed_q8_0(t), ub = unit_bytes(t), sb = step_offset(t);
     const uint8_t *next = w + GR * nb * ub;
     __m256 acc[MRG];
     for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_ps();
@@ -101,9 +104,8 @@ static inline __attribute__((always_inline)) void packed_split(const int t, cons
             }
         }
         for (int s = 0; s < 4 * !q8; s++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
-            __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-            if (five) lo = add_fifth(lo, fifth_mask(t, p, s, 0)), hi = add_fifth(hi, fifth_mask(t, p, s, 1));
+            __m256i lo, hi;
+            packed_nibbles(t, p, s, &lo, &hi);
             for (int i = 0; i < NX; i++) {
                 const int64_t e = i * K + b * QK + 4 * s;
                 int32_t h0, h1, l0, l1;
@@ -128,6 +130,11 @@ static inline __attribute__((always_inline)) void packed_split(const int t, cons
 }
 #endif
 
+/* Packed Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, NX (<= MRG) activation rows: a group's steps straight
+ * from the packed block into registers, no panel; the same integers and float operations as
+ * group_tile, so the same bits (Q8_0: its 8 steps as stored, |q| times x with q's sign, widened per
+ * step; Q5_0 / Q5_1: each step's fifth bits added from its mask, and the low and high halves'
+ * int16 sums widened apart, as the panel's 5-bit steps are). */
 static inline __attribute__((always_inline)) void packed_direct(const int t, const uint8_t *w, int64_t nb,
                                                                 tq_q8acts x, int64_t K, const int NX,
                                                                 const float *bias, float *out, int64_t ostride) {
@@ -137,7 +144,6 @@ static inline __attribute__((always_inline)) void packed_direct(const int t, con
         return;
     }
 #endif
-    const __m256i mask = _mm256_set1_epi8(15);
     const int q8 = packed_q8_0(t), five = packed_five(t), ub = unit_bytes(t), sb = step_offset(t);
     const uint8_t *next = w + GR * nb * ub;
     __m256 acc[MRG];
@@ -161,9 +167,8 @@ static inline __attribute__((always_inline)) void packed_direct(const int t, con
                             builds (Zen 4, 3072 x 576), no change in AVX2 */
         for (int i = 0; i < NX; i++) ph[i] = _mm256_setzero_si256();
         for (int s = 0; s < 4 * !q8; s++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
-            __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-            if (five) lo = add_fifth(lo, fifth_mask(t, p, s, 0)), hi = add_fifth(hi, fifth_mask(t, p, s, 1));
+            __m256i lo, hi;
+            packed_nibbles(t, p, s, &lo, &hi);
             for (int i = 0; i < NX; i++) {
                 const int8_t *xb = x.q + i * K + b * QK;
                 int32_t xl, xh;

@@ -1,5 +1,6 @@
 /* The 8-bit activations of tq_matmul's act_bits == 8 path (tq_q8_quantize: int8 per block of 32,
- * with the block sums q8act.c's minimum terms and Q6_K's halves need) and the packed rows that
+ * with the block sums q8act.c's minimum terms and Q6_K's halves need), the 16-bit ones of packed rows
+ * at act_bits 16 split in two bytes (tq_q16_split), and the packed rows that
  * q8act.c, q8batch.c and q8amx.c read (tq_q8_pack, made once at load; tq_q8_unpack_row reads a row
  * back as the file has it). q8act.c's header describes the arithmetic. */
 #include <math.h>
@@ -13,119 +14,73 @@ int tq_q8_type(int t) {
            packed_five(t) || packed_q8_0(t);
 }
 
-/* Buffers for M rows' activations: q [M, K], f = d | s [2, M, K/32], h [M, 2 K/32], and (split) l [M, K] */
-static void acts_alloc(int64_t M, int64_t K, int split, int8_t **q, float **f, int32_t **h, uint8_t **l) {
+/* Activation rows per block of 32: xd = max|x| / lim, v = round(x / xd) clamped to +-lim, with
+ * d = xd and s = xd * sum(v). lim 127 (tq_q8_quantize): q = v, h = its halves' sums (Q6_K's
+ * q - 32 term; both: Q8_0's offset). lim 32767 (tq_q16_split: qmatmul.c's 16-bit values, those of
+ * its quantize_rows, for the packed rows that take them): each v split in two bytes,
+ * v = 256 hi + lo, q = hi (int8), l = lo (0..255), so the 8-bit kernels' vpdpbusd forms both
+ * halves' exact integer dots (q8act.c); h = the halves' sums of hi (the packed Q8_0 offset's term). */
+static tq_q8acts quantize_acts(const float *x, int64_t M, int64_t K, const int split) {
     const int64_t nb = K / QK;
-    *f = (float *)malloc((size_t)(2 * M * nb) * sizeof(float));
-    *q = (int8_t *)malloc((size_t)(M * K));
-    *h = (int32_t *)malloc((size_t)(2 * M * nb) * sizeof(int32_t));
-    *l = split ? (uint8_t *)malloc((size_t)(M * K)) : NULL;
-    if (*f == NULL || *q == NULL || *h == NULL || (split && *l == NULL)) abort();
-}
-
-tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) {
-    const int64_t nb = K / QK;
-    int8_t *q;
-    float *f;
-    int32_t *h;
-    uint8_t *unused;
-    acts_alloc(M, K, 0, &q, &f, &h, &unused);
-    const tq_q8acts a = {q, f, f + M * nb, h, NULL};
-#pragma omp parallel for schedule(static) if (M >= 16)
-    for (int64_t i = 0; i < M * nb; i++) {
-        const int64_t row = i / nb, b = i % nb;
-        const float *xb = x + row * K + b * QK;
-#ifdef TQ_AVX2 /* the same values as the loop below (tq.h) */
-        __m256 xv[4];
-        const float amax = block_absmax(xb, xv);
-        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        __m256i v[4], vs = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            v[j] = round_clamp(xv[j], id, 127);
-            vs = _mm256_add_epi32(vs, v[j]);
-        }
-        /* packs interleave the 128-bit halves: 0 1 | 2 3 -> dwords in order 0 2 4 6 1 3 5 7 */
-        const __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-        _mm256_storeu_si256((__m256i *)(q + i * QK), _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        const int sum = hsum_epi32(vs), half0 = hsum_epi32(_mm256_add_epi32(v[0], v[1]));
-#else
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        int sum = 0, half0 = 0;
-        for (int j = 0; j < QK; j++) {
-            int v = (int)nearbyintf(xb[j] * id);
-            v = v > 127 ? 127 : v < -127 ? -127 : v;
-            q[i * QK + j] = (int8_t)v;
-            sum += v;
-            if (j < QK / 2) half0 += v;
-        }
-#endif
-        f[i] = d;
-        f[M * nb + i] = d * (float)sum;
-        h[2 * i] = half0;
-        h[2 * i + 1] = sum - half0;
-    }
-    return a;
-}
-
-/* The 16-bit activations of qmatmul.c (per block of 32: xd = max|x| / 32767, v = round(x / xd) clamped
- * to +-32767, the same values as its quantize_rows) for the packed legacy rows, each v split in
- * two bytes, v = 256 hi + lo: q = hi (int8), l = lo (0..255), so the 8-bit kernels' vpdpbusd forms
- * both halves' exact integer dots (q8act.c). d = xd, s = xd * sum(v) (quantize_rows' xs), h = the
- * halves' sums of hi (the packed Q8_0 offset's term). */
-tq_q8acts tq_q16_split(const float *x, int64_t M, int64_t K) {
-    const int64_t nb = K / QK;
-    int8_t *q;
-    float *f;
-    int32_t *h;
-    uint8_t *l;
-    acts_alloc(M, K, 1, &q, &f, &h, &l);
+    const int lim = split ? 32767 : 127;
+    float *f = (float *)malloc((size_t)(2 * M * nb) * sizeof(float));
+    int8_t *q = (int8_t *)malloc((size_t)(M * K));
+    int32_t *h = (int32_t *)malloc((size_t)(2 * M * nb) * sizeof(int32_t));
+    uint8_t *l = split ? (uint8_t *)malloc((size_t)(M * K)) : NULL;
+    if (f == NULL || q == NULL || h == NULL || (split && l == NULL)) abort();
     const tq_q8acts a = {q, f, f + M * nb, h, l};
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t i = 0; i < M * nb; i++) {
         const float *xb = x + (i / nb) * K + (i % nb) * QK;
-        int sum = 0, hi[2] = {0, 0};
+        int sum = 0, hsum[2] = {0, 0};
 #ifdef TQ_AVX2 /* the same values as the loop below (tq.h) */
         __m256 xv[4];
         const float amax = block_absmax(xb, xv);
-        const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        __m256i v[4], vs = _mm256_setzero_si256();
+        const float d = amax / (float)lim, id = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        __m256i v[4], hv[4], vs = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
-            v[j] = round_clamp(xv[j], id, 32767);
+            v[j] = round_clamp(xv[j], id, lim);
             vs = _mm256_add_epi32(vs, v[j]);
+            hv[j] = split ? _mm256_srai_epi32(v[j], 8) : v[j];
         }
-        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), low = _mm256_set1_epi32(255);
-        __m256i hv[4], lv[4];
-        for (int j = 0; j < 4; j++) hv[j] = _mm256_srai_epi32(v[j], 8), lv[j] = _mm256_and_si256(v[j], low);
         /* packs interleave the 128-bit halves: 0 1 | 2 3 -> dwords in order 0 2 4 6 1 3 5 7 */
         const __m256i h8 = _mm256_packs_epi16(_mm256_packs_epi32(hv[0], hv[1]), _mm256_packs_epi32(hv[2], hv[3]));
-        const __m256i l8 = _mm256_packus_epi16(_mm256_packs_epi32(lv[0], lv[1]), _mm256_packs_epi32(lv[2], lv[3]));
         _mm256_storeu_si256((__m256i *)(q + i * QK), _mm256_permutevar8x32_epi32(h8, order));
-        _mm256_storeu_si256((__m256i *)(l + i * QK), _mm256_permutevar8x32_epi32(l8, order));
+        if (split) {
+            const __m256i low = _mm256_set1_epi32(255);
+            const __m256i l8 = _mm256_packus_epi16(_mm256_packs_epi32(_mm256_and_si256(v[0], low), _mm256_and_si256(v[1], low)),
+                                                   _mm256_packs_epi32(_mm256_and_si256(v[2], low), _mm256_and_si256(v[3], low)));
+            _mm256_storeu_si256((__m256i *)(l + i * QK), _mm256_permutevar8x32_epi32(l8, order));
+        }
         sum = hsum_epi32(vs);
-        hi[0] = hsum_epi32(_mm256_add_epi32(hv[0], hv[1]));
-        hi[1] = hsum_epi32(_mm256_add_epi32(hv[2], hv[3]));
+        hsum[0] = hsum_epi32(_mm256_add_epi32(hv[0], hv[1]));
+        hsum[1] = hsum_epi32(_mm256_add_epi32(hv[2], hv[3]));
 #else
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        const float d = amax / (float)lim, id = d > 0.0f ? 1.0f / d : 0.0f;
         for (int j = 0; j < QK; j++) {
             int v = (int)nearbyintf(xb[j] * id);
-            v = v > 32767 ? 32767 : v < -32767 ? -32767 : v;
-            q[i * QK + j] = (int8_t)(v >> 8); /* arithmetic: floor(v / 256) */
-            l[i * QK + j] = (uint8_t)(v & 255);
+            v = v > lim ? lim : v < -lim ? -lim : v;
+            const int hi = split ? v >> 8 : v; /* arithmetic: floor(v / 256) */
+            q[i * QK + j] = (int8_t)hi;
+            if (split) l[i * QK + j] = (uint8_t)(v & 255);
             sum += v;
-            hi[j / 16] += v >> 8;
+            hsum[j / 16] += hi;
         }
 #endif
         f[i] = d;
         f[M * nb + i] = d * (float)sum;
-        h[2 * i] = hi[0];
-        h[2 * i + 1] = hi[1];
+        h[2 * i] = hsum[0];
+        h[2 * i + 1] = hsum[1];
     }
     return a;
 }
+
+tq_q8acts tq_q8_quantize(const float *x, int64_t M, int64_t K) { return quantize_acts(x, M, K, 0); }
+
+tq_q8acts tq_q16_split(const float *x, int64_t M, int64_t K) { return quantize_acts(x, M, K, 1); }
 
 void tq_q8_free(tq_q8acts a) {
     free((void *)a.q);

@@ -48,27 +48,37 @@ static inline __m512 packed_mins16(int t, const uint8_t *p, const uint8_t *p1, _
     return stores_min(t) ? halves16(p + 2 * GR, p1 ? p1 + 2 * GR : NULL) : _mm512_mul_ps(dv, _mm512_set1_ps(-(float)q_bias(t)));
 }
 
+/* The 32 bytes at off of the packed groups' blocks at p (lanes 0..7) and p1 (8..15; NULL: zeros) */
+static inline __m512i packed_bytes16(const uint8_t *p, const uint8_t *p1, int off) {
+    const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + off));
+    const __m256i hi = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + off)) : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+/* Step s of packed Q4 / Q5 groups' blocks at p, p1: the low nibbles (k = 4s..) in *lo, the high
+ * ones (k = 16 + 4s..) in *hi, unsigned bytes, Q5's fifth bits added from the step's masks */
+static inline __attribute__((always_inline)) void packed_nibbles16(int t, const uint8_t *p, const uint8_t *p1, int s,
+                                                                   __m512i *lo, __m512i *hi) {
+    const __m512i mask = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+    const __m512i v = packed_bytes16(p, p1, step_offset(t) + 32 * s);
+    *lo = _mm512_and_si512(v, mask);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    if (packed_five(t)) {
+        *lo = _mm512_mask_add_epi8(*lo, fifth_bits(t, p, p1, s, 0), *lo, sixteen);
+        *hi = _mm512_mask_add_epi8(*hi, fifth_bits(t, p, p1, s, 1), *hi, sixteen);
+    }
+}
+
 /* Packed Q4 / Q5 groups g (rows at w) and g + 1 (at w1, NULL for a lone group), every block. */
 static inline void unpack_packed(int t, const uint8_t *w, const uint8_t *w1, int64_t nb, sblock *panel) {
-    const int ub = unit_bytes(t), so = step_offset(t);
-    const __m512i mask = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+    const int ub = unit_bytes(t);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = w + b * 8 * ub, *p1 = w1 ? w1 + b * 8 * ub : NULL;
         sblock *g = panel + b;
         const __m512 dv = halves16(p, p1);
         _mm512_store_ps(g->d, dv);
         _mm512_store_ps(g->m, packed_mins16(t, p, p1, dv));
-        for (int s = 0; s < 4; s++) {
-            const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + so + 32 * s));
-            const __m256i hi = p1 ? _mm256_loadu_si256((const __m256i *)(p1 + so + 32 * s)) : _mm256_setzero_si256();
-            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            g->q[s] = _mm512_and_si512(v, mask);
-            g->q[s + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-            if (packed_five(t)) {
-                g->q[s] = _mm512_mask_add_epi8(g->q[s], fifth_bits(t, p, p1, s, 0), g->q[s], sixteen);
-                g->q[s + 4] = _mm512_mask_add_epi8(g->q[s + 4], fifth_bits(t, p, p1, s, 1), g->q[s + 4], sixteen);
-            }
-        }
+        for (int s = 0; s < 4; s++) packed_nibbles16(t, p, p1, s, g->q + s, g->q + s + 4);
     }
 }
 

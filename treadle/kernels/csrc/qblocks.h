@@ -56,6 +56,9 @@ TQ_INLINE int packed_k(int t) { return t == TQ_PACKED + TQ_Q4_K || t == TQ_PACKE
 TQ_INLINE int packed_q8_0(int t) { return t == TQ_PACKED + TQ_Q8_0; }
 TQ_INLINE int is_packed(int t) { return packed_type(t) || packed_five(t) || packed_k(t) || packed_q8_0(t); }
 TQ_INLINE int base_type(int t) { return is_packed(t) ? t - TQ_PACKED : t; }
+/* packed rows that take 16-bit activations split in two bytes (q8pack.c tq_q16_split; native.SPLIT_16);
+ * packed Q6_K keeps 8-bit ones (its int32 scale fold would overflow with 16-bit values) */
+TQ_INLINE int packed_split16(int t) { return packed_type(t) || packed_five(t) || packed_q8_0(t) || t == TQ_PACKED + TQ_Q4_K; }
 
 TQ_INLINE int is_k_quant(int t) { return base_type(t) >= TQ_Q2_K && base_type(t) <= TQ_Q6_K; }
 TQ_INLINE int unit_blocks(int t) { return is_k_quant(t) ? 8 : 1; } /* blocks of 32 per unit */

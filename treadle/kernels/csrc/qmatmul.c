@@ -321,7 +321,7 @@ void tq_matmul(const tq_layout *layout, const uint8_t *w, const float *x, float 
         const int t = layout->qtype[s];
         if (t == TQ_W_BF16) continue; /* takes x as it is */
         /* packed legacy and Q4_K rows at 16 bits: the same 16-bit values, split in two bytes for q8act.c */
-        split[s] = layout->act_bits == 16 && (packed_type(t) || packed_five(t) || packed_q8_0(t) || t == TQ_PACKED + TQ_Q4_K);
+        split[s] = layout->act_bits == 16 && packed_split16(t);
         use8[s] = !split[s] && tq_q8_type(t) && (layout->act_bits == 8 || is_packed(t));
         any8 |= use8[s];
         anysplit |= split[s];
