@@ -49,6 +49,13 @@
 enum { MODE_MIN, MODE_Q8_0, MODE_Q6_K }; /* strip_tile: q - minimum terms; Q8_0's offset; Q6_K's two halves */
 
 #ifdef TQ_ZMM
+/* Block b's share (chunk bytes) of the pf bytes (the next strip's rows, or none), prefetched while the
+ * block is used, so the memory reads run beside the arithmetic rather than in a burst */
+static inline void prefetch_share(const uint8_t *pf, int64_t pfbytes, int64_t chunk, int64_t b) {
+    if (pf)
+        for (int64_t off = b * chunk; off < (b + 1) * chunk && off < pfbytes; off += 64) __builtin_prefetch(pf + off);
+}
+
 /* The end of a block of a split tile (strip_split, strip_tile_split): the 4-row tiles' second chains
  * joined, isum = 256 hi + lo (the exact block dot of the 16-bit values), then strip_direct's float
  * operations with the block's d (and, with_min, its minimum term). */
@@ -84,8 +91,7 @@ static inline __attribute__((always_inline)) void strip_tile_split(const sblock 
     for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const sblock *g = panel + b;
-        if (pf)
-            for (int64_t off = b * chunk; off < (b + 1) * chunk && off < pfbytes; off += 64) __builtin_prefetch(pf + off);
+        prefetch_share(pf, pfbytes, chunk, b);
         const int64_t e0 = b * QK;
         __m512i ph[TQ_NX], pl[TQ_NX], ph2[TQ_NX / 2], pl2[TQ_NX / 2];
 #pragma GCC unroll 8
@@ -126,19 +132,18 @@ static inline __attribute__((always_inline)) void strip_tile(const int mode, con
                                                              tq_q8acts x, int64_t K, const int NX,
                                                              const float *bias, float *out, int64_t ostride,
                                                              __mmask16 store, const uint8_t *pf, int64_t pfbytes) {
-    const int q8_0 = mode == MODE_Q8_0, q6 = mode == MODE_Q6_K;
     if (x.l) { /* split 16-bit activations: a minimum-term panel's (packed Q4_K at 16 bits) */
         strip_tile_split(panel, nb, x, K, NX, bias, out, ostride, store, pf, pfbytes);
         return;
     }
+    const int q8_0 = mode == MODE_Q8_0, q6 = mode == MODE_Q6_K;
     __m512 acc[TQ_NX];
     const int64_t chunk = (pfbytes / nb + 127) / 64 * 64;
 #pragma GCC unroll 8
     for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const sblock *g = panel + b;
-        if (pf)
-            for (int64_t off = b * chunk; off < (b + 1) * chunk && off < pfbytes; off += 64) __builtin_prefetch(pf + off);
+        prefetch_share(pf, pfbytes, chunk, b);
         const int8_t *xb = x.q + b * QK;
         __m512i p[TQ_NX], p0[TQ_NX];
 #pragma GCC unroll 8
@@ -273,12 +278,12 @@ static inline __attribute__((always_inline)) void strip_direct(const int t, cons
                                                                const uint8_t *next, int64_t nb, tq_q8acts x, int64_t K,
                                                                const int NX, const float *bias, float *out,
                                                                int64_t ostride, __mmask16 store) {
-    const int q8 = packed_q8_0(t), ub = unit_bytes(t), sb = step_offset(t);
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
     if (x.l) {
         strip_split(t, w, w1, next, nb, x, K, NX, bias, out, ostride, store);
         return;
     }
+    const int q8 = packed_q8_0(t), ub = unit_bytes(t), sb = step_offset(t);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[TQ_NX];
 #pragma GCC unroll 8
     for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
@@ -355,8 +360,7 @@ static inline __attribute__((always_inline)) void q8_0_strip_direct(const uint8_
 #pragma GCC unroll 8
     for (int i = 0; i < NX; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        if (pf)
-            for (int64_t off = b * chunk; off < (b + 1) * chunk && off < pfbytes; off += 64) __builtin_prefetch(pf + off);
+        prefetch_share(pf, pfbytes, chunk, b);
         __m512i r[8], q[8], p[TQ_NX];
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) r[j] = two_rows(w, rbytes, j, b * ub + 2, lone);
