@@ -14,8 +14,9 @@
  * FlashDecoding: work items are (sequence, chunk) and cover every head, so each cache row (all
  * KV heads, contiguous) is read from memory once, whole; items per (sequence, KV head) would
  * each read 1 / num_kv_heads of every row and leave the prefetchers fetching the rest for
- * nothing. Blocks are scattered, so every line of the block AHEAD blocks on is prefetched into
- * L2 (float32 caches; the quantized ones touch the next block's pages).
+ * nothing. Blocks are scattered, so every line of a chunk's first blocks and of the block AHEAD
+ * blocks on is prefetched into L2 (float32 and bfloat16 caches; the quantized ones' plain-C path
+ * touches the next block's pages).
  * Every context is cut into chunks of SPLIT keys from its first key, whatever else is in the
  * call, so a row's bits depend on its own context alone (not on the batch or the thread count:
  * a prompt's rows computed in one call, in chunks, or after a prefix-cache hit come out the
@@ -30,7 +31,7 @@
  * and the chunks of one (sequence, head) are merged by their maxima, in chunk order:
  *   M = max_c m_c,   out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
  * With one chunk the row's output is acc / l. Work is spread with OpenMP (torch's libgomp
- * and thread count). AVX2/FMA for the dot products, e^x and the V sums where the CPU has
+ * and thread count), each thread taking a contiguous run of items balanced by keys (thread_units). AVX2/FMA for the dot products, e^x and the V sums where the CPU has
  * them, plain C otherwise; any head_dim (a scalar tail past multiples of 8). The AVX-512 builds
  * take head_dims that are multiples of 16 sixteen keys at a time (scores16: one vector of
  * scores), and a float32 or bfloat16 cache's chunk as one softmax step (chunk16: every head's
@@ -257,10 +258,10 @@ static inline void prefetch_share(const void *k_cache, const void *v_cache, int6
         prefetch_block(k_cache, v_cache, ahead, h * share, (h + 1) * share < block_bytes ? (h + 1) * share : block_bytes);
 }
 
-/* The blocks of a range after its first one, up to AHEAD, into L2 (its row's keys end at limit). */
+/* The first AHEAD blocks of a range into L2 (its row's keys end at limit). */
 static inline void prefetch_first(const void *k_cache, const void *v_cache, const int32_t *table, int64_t start,
                                   int64_t limit, int64_t block_size, int64_t block_bytes) {
-    for (int64_t b = 1; b < AHEAD && (start / block_size + b) * block_size < limit; b++)
+    for (int64_t b = 0; b < AHEAD && (start / block_size + b) * block_size < limit; b++)
         prefetch_block(k_cache, v_cache, (int64_t)table[start / block_size + b] * block_bytes, 0, block_bytes);
 }
 
@@ -371,8 +372,9 @@ static void attend_range_quant(const float *q, const uint8_t *k_cache, const uin
 /* A row's keys are cut at every SPLIT keys from its first one, whatever else is in the call: how a
  * row is computed, and so its bits, depends on its own context alone (not on the batch, the
  * thread count, or whether its query came as a decode token or in a prompt chunk). */
+static int64_t row_span(int64_t len, int64_t window) { return (window > 0 && len > window) ? window : len; }
 static int64_t row_chunks(int64_t len, int64_t window) {
-    const int64_t span = (window > 0 && len > window) ? window : len;
+    const int64_t span = row_span(len, window);
     return span > SPLIT ? (span + SPLIT - 1) / SPLIT : 1;
 }
 
@@ -408,6 +410,23 @@ static void attend_chunk(const paged_args *a, int64_t i, int64_t c, float *kbuf,
         attend_range_quant(a->q + i * a->q_stride, a->k_cache, a->v_cache, table, start, end, a->block_size, a->qrow,
                            a->head_bytes, a->H, a->G, a->D, a->scale, a->kv_format, a->lut, kbuf,
                            kbuf + TILE * a->D, m, l, acc);
+}
+
+/* Thread tid's work items [*lo, *hi) of n, keys[u] the keys before item u: a contiguous run, each
+ * item going to the thread whose equal share of the keys holds the item's middle key. So a row's
+ * chunks run on one thread, where the blocks prefetched AHEAD past a chunk's end are the next
+ * chunk's (items handed out one at a time sent them to the other core's L2). */
+static int unit_owner(const int64_t *keys, int64_t u, int64_t n, int team) {
+    if (keys[n] <= 0) return (int)(u * team / n);
+    const int64_t t = (keys[u] + keys[u + 1]) * team / (2 * keys[n]);
+    return t < team - 1 ? (int)t : team - 1;
+}
+static void thread_units(const int64_t *keys, int64_t n, int tid, int team, int64_t *lo, int64_t *hi) {
+    int64_t u = 0;
+    while (u < n && unit_owner(keys, u, n, team) < tid) u++;
+    *lo = u;
+    while (u < n && unit_owner(keys, u, n, team) <= tid) u++;
+    *hi = u;
 }
 
 /* A row's output from its chunks' parts, merged by their maxima in chunk order. */
@@ -471,7 +490,7 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
     if (first == NULL) abort();
     for (int64_t i = 0; i < num_seqs; i++) {
         const int64_t c = row_chunks(seq_lens[i], window);
-        total += (window > 0 && seq_lens[i] > window) ? window : seq_lens[i];
+        total += row_span(seq_lens[i], window);
         first[i] = items;
         items += c;
         if (c > most) most = c;
@@ -487,31 +506,40 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
     /* few rows: each chunk is a work item (one long context keeps every core busy); many rows: each
      * row is one, its chunks attended one after another; the same chunks and merge either way */
     const int by_chunk = num_seqs < WORK_PER_THREAD * threads && items > num_seqs;
+    const int64_t units = by_chunk ? items : num_seqs;
+    int64_t *keys = malloc((size_t)(units + 1) * sizeof(int64_t)); /* the keys before each work item */
     float *part = malloc((size_t)((by_chunk ? items : threads * most) * part_len) * sizeof(float));
-    if (part == NULL) abort();
+    if (part == NULL || keys == NULL) abort();
+    keys[0] = 0;
+    for (int64_t i = 0, u = 0; i < num_seqs; i++) {
+        const int64_t span = row_span(seq_lens[i], window);
+        for (int64_t c = 0; c < (by_chunk ? first[i + 1] - first[i] : 1); c++, u++)
+            keys[u + 1] = keys[u] + (by_chunk ? (span - c * SPLIT < SPLIT ? span - c * SPLIT : SPLIT) : span);
+    }
 #pragma omp parallel if (total * H >= PARALLEL_MIN)
     {
         const int widened = kv_format == TQ_KV_INT8 || kv_format == TQ_KV_FP8; /* tiles dequantized into kbuf */
         float *kbuf = widened ? malloc((size_t)(2 * TILE * D) * sizeof(float)) : NULL;
         if (widened && kbuf == NULL) abort();
-        int tid = 0;
+        int tid = 0, team = 1;
 #ifdef _OPENMP
-        tid = omp_get_thread_num();
+        tid = omp_get_thread_num(), team = omp_get_num_threads();
 #endif
+        int64_t lo, hi;
+        thread_units(keys, units, tid, team, &lo, &hi);
         if (by_chunk) {
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < items; it++) {
-                int64_t i = 0;
+            int64_t i = 0;
+            for (int64_t it = lo; it < hi; it++) {
                 while (first[i + 1] <= it) i++;
                 attend_chunk(&a, i, it - first[i], kbuf, part + it * part_len);
             }
+#pragma omp barrier
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < num_seqs; i++)
-                finish_row(part + first[i] * part_len, first[i + 1] - first[i], H, D, out + i * H * D);
+            for (int64_t r = 0; r < num_seqs; r++)
+                finish_row(part + first[r] * part_len, first[r + 1] - first[r], H, D, out + r * H * D);
         } else {
             float *mine = part + tid * most * part_len;
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < num_seqs; i++) {
+            for (int64_t i = lo; i < hi; i++) {
                 const int64_t chunks = first[i + 1] - first[i];
                 for (int64_t c = 0; c < chunks; c++) attend_chunk(&a, i, c, kbuf, mine + c * part_len);
                 finish_row(mine, chunks, H, D, out + i * H * D);
@@ -519,6 +547,7 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
         }
         free(kbuf);
     }
+    free(keys);
     free(part);
     free(first);
 }
