@@ -30,6 +30,9 @@ VARIABLES: tuple[EnvVar, ...] = (
                                               "(3 for Q8_0 as the file has it, 2 for Q6_K) in the AVX-512 builds: 256 "
                                               "(q8act.c's 256-bit register paths) or 512 (q8batch.c's zmm strips); auto: "
                                               "256 on AMD Zen 4, 512 elsewhere; the same bits either way"),
+    EnvVar("TREADLE_HUGE_PAGES", "1", "0: a loaded CPU model's weights stay where torch allocated them, not "
+                                      "gathered into one mapping advised for transparent huge pages "
+                                      "(loaders/huge_pages.py)"),
     EnvVar("CC", None, "the C compiler for Treadle's kernels (default: gcc, else cc)"),
     EnvVar("TREADLE_FUSED_OPS", "1", "0: RMSNorm+residual and RoPE run as separate torch ops, not fused"),
     EnvVar("TREADLE_API_KEY", None, "default for `treadle serve --api-key`"),
@@ -103,6 +106,10 @@ def small_batch_path() -> str | None:
 
         raise TreadleError(f"TREADLE_SMALL_BATCH_PATH={value!r}: auto, 256 or 512")
     return None if value == "auto" else value
+
+
+def huge_pages() -> bool:
+    return get_flag("TREADLE_HUGE_PAGES")
 
 
 def fused_ops() -> bool:

@@ -13,6 +13,7 @@ import torch
 from treadle.config import ModelConfig, TreadleError
 from treadle.distributed import ParallelContext, shard_config
 from treadle.layers.attention import AttentionBackend
+from treadle.loaders import huge_pages
 from treadle.loaders.source import ModelSource
 from treadle.models.llama import LlamaForCausalLM
 from treadle.models.registry import model_class, model_layout
@@ -124,5 +125,7 @@ def load_model(
         model = cls(source.config, backend, activation_dtype(torch_dtype, device), method=method, parallel=parallel)
     model.load_weights(weights())
     model.process_weights_after_loading()
+    if torch.device(device).type == "cpu":
+        huge_pages.gather(model)
     model.eval()
     return LoadedModel(model=model, config=source.config, tokenizer=source.tokenizer, path=source.path)
