@@ -12,7 +12,7 @@ last huge page's unused part. Values are unchanged; only where they live.
 
 ``TREADLE_HUGE_PAGES=0`` keeps torch's allocations. Elsewhere than Linux, or with huge pages
 ``never``, nothing is moved. The gain (docs/kernels.md "Weights in huge pages"): SmolLM2 Q4_1's
-batch-1 decode step 1.08-1.10x on AMD Zen 4.
+batch-1 decode step 1.06-1.24x on AMD Zen 4.
 """
 from __future__ import annotations
 
