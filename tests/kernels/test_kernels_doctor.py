@@ -8,6 +8,7 @@ import pytest
 
 from treadle.entrypoints.cli import main
 from treadle.kernels import native, selftest
+from treadle.loaders import huge_pages
 
 pytestmark = [pytest.mark.skipif(not native.available(), reason="needs a C compiler (Treadle's CPU kernels)"),
               pytest.mark.usefixtures("one_thread")]
@@ -23,6 +24,7 @@ def test_doctor_json_on_stories260k(capsys: pytest.CaptureFixture[str], monkeypa
     assert k["why"].startswith(f"{k['selected']} (the best variant this CPU runs")
     assert k["small_batches"] == ("256-bit register paths up to 4 rows (auto: AMD Zen 4)"
                                   if native.prefers_256_bit_small_batches() else "512-bit strips (auto)")
+    assert k["weights_in_huge_pages"] == huge_pages.describe()
     assert list(k["variants"]) == [v.name for v in native.VARIANTS]
     for name, v in k["variants"].items():
         assert v["lacks"] == list(native.missing_features(name)) and v["runnable"] == (not v["lacks"])

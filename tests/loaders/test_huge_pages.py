@@ -46,7 +46,9 @@ def test_gather_moves_large_storages_into_one_aligned_mapping_with_the_same_valu
 
 
 def test_disabled_by_the_environment_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert huge_pages.describe().startswith("yes (" if huge_pages.supported() else "no (")
     monkeypatch.setenv("TREADLE_HUGE_PAGES", "0")
+    assert huge_pages.describe() == "no (TREADLE_HUGE_PAGES=0)"
     m = Tied()
     at = m.embed.data_ptr()
     assert huge_pages.gather(m, min_bytes=1024) == 0

@@ -28,6 +28,7 @@ import torch
 from treadle import envs
 from treadle.bench.roofline import measure_machine
 from treadle.kernels import native, selftest
+from treadle.loaders import huge_pages
 
 BATCHES = (1, 4, 16)
 SIMD_PREFIXES = ("avx", "fma", "f16c", "amx", "sse4_2")
@@ -51,7 +52,7 @@ def small_batch_path() -> str:
 
 def kernel_info() -> dict[str, Any]:
     return {"selected": native.selected_variant(), "why": native.describe(), "override": envs.cpu_kernels(),
-            "small_batches": small_batch_path(),
+            "small_batches": small_batch_path(), "weights_in_huge_pages": huge_pages.describe(),
             "variants": {v.name: {"runnable": not native.missing_features(v.name),
                                   "lacks": list(native.missing_features(v.name)),
                                   "rounds_activations_to_bf16": native.rounds_activations_to_bf16(v.name)}
@@ -132,7 +133,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [f"cpu        {cpu['model']}, {cpu['logical_cpus']} logical CPUs, torch threads {cpu['threads']}",
              f"features   {' '.join(cpu['features'])}",
              f"kernels    {k['why']}",
-             f"small 8-bit batches (AVX-512 builds): {k['small_batches']}"]
+             f"small 8-bit batches (AVX-512 builds): {k['small_batches']}",
+             f"weights in huge pages: {k['weights_in_huge_pages']}"]
     for name, v in k["variants"].items():
         state = "runs here" if v["runnable"] else f"CPU lacks {' '.join(v['lacks'])}"
         lines.append(f"  {name:<12} {state}{'; rounds activations to bfloat16' if v['rounds_activations_to_bf16'] else ''}")

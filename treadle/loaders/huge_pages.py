@@ -41,6 +41,15 @@ def supported() -> bool:
         return False
 
 
+def describe() -> str:
+    """Whether a loaded CPU model's weights go into huge pages here, and why (``treadle doctor``)."""
+    if not envs.huge_pages():
+        return "no (TREADLE_HUGE_PAGES=0)"
+    if not supported():
+        return "no (this system has no transparent huge pages to ask for)"
+    return f"yes (transparent huge pages: {_SETTING.read_text().split('[')[1].split(']')[0]})"
+
+
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """``nbytes`` zeroed bytes (uint8) starting on a 2 MiB boundary of a private anonymous mapping
     advised for huge pages; the tensor keeps the mapping alive."""
