@@ -54,7 +54,10 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """``nbytes`` zeroed bytes (uint8) starting on a 2 MiB boundary of a private anonymous mapping
     advised for huge pages; the tensor keeps the mapping alive."""
     m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # refused (some sandboxes): ordinary pages, the same values
+        pass
     whole = torch.frombuffer(m, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start : start + nbytes]
