@@ -68,33 +68,30 @@ def gather(module: torch.nn.Module, min_bytes: int = MIN_BYTES) -> int:
     huge-page mapping when ``TREADLE_HUGE_PAGES`` allows and the system supports it; -> bytes moved."""
     if not envs.huge_pages() or not supported():
         return 0
-    users: dict[int, list[torch.Tensor]] = {}  # storage address -> the tensors on it
-    storages: dict[int, torch.UntypedStorage] = {}
+    users: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}  # storage address -> it, its tensors
     for t in chain(module.parameters(), module.buffers()):
         s = t.untyped_storage()
         if t.device.type == "cpu" and s.nbytes() >= min_bytes:
-            storages.setdefault(s.data_ptr(), s)
-            users.setdefault(s.data_ptr(), []).append(t)
-    if not storages:
+            users.setdefault(s.data_ptr(), (s, []))[1].append(t)
+    if not users:
         return 0
-    offsets, total = {}, 0
-    for addr, s in storages.items():
-        offsets[addr] = total
-        total += -(-s.nbytes() // ALIGN) * ALIGN
+    total = sum(_aligned(s.nbytes()) for s, _ in users.values())
     arena = huge_page_buffer(total)
-    target = arena.untyped_storage()
-    base = arena.storage_offset()  # bytes: arena is uint8
-    for addr in list(storages):
-        s = storages.pop(addr)
-        at = offsets[addr]
+    target, base, at = arena.untyped_storage(), arena.storage_offset(), 0  # base: the arena's place (bytes)
+    while users:
+        s, tensors = users.pop(next(iter(users)))
         arena[at : at + s.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(s))
-        for t in users.pop(addr):
+        for t in tensors:
             size = t.element_size()
-            moved = torch.empty(0, dtype=t.dtype).set_(target, (base + at) // size + t.storage_offset(), t.size(), t.stride())
-            t.data = moved
-        del s  # the old storage goes once no tensor holds it
+            t.data = torch.empty(0, dtype=t.dtype).set_(target, (base + at) // size + t.storage_offset(), t.size(), t.stride())
+        at += _aligned(s.nbytes())
+        del s, tensors  # the old storage goes once no tensor holds it
     _trim_heap()
     return total
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def _trim_heap() -> None:

@@ -485,12 +485,11 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
     }
     float lut[256];
     if (kv_format == TQ_KV_FP8) fp8_e4m3_table(lut);
-    int64_t most = 1, items = 0, total = 0; /* most chunks of one row; (row, chunk) pairs; keys */
+    int64_t most = 1, items = 0; /* most chunks of one row; (row, chunk) pairs */
     int64_t *first = malloc((size_t)(num_seqs + 1) * sizeof(int64_t)); /* row i's chunks: first[i] .. first[i + 1] */
     if (first == NULL) abort();
     for (int64_t i = 0; i < num_seqs; i++) {
         const int64_t c = row_chunks(seq_lens[i], window);
-        total += row_span(seq_lens[i], window);
         first[i] = items;
         items += c;
         if (c > most) most = c;
@@ -516,7 +515,8 @@ void tq_paged_decode(const float *q, const float *k, const float *v, int64_t q_s
         for (int64_t c = 0; c < (by_chunk ? first[i + 1] - first[i] : 1); c++, u++)
             keys[u + 1] = keys[u] + (by_chunk ? (span - c * SPLIT < SPLIT ? span - c * SPLIT : SPLIT) : span);
     }
-#pragma omp parallel if (total * H >= PARALLEL_MIN)
+    /* keys[units]: every key of the call */
+#pragma omp parallel if (keys[units] * H >= PARALLEL_MIN)
     {
         const int widened = kv_format == TQ_KV_INT8 || kv_format == TQ_KV_FP8; /* tiles dequantized into kbuf */
         float *kbuf = widened ? malloc((size_t)(2 * TILE * D) * sizeof(float)) : NULL;

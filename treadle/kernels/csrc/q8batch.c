@@ -56,6 +56,16 @@ static inline void prefetch_share(const uint8_t *pf, int64_t pfbytes, int64_t ch
         for (int64_t off = b * chunk; off < (b + 1) * chunk && off < pfbytes; off += 64) __builtin_prefetch(pf + off);
 }
 
+/* split_step (q8direct.h) on 16 lanes: *ph += u times the 4 high bytes at hq (the signed operand),
+ * *pl += the 4 low bytes at lq (the unsigned operand) times s */
+static inline __attribute__((always_inline)) void split_step16(__m512i *ph, __m512i *pl, __m512i u, __m512i s,
+                                                               const int8_t *hq, const uint8_t *lq) {
+    int32_t h, l;
+    memcpy(&h, hq, 4), memcpy(&l, lq, 4);
+    *ph = _mm512_dpbusd_epi32(*ph, u, _mm512_set1_epi32(h));
+    *pl = _mm512_dpbusd_epi32(*pl, _mm512_set1_epi32(l), s);
+}
+
 /* The end of a block of a split tile (strip_split, strip_tile_split): the 4-row tiles' second chains
  * joined, isum = 256 hi + lo (the exact block dot of the 16-bit values), then strip_direct's float
  * operations with the block's d (and, with_min, its minimum term). */
@@ -103,15 +113,9 @@ static inline __attribute__((always_inline)) void strip_tile_split(const sblock 
             const __m512i q = _mm512_load_si512(g->q + s);
 #pragma GCC unroll 8
             for (int i = 0; i < NX; i++) {
-                int32_t h, l;
-                memcpy(&h, x.q + i * K + e0 + 4 * s, 4), memcpy(&l, x.l + i * K + e0 + 4 * s, 4);
-                if (chains4 && s % 2) {
-                    ph2[i % (TQ_NX / 2)] = _mm512_dpbusd_epi32(ph2[i % (TQ_NX / 2)], q, _mm512_set1_epi32(h));
-                    pl2[i % (TQ_NX / 2)] = _mm512_dpbusd_epi32(pl2[i % (TQ_NX / 2)], _mm512_set1_epi32(l), q);
-                } else {
-                    ph[i] = _mm512_dpbusd_epi32(ph[i], q, _mm512_set1_epi32(h));
-                    pl[i] = _mm512_dpbusd_epi32(pl[i], _mm512_set1_epi32(l), q);
-                }
+                const int odd = chains4 && s % 2, j = i % (TQ_NX / 2);
+                split_step16(odd ? &ph2[j] : &ph[i], odd ? &pl2[j] : &pl[i], q, q, x.q + i * K + e0 + 4 * s,
+                             x.l + i * K + e0 + 4 * s);
                 __asm__("" : "+v"(ph[i]), "+v"(pl[i]));
             }
         }
@@ -234,26 +238,10 @@ static inline __attribute__((always_inline)) void strip_split(const int t, const
 #pragma GCC unroll 8
             for (int i = 0; i < NX; i++) {
                 const int64_t e = i * K + b * QK + 4 * s;
-                int32_t h0, l0;
-                memcpy(&h0, x.q + e, 4), memcpy(&l0, x.l + e, 4);
-                if (chains4 && q8 && s % 2) { /* Q8_0's odd steps */
-                    ph2[i % (TQ_NX / 2)] = _mm512_dpbusd_epi32(ph2[i % (TQ_NX / 2)], qu, _mm512_set1_epi32(h0));
-                    pl2[i % (TQ_NX / 2)] = _mm512_dpbusd_epi32(pl2[i % (TQ_NX / 2)], _mm512_set1_epi32(l0), qa);
-                } else {
-                    ph[i] = _mm512_dpbusd_epi32(ph[i], qu, _mm512_set1_epi32(h0));
-                    pl[i] = _mm512_dpbusd_epi32(pl[i], _mm512_set1_epi32(l0), qa);
-                }
-                if (chains4 && !q8) {
-                    int32_t h1, l1;
-                    memcpy(&h1, x.q + e + 16, 4), memcpy(&l1, x.l + e + 16, 4);
-                    ph2[i % (TQ_NX / 2)] = _mm512_dpbusd_epi32(ph2[i % (TQ_NX / 2)], qb, _mm512_set1_epi32(h1));
-                    pl2[i % (TQ_NX / 2)] = _mm512_dpbusd_epi32(pl2[i % (TQ_NX / 2)], _mm512_set1_epi32(l1), qb);
-                } else if (!q8) {
-                    int32_t h1, l1;
-                    memcpy(&h1, x.q + e + 16, 4), memcpy(&l1, x.l + e + 16, 4);
-                    ph[i] = _mm512_dpbusd_epi32(ph[i], qb, _mm512_set1_epi32(h1));
-                    pl[i] = _mm512_dpbusd_epi32(pl[i], _mm512_set1_epi32(l1), qb);
-                }
+                const int odd = chains4 && q8 && s % 2, j = i % (TQ_NX / 2); /* Q8_0's odd steps */
+                split_step16(odd ? &ph2[j] : &ph[i], odd ? &pl2[j] : &pl[i], qu, qa, x.q + e, x.l + e);
+                if (!q8) /* the high nibbles */
+                    split_step16(chains4 ? &ph2[j] : &ph[i], chains4 ? &pl2[j] : &pl[i], qb, qb, x.q + e + 16, x.l + e + 16);
                 __asm__("" : "+v"(ph[i]), "+v"(pl[i]));
             }
         }
@@ -470,8 +458,8 @@ int64_t tq_q8_batch_rows(int t, const uint8_t *w, tq_q8acts x, float *y, int64_t
 #ifdef TQ_ZMM
     const int q8_0 = t == TQ_Q8_0, kq = q8_kquant(t), pq8 = packed_q8_0(t);
     const int pq4 = packed_type(t) || packed_five(t); /* packed Q4_0 / Q4_1 / Q5_0 / Q5_1 */
-    /* split 16-bit activations: packed legacy rows (strip_split at every batch) and packed Q4_K (its panel) */
-    if (x.l && !packed_split16(t)) return 0;
+    /* split 16-bit activations (packed legacy rows: strip_split at every batch; packed Q4_K: its panel)
+     * skip AMX */
     const int64_t amx = x.l ? 0 : tq_q8_amx_rows(t, w, x, y, ldy, bias, M, N, K); /* q8amx.c, the amx build */
     if (amx) return amx;
     if (!(pq4 || q8_0 || kq || pq8) || (q8_0 && M < BATCH_MIN_Q8_0) || (kq && M < BATCH_MIN_K)) return 0;

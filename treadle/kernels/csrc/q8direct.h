@@ -73,6 +73,16 @@ static inline __attribute__((always_inline)) void packed_nibbles(int t, const ui
 }
 
 #ifdef TQ_ZMM
+/* One step of split 16-bit activations: *ph += u times the 4 high bytes at hq (int8, the signed
+ * operand), *pl += the 4 low bytes at lq (0..255, the unsigned operand) times s */
+static inline __attribute__((always_inline)) void split_step(__m256i *ph, __m256i *pl, __m256i u, __m256i s,
+                                                             const int8_t *hq, const uint8_t *lq) {
+    int32_t h, l;
+    memcpy(&h, hq, 4), memcpy(&l, lq, 4);
+    *ph = _mm256_dpbusd_epi32(*ph, u, _mm256_set1_epi32(h));
+    *pl = _mm256_dpbusd_epi32(*pl, _mm256_set1_epi32(l), s);
+}
+
 /* packed_direct for split 16-bit activations (x.l; the zmm builds' VNNI): each step's weight bytes
  * times the high bytes (int8, as the 8-bit path; Q8_0's q + 128 from -128 times their sum, as the strips:
  * hi reaches -128, which the sign trick cannot flip) and, as the unsigned operand, the low bytes
@@ -95,26 +105,15 @@ static inline __attribute__((always_inline)) void packed_split(const int t, cons
         for (int s = 0; s < 8 * q8; s++) { /* Q8_0: (q + 128) times hi; lo times q */
             const __m256i q = _mm256_loadu_si256((const __m256i *)(p + sb + 32 * s));
             const __m256i qu = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
-            for (int i = 0; i < NX; i++) {
-                int32_t vh, vl;
-                memcpy(&vh, x.q + i * K + b * QK + 4 * s, 4);
-                memcpy(&vl, x.l + i * K + b * QK + 4 * s, 4);
-                ph[i] = _mm256_dpbusd_epi32(ph[i], qu, _mm256_set1_epi32(vh));
-                pl[i] = _mm256_dpbusd_epi32(pl[i], _mm256_set1_epi32(vl), q);
-            }
+            for (int i = 0; i < NX; i++) split_step(&ph[i], &pl[i], qu, q, x.q + i * K + b * QK + 4 * s, x.l + i * K + b * QK + 4 * s);
         }
         for (int s = 0; s < 4 * !q8; s++) {
             __m256i lo, hi;
             packed_nibbles(t, p, s, &lo, &hi);
             for (int i = 0; i < NX; i++) {
                 const int64_t e = i * K + b * QK + 4 * s;
-                int32_t h0, h1, l0, l1;
-                memcpy(&h0, x.q + e, 4), memcpy(&h1, x.q + e + 16, 4);
-                memcpy(&l0, x.l + e, 4), memcpy(&l1, x.l + e + 16, 4);
-                ph[i] = _mm256_dpbusd_epi32(ph[i], lo, _mm256_set1_epi32(h0));
-                pl[i] = _mm256_dpbusd_epi32(pl[i], _mm256_set1_epi32(l0), lo);
-                ph2[i] = _mm256_dpbusd_epi32(ph2[i], hi, _mm256_set1_epi32(h1));
-                pl2[i] = _mm256_dpbusd_epi32(pl2[i], _mm256_set1_epi32(l1), hi);
+                split_step(&ph[i], &pl[i], lo, lo, x.q + e, x.l + e);
+                split_step(&ph2[i], &pl2[i], hi, hi, x.q + e + 16, x.l + e + 16);
             }
         }
         for (int i = 0; i < NX; i++) ph[i] = _mm256_add_epi32(ph[i], ph2[i]), pl[i] = _mm256_add_epi32(pl[i], pl2[i]);
@@ -224,13 +223,8 @@ static inline __attribute__((always_inline)) void packed_k_direct(const int t, c
                         const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
                         for (int i = 0; i < NX; i++) {
                             const int64_t e = i * K + b * QK + 4 * s;
-                            int32_t h0, h1, l0, l1;
-                            memcpy(&h0, x.q + e, 4), memcpy(&h1, x.q + e + QK, 4);
-                            memcpy(&l0, x.l + e, 4), memcpy(&l1, x.l + e + QK, 4);
-                            lo16[i] = _mm256_dpbusd_epi32(lo16[i], lo, _mm256_set1_epi32(h0));
-                            hi16[i] = _mm256_dpbusd_epi32(hi16[i], hi, _mm256_set1_epi32(h1));
-                            lol[i] = _mm256_dpbusd_epi32(lol[i], _mm256_set1_epi32(l0), lo);
-                            hil[i] = _mm256_dpbusd_epi32(hil[i], _mm256_set1_epi32(l1), hi);
+                            split_step(&lo16[i], &lol[i], lo, lo, x.q + e, x.l + e);
+                            split_step(&hi16[i], &hil[i], hi, hi, x.q + e + QK, x.l + e + QK);
                         }
                     }
                     for (int i = 0; i < NX; i++) {

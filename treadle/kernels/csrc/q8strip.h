@@ -16,7 +16,6 @@
 
 #include "qblocks.h"
 
-
 #define SGR 16 /* weight rows per strip */
 
 #ifdef TQ_ZMM
