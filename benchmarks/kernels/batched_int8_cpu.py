@@ -4,6 +4,7 @@ FBGEMM and oneDNN through ``torch.ao.nn.quantized.dynamic.Linear`` (per-channel 
 activations quantized per call), side by side in one process, interleaved call by call.
 
     .venv/bin/python benchmarks/kernels/batched_int8_cpu.py [--ref HEAD] [--threads 1] [--batches 1 4 16 64] [--variants avx512-bf16]
+        [--cflags=-DAMX_MIN_PACKED=1]
 
 Per shape and batch: the median time of one call over ``--repeats`` (thread CPU time with one
 thread, so other jobs on a shared machine disturb it less; wall time with more); then the per-token total
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--variants", nargs="*", default=[], help="this tree's other builds too (e.g. avx512-bf16)")
     ap.add_argument("--no-torch", action="store_true", help="Treadle's kernels only")
+    ap.add_argument("--cflags", default="", help="this tree built again with these compiler flags too (--cflags=-DAMX_MIN_PACKED=1)")
     args = ap.parse_args()
     run = harness.start(args)
     engines = [] if args.no_torch else [e for e in ("fbgemm", "onednn") if e in torch.backends.quantized.supported_engines]
@@ -56,6 +58,8 @@ def main() -> None:
         libs = {"treadle": native.library(), **{f"treadle {v}": native.library(variant=v) for v in args.variants}}
         if args.ref != "none":
             libs = {f"treadle@{args.ref}": harness.build_ref(args.ref, Path(tmp)), **libs}
+        if args.cflags:
+            libs[f"treadle {args.cflags}"] = harness.build_with(args.cflags, Path(tmp))
         names = [*libs, *engines]
         step = {name: dict.fromkeys(args.batches, 0.0) for name in names}
         table = run.table(["shape", "path", *(f"M={m}" for m in args.batches)], title="median ms per call")

@@ -204,7 +204,6 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int) -> torch.Tensor:
 
 def build_ref(ref: str, out: Path) -> ctypes.CDLL:
     """The C kernels of git ref ``ref``, built into ``out`` with the flags of this tree's chosen build."""
-    from treadle.kernels import native
 
     csrc = out / "csrc"
     csrc.mkdir()
@@ -214,8 +213,21 @@ def build_ref(ref: str, out: Path) -> ctypes.CDLL:
         text = subprocess.run(["git", "show", f"{ref}:treadle/kernels/csrc/{name}"], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout
         (csrc / name).write_text(text)
-    target = out / "ref.so"
+    return _compile(csrc, out / "ref.so")
+
+
+def build_with(cflags: str, out: Path) -> ctypes.CDLL:
+    """This tree's C kernels built into ``out`` with its chosen build's flags plus ``cflags`` (e.g.
+    ``-DAMX_MIN_PACKED=1``: a threshold or switch of the sources tried without editing them)."""
+    from treadle.kernels import native
+
+    return _compile(Path(native.__file__).parent / "csrc", out / "with.so", tuple(cflags.split()))
+
+
+def _compile(csrc: Path, target: Path, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
+    from treadle.kernels import native
+
     variant = native.selected_variant() or "plain"
-    flags = (*native._FLAGS, *native._BY_NAME[variant].flags)  # noqa: SLF001  (the same build as this tree's)
+    flags = (*native._FLAGS, *native._BY_NAME[variant].flags, *extra)  # noqa: SLF001  (the same build as this tree's)
     subprocess.run(["gcc", *flags, *map(str, sorted(csrc.glob("*.c"))), "-o", str(target), "-lm"], check=True)
     return ctypes.CDLL(str(target))
