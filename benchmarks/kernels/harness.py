@@ -204,7 +204,6 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int) -> torch.Tensor:
 
 def build_ref(ref: str, out: Path) -> ctypes.CDLL:
     """The C kernels of git ref ``ref``, built into ``out`` with the flags of this tree's chosen build."""
-
     csrc = out / "csrc"
     csrc.mkdir()
     names = subprocess.run(["git", "ls-tree", "--name-only", f"{ref}:treadle/kernels/csrc"], cwd=ROOT, check=True,
@@ -225,9 +224,11 @@ def build_with(cflags: str, out: Path) -> ctypes.CDLL:
 
 
 def _compile(csrc: Path, target: Path, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The sources in ``csrc`` built as the engine builds its own (native._build: each file compiled
+    at once, then linked) with this tree's chosen variant's flags plus ``extra``."""
     from treadle.kernels import native
 
     variant = native.selected_variant() or "plain"
     flags = (*native._FLAGS, *native._BY_NAME[variant].flags, *extra)  # noqa: SLF001  (the same build as this tree's)
-    subprocess.run(["gcc", *flags, *map(str, sorted(csrc.glob("*.c"))), "-o", str(target), "-lm"], check=True)
+    native._build("gcc", flags, sorted(csrc.glob("*.c")), target)  # noqa: SLF001
     return ctypes.CDLL(str(target))
