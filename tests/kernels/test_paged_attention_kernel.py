@@ -127,16 +127,18 @@ def test_bfloat16_cache_matches_float32_reference_on_the_same_values(window: int
 
 @VARIANTS
 @pytest.mark.parametrize("head_dim,window,heads", [(64, None, (9, 3)), (64, 48, (9, 3)), (40, None, (9, 3)),
-                                                   (64, None, (8, 4)), (128, 48, (6, 2))],
-                         ids=["d64", "d64-window48", "d40", "d64-g2", "d128-g3-window48"])
+                                                   (64, None, (8, 4)), (128, 48, (6, 2)), (64, None, (16, 2)),
+                                                   (256, None, (4, 1))],
+                         ids=["d64", "d64-window48", "d40", "d64-g2", "d128-g3-window48", "d64-g8", "d256-g4"])
 def test_bfloat16_cache_of_a_float32_model_gives_the_float32_cache_bits(
     variant: str, head_dim: int, window: int | None, heads: tuple[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """float32 q/k/v over a bfloat16 cache (``kv_cache_dtype`` bfloat16 on a float32 model). Every
     variant reads it in place, at half the bytes, with a float32 cache's arithmetic (each load
-    widened in the register; d40 takes the scalar tails past 8 / 16 lanes; 2 and 3 query heads a KV
-    head, head sizes 40 to 128), so the output equals, bit for bit, that of a float32 cache holding
-    the same values; the new rows are written rounded to nearest even, as torch rounds them."""
+    widened in the register; d40 takes the scalar tails past 8 / 16 lanes; 2, 3, 4 and 8 query heads
+    a KV head, scored up to 3 at a time in the AVX-512 builds; head sizes 40 to 256), so the output
+    equals, bit for bit, that of a float32 cache holding the same values; the new rows are written
+    rounded to nearest even, as torch rounds them."""
     force(monkeypatch, variant)
     q, k, v, k_cache, v_cache, meta = decode_case(SEQ_LENS, *heads, head_dim=head_dim, seed=11)
     kc16, vc16 = k_cache.bfloat16(), v_cache.bfloat16()
