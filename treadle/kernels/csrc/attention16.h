@@ -218,6 +218,7 @@ static inline __attribute__((always_inline)) void chunk16(const float *q, const 
     /* es: bytes per element of a row in place; a quantized row's `stride` is already in bytes */
     const int64_t es = quant ? 1 : bf16 ? 2 : 4, block_bytes = block_size * stride * es;
     const int64_t share = (block_bytes / 64 + H - 1) / H * 64, len = end - start, rs = quant ? D : stride;
+    const int b16 = bf16 && !quant; /* a bfloat16 cache read in place */
     float *sc = (float *)__builtin_alloca((size_t)(H * SPLIT) * sizeof(float)); /* head h's scores at h * SPLIT */
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
     if (len <= 0) {
@@ -231,7 +232,7 @@ static inline __attribute__((always_inline)) void chunk16(const float *q, const 
         const int64_t ahead = block_ahead(table, pos, limit, block_size, block_bytes);
         for (int64_t h = 0, ng; h < H; h += ng) { /* bfloat16 in place: up to 3 heads of one KV head at a time */
             const int64_t left = G - h % G;
-            ng = !bf16 || quant ? 1 : left < 3 ? left : 3;
+            ng = !b16 ? 1 : left < 3 ? left : 3;
             for (int64_t g = 0; g < ng; g++) prefetch_share(k_cache, v_cache, ahead, h + g, share, block_bytes);
             const char *kr = head_rows(k_cache, src.kbuf, base, h, n, quant, es, stride, G, D, src);
             for (int64_t j = 0; j < n; j += 16) {
@@ -292,7 +293,7 @@ static inline __attribute__((always_inline)) void chunk16(const float *q, const 
         for (int64_t h = 0; h < H; h++) {
             const char *vr = head_rows(v_cache, src.vbuf, base, h, n, quant, es, stride, G, D, src);
             const int pair = h % G + 1 < G && D % 64 == 0; /* heads h and h + 1 read the same KV head */
-            const int triple = h % G + 2 < G && D % 64 == 0;
+            const int triple = b16 && h % G + 2 < G && D % 64 == 0; /* bfloat16 in place: 3 heads a V row */
             for (int64_t j = 0; j < n; j += 16) {
                 const int w = n - j < 16 ? (int)(n - j) : 16;
                 const float *p = sc + h * SPLIT + (pos - start) + j;
