@@ -184,14 +184,20 @@ def test_a_rows_bits_depend_on_its_own_context_alone(
     """A prompt's tokens are rows of this kernel (the CPU backend), so a token's attention must not
     depend on how its prompt was cut, on the rows beside it, or on the thread count: each row of a
     150-token prompt, computed with the whole prompt and another sequence's decode row in one call,
-    equals bit for bit the same row computed alone, on one thread or two (every cache dtype)."""
+    equals bit for bit the same row computed alone, on one thread or two (every cache dtype). The
+    AVX-512 builds take neighbouring rows that read the same blocks together (the prompt's rows; and
+    rows of a sequence sharing the prompt's first 3 blocks, as after a prefix-cache hit, beside
+    prompt rows whose keys lie in those blocks, the longer row's table serving both)."""
     force(monkeypatch, variant)
     heads, d, bs, n = (8, 2), 64, 16, 150
     g = torch.Generator().manual_seed(5)
     tables, num_blocks = scattered_block_tables([n, 77], bs, g, spare=3)
     k_cache, v_cache = (cache_of(torch.randn(num_blocks, bs, heads[1], d, generator=g), kv_dtype) for _ in "kv")
     width = max(len(t) for t in tables)
+    used = {b for t in tables for b in t}
+    shared = tables[0][:3] + [next(b for b in range(num_blocks) if b not in used)]  # 3 blocks, then its own
     rows = [(tables[0], length) for length in range(1, n + 1)] + [(tables[1], 77)]
+    rows += [(tables[0], 41), (shared, 60), (shared, 33), (tables[0], 70)]  # 41 + 60 + 33 together: 60's table
     q = torch.randn(len(rows), heads[0], d, generator=g)
     kv = torch.zeros(len(rows), heads[1], d)
 
@@ -211,7 +217,7 @@ def test_a_rows_bits_depend_on_its_own_context_alone(
 
     together = attend(list(range(len(rows))), 2)
     assert torch.isfinite(together).all()
-    for i in [0, 14, 15, 16, 47, 48, 63, 64, 65, 127, 128, 149, 150]:
+    for i in [0, 14, 15, 16, 47, 48, 63, 64, 65, 127, 128, 149, 150, 151, 152, 153, 154]:
         assert torch.equal(attend([i], 1), together[i : i + 1]), i
         assert torch.equal(attend([i], 2), together[i : i + 1]), i
     assert torch.equal(attend(list(range(len(rows))), 1), together)

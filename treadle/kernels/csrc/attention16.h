@@ -210,22 +210,38 @@ static inline __attribute__((always_inline)) const char *head_rows(const void *c
     return (const char *)buf;
 }
 
-static inline __attribute__((always_inline)) void chunk16(const float *q, const void *k_cache, const void *v_cache,
-                                                         const int32_t *table, int64_t start, int64_t end,
-                                                         int64_t limit, int64_t block_size, int64_t stride, int64_t H,
-                                                         int64_t G, int64_t D, float scale, float *m, float *l,
-                                                         float *acc, const int bf16, const int quant, quant_src src) {
+/* One query row of chunk16: its q (H heads, D apart), the end of its keys in the chunk, its row's
+ * last key (for the prefetch), and where its m[H], l[H], acc[H * D] go. */
+typedef struct {
+    const float *q;
+    int64_t end, limit;
+    float *m, *l, *acc;
+} chunk_row;
+
+/* The chunk [start, rows[r].end) of R rows that read the same blocks (a prompt's rows: R = 1 for
+ * any other row), each with exactly the operations it would take alone, so the same bits: a tile
+ * is cut where the rows' furthest end cuts it and row r takes its first keys up to its own end
+ * (a key's score does not depend on the keys beside it), its own maximum and sum over its own
+ * keys, and its V sums over them in key order. Every row's scores and V sums run while the tile's
+ * rows are in L1, so R rows read a tile once, not R times. */
+static inline __attribute__((always_inline)) void chunk16(const chunk_row *rows, const int R, const void *k_cache,
+                                                         const void *v_cache, const int32_t *table, int64_t start,
+                                                         int64_t block_size, int64_t stride, int64_t H, int64_t G,
+                                                         int64_t D, float scale, const int bf16, const int quant,
+                                                         quant_src src) {
     /* es: bytes per element of a row in place; a quantized row's `stride` is already in bytes */
     const int64_t es = quant ? 1 : bf16 ? 2 : 4, block_bytes = block_size * stride * es;
-    const int64_t share = (block_bytes / 64 + H - 1) / H * 64, len = end - start, rs = quant ? D : stride;
+    const int64_t share = (block_bytes / 64 + H - 1) / H * 64, rs = quant ? D : stride;
     const int b16 = bf16 && !quant; /* a bfloat16 cache read in place */
-    float *sc = (float *)__builtin_alloca((size_t)(H * SPLIT) * sizeof(float)); /* head h's scores at h * SPLIT */
-    memset(acc, 0, (size_t)(H * D) * sizeof(float));
-    if (len <= 0) {
-        for (int64_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
-        return;
+    int64_t end = start, limit = start; /* the rows' furthest end and last key */
+    for (int r = 0; r < R; r++) {
+        memset(rows[r].acc, 0, (size_t)(H * D) * sizeof(float));
+        end = rows[r].end > end ? rows[r].end : end;
+        limit = rows[r].limit > limit ? rows[r].limit : limit;
     }
-    prefetch_first(k_cache, v_cache, table, start, limit, block_size, block_bytes);
+    /* row r's head h's scores at (r * H + h) * SPLIT */
+    float *sc = (float *)__builtin_alloca((size_t)(R * H * SPLIT) * sizeof(float));
+    if (end > start) prefetch_first(k_cache, v_cache, table, start, limit, block_size, block_bytes);
     for (int64_t pos = start, n; pos < end; pos += n) { /* scores, tile by tile */
         int64_t base;
         n = tile_at(table, pos, end, block_size, stride, &base);
@@ -235,10 +251,13 @@ static inline __attribute__((always_inline)) void chunk16(const float *q, const 
             ng = !b16 ? 1 : left < 3 ? left : 3;
             for (int64_t g = 0; g < ng; g++) prefetch_share(k_cache, v_cache, ahead, h + g, share, block_bytes);
             const char *kr = head_rows(k_cache, src.kbuf, base, h, n, quant, es, stride, G, D, src);
-            for (int64_t j = 0; j < n; j += 16) {
-                const int w = n - j < 16 ? (int)(n - j) : 16;
-                const void *k = kr + j * rs * (quant ? 4 : es);
-                __m512 s[3];
+            for (int r = 0; r < R; r++) {
+                const float *q = rows[r].q;
+                const int64_t nr = rows[r].end - pos < n ? rows[r].end - pos : n; /* row r's keys of the tile */
+                for (int64_t j = 0; j < nr; j += 16) {
+                    const int w = nr - j < 16 ? (int)(nr - j) : 16;
+                    const void *k = kr + j * rs * (quant ? 4 : es);
+                    __m512 s[3];
 #define SCORES(NG)                                                                                   \
     switch (D) {                                                                                     \
         case 64: scores16g(q + h * D, NG, k, rs, w, 64, scale, bf16, s); break;                     \
@@ -246,46 +265,54 @@ static inline __attribute__((always_inline)) void chunk16(const float *q, const 
         case 256: scores16g(q + h * D, NG, k, rs, w, 256, scale, bf16, s); break;                   \
         default: for (int g = 0; g < NG; g++) s[g] = scores16(q + (h + g) * D, k, rs, w, D, scale, bf16); \
     }
-                if (ng == 3) {
-                    SCORES(3)
-                } else if (ng == 2) {
-                    SCORES(2)
-                } else {
-                    switch (D) { /* one head: scores16, its 16 sums at once */
-                        case 64: s[0] = scores16(q + h * D, k, rs, w, 64, scale, bf16); break;
-                        case 128: s[0] = scores16(q + h * D, k, rs, w, 128, scale, bf16); break;
-                        case 256: s[0] = scores16(q + h * D, k, rs, w, 256, scale, bf16); break;
-                        default: s[0] = scores16(q + h * D, k, rs, w, D, scale, bf16);
+                    if (ng == 3) {
+                        SCORES(3)
+                    } else if (ng == 2) {
+                        SCORES(2)
+                    } else {
+                        switch (D) { /* one head: scores16, its 16 sums at once */
+                            case 64: s[0] = scores16(q + h * D, k, rs, w, 64, scale, bf16); break;
+                            case 128: s[0] = scores16(q + h * D, k, rs, w, 128, scale, bf16); break;
+                            case 256: s[0] = scores16(q + h * D, k, rs, w, 256, scale, bf16); break;
+                            default: s[0] = scores16(q + h * D, k, rs, w, D, scale, bf16);
+                        }
                     }
-                }
 #undef SCORES
-                for (int64_t g = 0; g < ng; g++)
-                    _mm512_mask_storeu_ps(sc + (h + g) * SPLIT + (pos - start) + j, (__mmask16)((1u << w) - 1), s[g]);
+                    for (int64_t g = 0; g < ng; g++)
+                        _mm512_mask_storeu_ps(sc + (r * H + h + g) * SPLIT + (pos - start) + j, (__mmask16)((1u << w) - 1), s[g]);
+                }
             }
         }
     }
-    for (int64_t h = 0; h < H; h++) { /* m, p = e^(s - m) in place, l */
-        float *sh = sc + h * SPLIT;
-        __m512 vm = _mm512_set1_ps(-INFINITY);
-        int64_t j = 0;
-        for (; j + 16 <= len; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sh + j));
-        const __mmask16 tail = (__mmask16)((1u << (len - j)) - 1);
-        if (j < len) vm = _mm512_mask_max_ps(vm, tail, vm, _mm512_maskz_loadu_ps(tail, sh + j));
-        const float mx = _mm512_reduce_max_ps(vm);
-        const __m512 vmx = _mm512_set1_ps(mx);
-        __m512 vs = _mm512_setzero_ps();
-        for (j = 0; j + 16 <= len; j += 16) {
-            const __m512 p = exp512_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sh + j), vmx));
-            _mm512_storeu_ps(sh + j, p);
-            vs = _mm512_add_ps(vs, p);
+    for (int r = 0; r < R; r++) { /* m, p = e^(s - m) in place, l */
+        const int64_t len = rows[r].end - start;
+        for (int64_t h = 0; h < H; h++) {
+            if (len <= 0) {
+                rows[r].m[h] = -INFINITY, rows[r].l[h] = 0.0f;
+                continue;
+            }
+            float *sh = sc + (r * H + h) * SPLIT;
+            __m512 vm = _mm512_set1_ps(-INFINITY);
+            int64_t j = 0;
+            for (; j + 16 <= len; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sh + j));
+            const __mmask16 tail = (__mmask16)((1u << (len - j)) - 1);
+            if (j < len) vm = _mm512_mask_max_ps(vm, tail, vm, _mm512_maskz_loadu_ps(tail, sh + j));
+            const float mx = _mm512_reduce_max_ps(vm);
+            const __m512 vmx = _mm512_set1_ps(mx);
+            __m512 vs = _mm512_setzero_ps();
+            for (j = 0; j + 16 <= len; j += 16) {
+                const __m512 p = exp512_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sh + j), vmx));
+                _mm512_storeu_ps(sh + j, p);
+                vs = _mm512_add_ps(vs, p);
+            }
+            if (j < len) {
+                const __m512 p = _mm512_maskz_mov_ps(tail, exp512_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sh + j), vmx)));
+                _mm512_mask_storeu_ps(sh + j, tail, p);
+                vs = _mm512_add_ps(vs, p);
+            }
+            rows[r].m[h] = mx;
+            rows[r].l[h] = _mm512_reduce_add_ps(vs);
         }
-        if (j < len) {
-            const __m512 p = _mm512_maskz_mov_ps(tail, exp512_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sh + j), vmx)));
-            _mm512_mask_storeu_ps(sh + j, tail, p);
-            vs = _mm512_add_ps(vs, p);
-        }
-        m[h] = mx;
-        l[h] = _mm512_reduce_add_ps(vs);
     }
     for (int64_t pos = start, n; pos < end; pos += n) { /* acc = sum_j p_j v_j, tile by tile */
         int64_t base;
@@ -294,28 +321,32 @@ static inline __attribute__((always_inline)) void chunk16(const float *q, const 
             const char *vr = head_rows(v_cache, src.vbuf, base, h, n, quant, es, stride, G, D, src);
             const int pair = h % G + 1 < G && D % 64 == 0; /* heads h and h + 1 read the same KV head */
             const int triple = b16 && h % G + 2 < G && D % 64 == 0; /* bfloat16 in place: 3 heads a V row */
-            for (int64_t j = 0; j < n; j += 16) {
-                const int w = n - j < 16 ? (int)(n - j) : 16;
-                const float *p = sc + h * SPLIT + (pos - start) + j;
-                const void *v = vr + j * rs * (quant ? 4 : es);
-                if (triple) {
-                    if (D == 64)
-                        accumulate16x3(acc + h * D, p, v, rs, w, 64, bf16);
-                    else
-                        accumulate16x3(acc + h * D, p, v, rs, w, D, bf16);
-                    continue;
-                }
-                if (pair) {
-                    if (D == 64)
-                        accumulate16x2(acc + h * D, acc + (h + 1) * D, p, p + SPLIT, v, rs, w, 64, bf16);
-                    else
-                        accumulate16x2(acc + h * D, acc + (h + 1) * D, p, p + SPLIT, v, rs, w, D, bf16);
-                    continue;
-                }
-                switch (D) {
-                    case 64: accumulate16(acc + h * D, p, v, rs, w, 64, bf16); break;
-                    case 128: accumulate16(acc + h * D, p, v, rs, w, 128, bf16); break;
-                    default: accumulate16(acc + h * D, p, v, rs, w, D, bf16);
+            for (int r = 0; r < R; r++) {
+                float *acc = rows[r].acc;
+                const int64_t nr = rows[r].end - pos < n ? rows[r].end - pos : n;
+                for (int64_t j = 0; j < nr; j += 16) {
+                    const int w = nr - j < 16 ? (int)(nr - j) : 16;
+                    const float *p = sc + (r * H + h) * SPLIT + (pos - start) + j;
+                    const void *v = vr + j * rs * (quant ? 4 : es);
+                    if (triple) {
+                        if (D == 64)
+                            accumulate16x3(acc + h * D, p, v, rs, w, 64, bf16);
+                        else
+                            accumulate16x3(acc + h * D, p, v, rs, w, D, bf16);
+                        continue;
+                    }
+                    if (pair) {
+                        if (D == 64)
+                            accumulate16x2(acc + h * D, acc + (h + 1) * D, p, p + SPLIT, v, rs, w, 64, bf16);
+                        else
+                            accumulate16x2(acc + h * D, acc + (h + 1) * D, p, p + SPLIT, v, rs, w, D, bf16);
+                        continue;
+                    }
+                    switch (D) {
+                        case 64: accumulate16(acc + h * D, p, v, rs, w, 64, bf16); break;
+                        case 128: accumulate16(acc + h * D, p, v, rs, w, 128, bf16); break;
+                        default: accumulate16(acc + h * D, p, v, rs, w, D, bf16);
+                    }
                 }
             }
             h += triple ? 2 : pair;
