@@ -102,6 +102,12 @@ static void dequantize_rows(const uint8_t *rows, int64_t stride, int64_t n, int6
         memcpy(&s, r + D, sizeof s);
         float *o = out + j * D;
         int64_t d = 0;
+#if defined(TQ_AVX2) && defined(__AVX512F__)
+        if (kv_format == TQ_KV_INT8) /* 16 at a time: the same products */
+            for (const __m512 vs16 = _mm512_set1_ps(s); d + 16 <= D; d += 16)
+                _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                          _mm_loadu_si128((const __m128i *)(r + d)))), vs16));
+#endif
 #ifdef TQ_AVX2
         const __m256 vs = _mm256_set1_ps(s);
         for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(load8_dequant(r + d, kv_format), vs));
