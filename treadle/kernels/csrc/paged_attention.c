@@ -311,7 +311,7 @@ static inline __attribute__((always_inline)) void attend_rows(const float *q, co
     }
 }
 
-/* attend_rows for each kind of cache, one function each: both inlined into attend_range, the
+/* attend_rows for each kind of cache, one function each: both inlined into one caller, the
  * float32 path spilled more and ran 5-7 % slower than the float32-only function before it (AVX2
  * build, AMD Zen 4); as two functions, 1-5 % (attention_floor_cpu.py --ref 51e7cf2) */
 __attribute__((noinline)) static void attend_rows_f32(const float *q, const void *k_cache, const void *v_cache,
@@ -327,8 +327,7 @@ __attribute__((noinline)) static void attend_rows_bf16(const float *q, const voi
     attend_rows(q, k_cache, v_cache, table, start, end, limit, block_size, stride, H, G, D, scale, m, l, acc, 1);
 }
 
-
-/* attend_range over an int8 / fp8 cache (rows of `stride` bytes, head_bytes per KV head):
+/* attend_rows over an int8 / fp8 cache (rows of `stride` bytes, head_bytes per KV head):
  * each tile is dequantized per KV head into kbuf / vbuf (TILE * D floats each), which the G query
  * heads of that KV head read. */
 static void attend_range_quant(const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table,
