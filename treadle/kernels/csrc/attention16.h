@@ -67,9 +67,14 @@ static inline __attribute__((always_inline)) __m512 scores16(const float *q, con
  * 16 values of a K row loaded (and widened) once for all of them. The same products, sums and
  * reduction tree as scores16, so the same bits: its a[0..7] and a[8..15] (the keys whose sums
  * become its e0 and e1) are taken one half at a time, NG x 8 sums in registers; past 8 keys the
- * second half is not needed (its lanes are zeroed). */
+ * second half is not needed (its lanes are zeroed). One head is scores16 itself (its 16 sums at
+ * once). */
 static inline __attribute__((always_inline)) void scores16g(const float *q, const int NG, const void *rows, int64_t stride,
                                                            int n, const int64_t D, float scale, const int bf16, __m512 *s) {
+    if (NG == 1) {
+        s[0] = scores16(q, rows, stride, n, D, scale, bf16);
+        return;
+    }
     __m512 e[2][3];
     for (int half = 0; half < (n > 8 ? 2 : 1); half++) {
         __m512 a[3][8];
@@ -270,12 +275,7 @@ static inline __attribute__((always_inline)) void chunk16(const chunk_row *rows,
                     } else if (ng == 2) {
                         SCORES(2)
                     } else {
-                        switch (D) { /* one head: scores16, its 16 sums at once */
-                            case 64: s[0] = scores16(q + h * D, k, rs, w, 64, scale, bf16); break;
-                            case 128: s[0] = scores16(q + h * D, k, rs, w, 128, scale, bf16); break;
-                            case 256: s[0] = scores16(q + h * D, k, rs, w, 256, scale, bf16); break;
-                            default: s[0] = scores16(q + h * D, k, rs, w, D, scale, bf16);
-                        }
+                        SCORES(1)
                     }
 #undef SCORES
                     for (int64_t g = 0; g < ng; g++)

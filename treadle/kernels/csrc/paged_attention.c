@@ -396,6 +396,14 @@ CHUNK16_FN(chunk_quant, R, 0, 1)
 #undef CHUNK16_FN
 #endif
 
+/* Row i's chunk c: its first key (returned) and *end, past its last. */
+static int64_t chunk_keys(const paged_args *a, int64_t i, int64_t c, int64_t *end) {
+    const int64_t len = a->seq_lens[i], lo = (a->window > 0 && len > a->window) ? len - a->window : 0;
+    const int64_t start = lo + c * SPLIT;
+    *end = start + SPLIT < len ? start + SPLIT : len;
+    return start;
+}
+
 /* Chunk c of rows idx[0 .. R) into parts[r] (m[H], l[H], acc[H * D]); rows taken together read
  * the same blocks with their chunks starting at the same key (rows_together). */
 static void attend_chunks(const paged_args *a, const int64_t *idx, int R, int64_t c, float *kbuf, float *const *parts) {
@@ -405,11 +413,12 @@ static void attend_chunks(const paged_args *a, const int64_t *idx, int R, int64_
         chunk_row rows[ROWS_TOGETHER];
         int64_t start = 0, longest = idx[0];
         for (int r = 0; r < R; r++) {
-            const int64_t i = idx[r], len = a->seq_lens[i], lo = (a->window > 0 && len > a->window) ? len - a->window : 0;
-            start = lo + c * SPLIT;
-            rows[r] = (chunk_row){a->q + i * a->q_stride, start + SPLIT < len ? start + SPLIT : len, len, parts[r],
-                                  parts[r] + a->H, parts[r] + 2 * a->H};
-            if (len > a->seq_lens[longest]) longest = i;
+            const int64_t i = idx[r];
+            int64_t end;
+            start = chunk_keys(a, i, c, &end); /* the same for every row taken together */
+            rows[r] = (chunk_row){a->q + i * a->q_stride, end, a->seq_lens[i], parts[r], parts[r] + a->H,
+                                  parts[r] + 2 * a->H};
+            if (a->seq_lens[i] > a->seq_lens[longest]) longest = i;
         }
         const int32_t *table = a->block_tables + longest * a->max_blocks; /* the others' blocks are its first ones */
         const quant_src src = {a->kv_format, a->lut, kbuf, kbuf + TILE * a->D, a->head_bytes};
@@ -422,8 +431,9 @@ static void attend_chunks(const paged_args *a, const int64_t *idx, int R, int64_
     }
 #endif
     for (int r = 0; r < R; r++) {
-        const int64_t i = idx[r], len = a->seq_lens[i], lo = (a->window > 0 && len > a->window) ? len - a->window : 0;
-        const int64_t start = lo + c * SPLIT, end = start + SPLIT < len ? start + SPLIT : len;
+        const int64_t i = idx[r], len = a->seq_lens[i];
+        int64_t end;
+        const int64_t start = chunk_keys(a, i, c, &end);
         float *m = parts[r], *l = m + a->H, *acc = l + a->H;
         const int32_t *table = a->block_tables + i * a->max_blocks;
         if (inplace)
